@@ -1,0 +1,38 @@
+"""jaxckpt: a functional checkpoint manager for JAX.
+
+Save sharded PyTrees with every process writing only its own shards through
+tensorstore, restore them onto any mesh, and manage steps with retention and async
+commits.
+"""
+
+from importlib.metadata import PackageNotFoundError, version as _version
+
+from ._checkpoint import CheckpointInfo as CheckpointInfo
+from ._checkpoint import LeafInfo as LeafInfo
+from ._checkpoint import metadata as metadata
+from ._checkpoint import restore as restore
+from ._checkpoint import save as save
+from ._errors import CheckpointError as CheckpointError
+from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
+from ._errors import CorruptCheckpointError as CorruptCheckpointError
+from ._errors import TreeMismatchError as TreeMismatchError
+from ._layout import SavedSharding as SavedSharding
+
+try:
+    __version__ = _version("jaxckpt")
+except PackageNotFoundError:  # running from a source tree without installing
+    __version__ = "0.0.0+unknown"
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "LeafInfo",
+    "SavedSharding",
+    "TreeMismatchError",
+    "__version__",
+    "metadata",
+    "restore",
+    "save",
+]

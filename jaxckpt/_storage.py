@@ -1,0 +1,328 @@
+"""Where bytes live: locations (local paths, ``s3://``, ``gs://``, ``memory://`` or a raw
+tensorstore kvstore spec), zarr3 arrays through tensorstore, and small blobs.
+
+Two stores hold array data inside a checkpoint:
+
+* ``file``: one zarr3 array per leaf under ``arrays/<i>/``, one object per chunk. Best
+  for big leaves: chunks are written and read in parallel at disk speed.
+* ``ocdbt``: small leaves share one OCDBT database per writing process
+  (``ocdbt/p<k>/``), so a thousand small leaves are a handful of files, not thousands.
+
+This module also counts what it reads and writes (``io_stats``), so tests can check
+that a restore reads only what it needs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import tensorstore as ts
+
+from ._errors import CheckpointError
+
+# --- dtypes -------------------------------------------------------------------------
+
+_NUMPY_NAMES = [
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128",
+]
+_ML_NAMES = [
+    "bfloat16", "int2", "int4", "uint2", "uint4", "float4_e2m1fn", "float8_e3m4",
+    "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fn", "float8_e4m3fnuz",
+    "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+]
+DTYPES: dict[str, np.dtype] = {n: np.dtype(n) for n in _NUMPY_NAMES}
+DTYPES.update({n: np.dtype(getattr(ml_dtypes, n)) for n in _ML_NAMES if hasattr(ml_dtypes, n)})
+
+# zarr3 data types tensorstore 0.1.x refuses; they are stored bit-for-bit as unsigned
+# integers of the same width and viewed back on read.
+_ZARR3_UNSUPPORTED = {"int2", "uint2", "uint4", "float8_e4m3", "float4_e2m1fn"}
+
+
+def dtype_name(dtype: Any) -> str:
+    name = np.dtype(dtype).name
+    if name not in DTYPES:
+        raise CheckpointError(f"dtype {name!r} cannot be saved")
+    return name
+
+
+def storage_dtype_name(name: str) -> str:
+    if name in _ZARR3_UNSUPPORTED:
+        return f"uint{8 * DTYPES[name].itemsize}"
+    return name
+
+
+# --- locations ----------------------------------------------------------------------
+
+_SAFE_KEY = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
+
+
+def is_safe_key(key: str) -> bool:
+    """True when ``key`` is a relative path that stays inside the checkpoint."""
+    return bool(_SAFE_KEY.match(key)) and not any(p in (".", "..") for p in key.split("/"))
+
+
+@dataclass(frozen=True)
+class Location:
+    """A checkpoint's root: a local directory or a prefix in a kvstore."""
+
+    spec: tuple[tuple[str, Any], ...]  # the kvstore spec, hashable; "path" ends with "/"
+    local: str | None  # absolute local directory, when the kvstore is a local file system
+
+    @property
+    def kvstore(self) -> dict[str, Any]:
+        return dict(self.spec)
+
+    def child(self, key: str) -> "Location":
+        spec = self.kvstore
+        spec["path"] = spec.get("path", "") + key.strip("/") + "/"
+        local = os.path.join(self.local, key) if self.local is not None else None
+        return Location(tuple(sorted(spec.items())), local)
+
+    def key_spec(self, key: str) -> dict[str, Any]:
+        spec = self.kvstore
+        spec["path"] = spec.get("path", "") + key
+        return spec
+
+    @property
+    def url(self) -> str:
+        if self.local is not None:
+            return self.local
+        spec = self.kvstore
+        driver = spec["driver"]
+        if driver in ("s3", "gcs"):
+            scheme = "s3" if driver == "s3" else "gs"
+            return f"{scheme}://{spec['bucket']}/{spec.get('path', '')}".rstrip("/")
+        return f"{driver}://{spec.get('path', '')}".rstrip("/")
+
+    def __str__(self) -> str:
+        return self.url
+
+
+def resolve(path: Any) -> Location:
+    """A ``Location`` from a path, URL (``s3://b/p``, ``gs://b/p``, ``memory://p``,
+    ``file://p``) or a tensorstore kvstore spec dict (e.g. an ``s3`` spec with an
+    ``endpoint``)."""
+    if isinstance(path, Location):
+        return path
+    if isinstance(path, dict):
+        spec = dict(path)
+        if spec.get("driver") == "file":
+            return resolve(spec["path"])
+        spec["path"] = spec.get("path", "").strip("/") + "/" if spec.get("path", "").strip("/") else ""
+        return Location(tuple(sorted(spec.items())), None)
+    text = os.fspath(path)
+    if "://" not in text or text.startswith("file://"):
+        local = os.path.abspath(text.removeprefix("file://"))
+        return Location((("driver", "file"), ("path", local.rstrip("/") + "/")), local)
+    scheme, rest = text.split("://", 1)
+    if scheme in ("s3", "gs"):
+        bucket, _, prefix = rest.partition("/")
+        prefix = prefix.strip("/")
+        spec = {"driver": "s3" if scheme == "s3" else "gcs", "bucket": bucket,
+                "path": prefix + "/" if prefix else ""}
+        return Location(tuple(sorted(spec.items())), None)
+    if scheme == "memory":
+        rest = rest.strip("/")
+        return Location((("driver", "memory"), ("path", rest + "/" if rest else "")), None)
+    raise CheckpointError(f"unsupported checkpoint location {text!r}")
+
+
+# --- I/O accounting -----------------------------------------------------------------
+
+_stats_lock = threading.Lock()
+_stats = {"bytes_read": 0, "bytes_written": 0, "reads": 0, "writes": 0}
+
+
+def _count(**kw: int) -> None:
+    with _stats_lock:
+        for k, v in kw.items():
+            _stats[k] += v
+
+
+def io_stats() -> dict[str, int]:
+    """Array bytes and calls read/written through this module since the process started
+    (or the last ``reset_io_stats``). Counts this process only."""
+    with _stats_lock:
+        return dict(_stats)
+
+
+def reset_io_stats() -> None:
+    with _stats_lock:
+        for k in _stats:
+            _stats[k] = 0
+
+
+# A hook for tests: called with ("write", key) before each chunk write is issued; an
+# exception it raises fails that write like an I/O error would.
+fault_hook = None
+
+
+# --- arrays -------------------------------------------------------------------------
+
+
+def new_context() -> ts.Context:
+    # One context per save/restore so all leaves share one OCDBT instance and cache.
+    return ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+
+
+_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+_CODECS_1BYTE = [{"name": "bytes"}, {"name": "crc32c"}]
+
+
+def array_spec(
+    root: Location,
+    store: str,
+    key: str,
+    shape: Sequence[int],
+    chunk_shape: Sequence[int],
+    storage_dtype: str,
+    writer: int = 0,
+) -> dict[str, Any]:
+    """The zarr3 tensorstore spec of one leaf's data (``writer`` picks the OCDBT db)."""
+    if store == "file":
+        kvstore: dict[str, Any] = root.key_spec(f"arrays/{key}/")
+        path = None
+    else:
+        kvstore = {"driver": "ocdbt", "base": root.key_spec(f"ocdbt/p{writer}/")}
+        path = key + "/"
+    codecs = _CODECS_1BYTE if np.dtype(DTYPES[storage_dtype]).itemsize == 1 else _CODECS
+    spec: dict[str, Any] = {
+        "driver": "zarr3",
+        "kvstore": kvstore,
+        "fill_missing_data_reads": False,
+        "metadata": {
+            "shape": list(shape),
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk_shape)}},
+            "chunk_key_encoding": {"name": "default"},
+            "data_type": storage_dtype,
+            "codecs": codecs,
+            "fill_value": _fill_value(storage_dtype),
+        },
+    }
+    if path is not None:
+        spec["path"] = path
+    return spec
+
+
+def _fill_value(storage_dtype: str) -> Any:
+    if storage_dtype == "bool":
+        return False
+    if storage_dtype.startswith("complex"):
+        return [0.0, 0.0]
+    return 0
+
+
+def open_array(spec: dict[str, Any], ctx: ts.Context, *, create: bool) -> ts.Future:
+    if create:
+        return ts.open(spec, create=True, context=ctx)
+    return ts.open(spec, assume_metadata=True, context=ctx)
+
+
+def write_chunk(store: ts.TensorStore, index: Sequence[tuple[int, int]], data: np.ndarray,
+                storage_dtype: str, key: str) -> ts.WriteFutures:
+    if fault_hook is not None:
+        fault_hook("write", key)
+    if data.dtype != DTYPES[storage_dtype]:
+        data = data.view(DTYPES[storage_dtype])
+    _count(bytes_written=data.nbytes, writes=1)
+    if not index:
+        return store.write(data)
+    return store[tuple(slice(a, b) for a, b in index)].write(data)
+
+
+def read_region(store: ts.TensorStore, index: Sequence[tuple[int, int]], nbytes: int) -> ts.Future:
+    _count(bytes_read=nbytes, reads=1)
+    if not index:
+        return store.read()
+    return store[tuple(slice(a, b) for a, b in index)].read()
+
+
+# --- small blobs (the manifest) -----------------------------------------------------
+
+
+def write_blob(root: Location, key: str, data: bytes) -> None:
+    if root.local is not None:
+        # Write, fsync, then rename: the blob appears whole or not at all.
+        path = os.path.join(root.local, key)
+        tmp = path + ".writing"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        fsync_dir(root.local)
+        return
+    kv = ts.KvStore.open(root.kvstore).result()
+    kv.write(key, data).result()
+
+
+def read_blob(root: Location, key: str) -> bytes | None:
+    """The blob's bytes, or ``None`` when it does not exist."""
+    if root.local is not None:
+        try:
+            with open(os.path.join(root.local, key), "rb") as f:
+                return f.read()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+    kv = ts.KvStore.open(root.kvstore).result()
+    result = kv.read(key).result()
+    if result.state != "value":
+        return None
+    return bytes(result.value)
+
+
+def delete_blob(root: Location, key: str) -> None:
+    if root.local is not None:
+        try:
+            os.remove(os.path.join(root.local, key))
+        except FileNotFoundError:
+            pass
+        return
+    kv = ts.KvStore.open(root.kvstore).result()
+    kv.delete_range(ts.KvStore.KeyRange(key, key + "\x00")).result()
+
+
+def list_children(root: Location) -> list[str]:
+    """Names directly below ``root`` (directories or key prefixes)."""
+    if root.local is not None:
+        try:
+            return sorted(os.listdir(root.local))
+        except FileNotFoundError:
+            return []
+    kv = ts.KvStore.open(root.kvstore).result()
+    names = set()
+    for key in kv.list().result():
+        k = key.decode() if isinstance(key, bytes) else key
+        names.add(k.split("/", 1)[0])
+    return sorted(names)
+
+
+def delete_tree(root: Location) -> None:
+    """Delete everything under ``root``."""
+    if root.local is not None:
+        import shutil
+
+        shutil.rmtree(root.local, ignore_errors=True)
+        return
+    kv = ts.KvStore.open(root.kvstore).result()
+    kv.delete_range(ts.KvStore.KeyRange()).result()
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,149 @@
+"""PyTrees ↔ (key-path string, leaf) lists, and a JSON description of the containers.
+
+Paths join key entries with ``/``: dict keys, sequence indices and attribute names.
+A ``/`` or ``%`` inside a key is percent-encoded, so every path splits back into its
+entries. ``None`` counts as a leaf here (it is saved as an inline value), so that a
+tree and its target flatten to the same paths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+
+from ._errors import CheckpointError
+
+_tu = jax.tree_util
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def encode_key(key: str) -> str:
+    return key.replace("%", "%25").replace("/", "%2F")
+
+
+def decode_key(key: str) -> str:
+    return key.replace("%2F", "/").replace("%25", "%")
+
+
+def entry_to_str(entry: Any, where: str) -> str:
+    """One key-path entry as its path component."""
+    if isinstance(entry, _tu.DictKey):
+        key = entry.key
+        if isinstance(key, str):
+            return encode_key(key)
+        if isinstance(key, int) and not isinstance(key, bool):
+            return str(key)
+        raise CheckpointError(
+            f"Unsupported dict key {key!r} of type {type(key).__name__} at '{where}': "
+            "only str and int keys can be saved."
+        )
+    if isinstance(entry, _tu.SequenceKey):
+        return str(entry.idx)
+    if isinstance(entry, _tu.GetAttrKey):
+        return encode_key(entry.name)
+    if isinstance(entry, _tu.FlattenedIndexKey):
+        return str(entry.key)
+    raise CheckpointError(f"Unsupported key-path entry {entry!r} at '{where}'.")
+
+
+def keypath_to_str(path: tuple[Any, ...]) -> str:
+    parts: list[str] = []
+    for entry in path:
+        parts.append(entry_to_str(entry, "/".join(parts)))
+    return "/".join(parts)
+
+
+def flatten(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
+    """Flatten ``tree`` into ``[(path, leaf)]`` and a treedef (``None`` is a leaf)."""
+    with_paths, treedef = _tu.tree_flatten_with_path(tree, is_leaf=_is_none)
+    out = [(keypath_to_str(p), leaf) for p, leaf in with_paths]
+    seen: set[str] = set()
+    for path, _ in out:
+        if path in seen:
+            raise CheckpointError(
+                f"Two leaves map to the same key path '{path}' (e.g. int key 1 and str key "
+                "'1' in one dict); rename one of them."
+            )
+        seen.add(path)
+    return out, treedef
+
+
+def unflatten(treedef: Any, leaves: list[Any]) -> Any:
+    return _tu.tree_unflatten(treedef, leaves)
+
+
+# --- container description -------------------------------------------------------
+#
+# A node of the JSON structure is one of
+#   {"leaf": i}                                  i indexes the manifest's leaf list
+#   {"dict": [[key, node], ...]}                 key is a str or an int
+#   {"list": [node, ...]} / {"tuple": [node, ...]}
+#   {"node": type name, "items": [[path component, node], ...]}   anything else
+# It is built by peeling one level at a time with jax's own flattening, so leaf
+# indices come out in exactly the order of ``flatten``.
+
+
+def _one_level(node: Any) -> list[tuple[Any, Any]] | None:
+    """``[(key entry, child)]`` of a container node, ``None`` for a leaf."""
+    children, treedef = _tu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    if _tu.treedef_is_leaf(treedef) and treedef.num_leaves == 1:
+        return None
+    return [(p[0], c) for p, c in children]
+
+
+def describe(tree: Any) -> dict[str, Any]:
+    """The JSON description of ``tree``'s containers; leaves get indices in flatten order."""
+    counter = iter(range(1 << 62))
+
+    def walk(node: Any) -> dict[str, Any]:
+        if node is None:
+            return {"leaf": next(counter)}
+        children = _one_level(node)
+        if children is None:
+            return {"leaf": next(counter)}
+        if type(node) is dict or (isinstance(node, dict) and type(node).__module__ == "collections"):
+            return {"dict": [[e.key, walk(c)] for e, c in children]}
+        if type(node) is list:
+            return {"list": [walk(c) for _, c in children]}
+        if type(node) is tuple:
+            return {"tuple": [walk(c) for _, c in children]}
+        items = []
+        for e, c in children:
+            items.append([entry_to_str(e, type(node).__name__), walk(c)])
+        return {"node": type(node).__name__, "items": items}
+
+    return walk(tree)
+
+
+def build(structure: dict[str, Any], leaf_fn: Callable[[int], Any]) -> Any:
+    """Rebuild plain containers from a description: dicts, lists and tuples.
+
+    Registered custom nodes (NamedTuples, dataclasses, ``nnx.State``) come back as
+    dicts keyed by their path components; pass a target to get the classes back.
+    """
+    if "leaf" in structure:
+        return leaf_fn(structure["leaf"])
+    if "dict" in structure:
+        return {k: build(c, leaf_fn) for k, c in structure["dict"]}
+    if "list" in structure:
+        return [build(c, leaf_fn) for c in structure["list"]]
+    if "tuple" in structure:
+        return tuple(build(c, leaf_fn) for c in structure["tuple"])
+    return {decode_key(k): build(c, leaf_fn) for k, c in structure["items"]}
+
+
+def iter_leaf_indices(structure: dict[str, Any]) -> Iterator[int]:
+    if "leaf" in structure:
+        yield structure["leaf"]
+        return
+    if "dict" in structure or "items" in structure:
+        kids = [c for _, c in structure.get("dict", structure.get("items", []))]
+    else:
+        kids = structure.get("list", structure.get("tuple", []))
+    for c in kids:
+        yield from iter_leaf_indices(c)
