@@ -104,7 +104,7 @@ def snapshot(tree: Any, *, copy_host_arrays: bool) -> Snapshot:
         nbytes = math.prod(shape) * _storage.DTYPES[dtype].itemsize
         store = "ocdbt" if nbytes < SMALL_LEAF_BYTES else "file"
         writers: tuple[int, ...] = ()
-        if store == "ocdbt":
+        if store == "ocdbt" and 0 not in shape:
             grid = _layout.chunk_grid_shape(shape, chunk_shape)
             w = [0] * math.prod(grid)
             for index, proc in writers_by_index.items():
@@ -141,7 +141,7 @@ def _writer_of(rec: LeafRecord, index: _layout.Index) -> int:
 def write_data(staging: Location, snap: Snapshot) -> None:
     """Write this process's shards of every leaf, all in flight at once; wait until durable."""
     me = _distributed.process_index()
-    ctx = _storage.new_context()
+    ctx = _storage.new_context(staging)
     opens: list[tuple[int, Any]] = []
     for i, rec in enumerate(snap.records):
         if rec.kind == "value":
@@ -367,15 +367,20 @@ def _key_dtype(impl: str) -> Any:
     return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
 
 
+def _dtype_kind(dt: np.dtype) -> str:
+    """numpy's kind letter, with ml_dtypes' float and int types (kind 'V') classified."""
+    if dt.kind != "V":
+        return dt.kind
+    return "f" if "float" in dt.name else ("u" if dt.name.startswith("u") else "i")
+
+
+# Casts allowed on restore: within a kind and towards "bigger" kinds (bool < int < float < complex).
+_KIND_ORDER = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
+
+
 def _castable(src: np.dtype, dst: np.dtype) -> bool:
-    if src == dst or src == np.bool_:
-        return True
-    if np.issubdtype(src, np.floating) or src.kind == "V":
-        return np.issubdtype(dst, np.floating) or np.issubdtype(dst, np.complexfloating)
-    try:
-        return bool(np.can_cast(src, dst, casting="same_kind"))
-    except TypeError:
-        return False
+    a, b = _KIND_ORDER.get(_dtype_kind(src)), _KIND_ORDER.get(_dtype_kind(dst))
+    return a is not None and b is not None and a <= b
 
 
 class _Reader:
@@ -383,7 +388,7 @@ class _Reader:
 
     def __init__(self, loc: Location, man: Manifest):
         self.loc, self.man = loc, man
-        self.ctx = _storage.new_context()
+        self.ctx = _storage.new_context(loc)
         self.stores: dict[tuple[str, int], Any] = {}
 
     def _store(self, rec: LeafRecord, writer: int) -> Any:

@@ -168,9 +168,19 @@ fault_hook = None
 # --- arrays -------------------------------------------------------------------------
 
 
-def new_context() -> ts.Context:
-    # One context per save/restore so all leaves share one OCDBT instance and cache.
-    return ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+# The memory kvstore lives in a context: everything in memory:// shares this one.
+_MEMORY_CONTEXT = ts.Context()
+
+
+def new_context(root: Location) -> ts.Context:
+    """One context per save/restore, so all its leaves share one OCDBT instance."""
+    if root.kvstore["driver"] == "memory":
+        return _MEMORY_CONTEXT
+    return ts.Context()
+
+
+def _kvstore(root: Location) -> ts.KvStore:
+    return ts.KvStore.open(root.kvstore, context=new_context(root)).result()
 
 
 _CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
@@ -197,7 +207,9 @@ def array_spec(
     spec: dict[str, Any] = {
         "driver": "zarr3",
         "kvstore": kvstore,
+        # A chunk that is all zeros must still be written: missing chunks are errors.
         "fill_missing_data_reads": False,
+        "store_data_equal_to_fill_value": True,
         "metadata": {
             "shape": list(shape),
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk_shape)}},
@@ -264,7 +276,7 @@ def write_blob(root: Location, key: str, data: bytes) -> None:
         os.replace(tmp, path)
         fsync_dir(root.local)
         return
-    kv = ts.KvStore.open(root.kvstore).result()
+    kv = _kvstore(root)
     kv.write(key, data).result()
 
 
@@ -276,7 +288,7 @@ def read_blob(root: Location, key: str) -> bytes | None:
                 return f.read()
         except (FileNotFoundError, NotADirectoryError):
             return None
-    kv = ts.KvStore.open(root.kvstore).result()
+    kv = _kvstore(root)
     result = kv.read(key).result()
     if result.state != "value":
         return None
@@ -290,7 +302,7 @@ def delete_blob(root: Location, key: str) -> None:
         except FileNotFoundError:
             pass
         return
-    kv = ts.KvStore.open(root.kvstore).result()
+    kv = _kvstore(root)
     kv.delete_range(ts.KvStore.KeyRange(key, key + "\x00")).result()
 
 
@@ -301,7 +313,7 @@ def list_children(root: Location) -> list[str]:
             return sorted(os.listdir(root.local))
         except FileNotFoundError:
             return []
-    kv = ts.KvStore.open(root.kvstore).result()
+    kv = _kvstore(root)
     names = set()
     for key in kv.list().result():
         k = key.decode() if isinstance(key, bytes) else key
@@ -316,7 +328,7 @@ def delete_tree(root: Location) -> None:
 
         shutil.rmtree(root.local, ignore_errors=True)
         return
-    kv = ts.KvStore.open(root.kvstore).result()
+    kv = _kvstore(root)
     kv.delete_range(ts.KvStore.KeyRange()).result()
 
 
