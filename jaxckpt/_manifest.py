@@ -24,7 +24,7 @@ KINDS = ("array", "prng_key", "value")
 STORES = ("file", "ocdbt")
 _MAX_RANK = 64
 _MAX_DIM = 1 << 62
-_MAX_CHUNKS = 1 << 24
+_MAX_CHUNKS = 1 << 20
 _MAX_NBYTES = 1 << 56
 
 

@@ -1,0 +1,696 @@
+#!/usr/bin/env python
+"""Benchmark jaxckpt against orbax-checkpoint and raw disk limits.
+
+One command::
+
+    python benchmarks/run.py                 # big + many + import, 5 reps, medians
+    python benchmarks/run.py --smoke         # tiny version for CI
+    python benchmarks/run.py --reps 3 --cases big --size-gib 0.5 --json out.json
+
+Every measurement runs in a fresh subprocess (this file re-invoked with ``--worker``)
+that prints one JSON line; the parent collects the medians. See ``benchmarks/README.md``
+for what each number means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT_ROOT = os.path.join(REPO, "bench_out")  # gitignored; same disk as the repo
+MARK = "@@BENCH "
+NDEV = 4
+THREADS = 4
+GiB = 1 << 30
+MiB = 1 << 20
+LIBS = ("jaxckpt", "orbax", "orbax_nocomp", "limit")
+CASES = ("big", "many", "import")
+WORKER_TIMEOUT_S = 1800
+
+
+# =====================================================================================
+# worker side: runs in a fresh interpreter, prints one JSON line
+# =====================================================================================
+
+
+def _setup_jax():
+    flag = f"--xla_force_host_platform_device_count={NDEV}"
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    if len(jax.devices()) != NDEV:
+        raise RuntimeError(f"expected {NDEV} CPU devices, got {jax.devices()}")
+    return jax
+
+
+def _mem() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                key, val, _unit = line.split()
+                out[key[:-1]] = int(val) * 1024
+    return out
+
+
+class PeakRSS:
+    """Peak resident memory over the baseline taken on entry.
+
+    Resets the kernel's high-water mark (``echo 5 > /proc/self/clear_refs``) so the
+    peak comes from the measured block only.
+    """
+
+    def __enter__(self):
+        gc.collect()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.reset_ok = True
+        except OSError:
+            self.reset_ok = False
+        self.base = _mem()["VmRSS"]
+        return self
+
+    def __exit__(self, *exc):
+        self.peak = _mem()["VmHWM"]
+        self.delta = max(0, self.peak - self.base)
+        return False
+
+
+# --- states -------------------------------------------------------------------------
+
+
+def big_shapes(size_bytes: int) -> list[tuple[int, int]]:
+    """8 float32 leaves of (rows, 4096), rows a multiple of 4 (the mesh size)."""
+    cols = 4096
+    rows = max(4, (size_bytes // 8 // (4 * cols)) // 4 * 4)
+    return [(rows, cols)] * 8
+
+
+def many_specs(n_leaves: int) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+    """``n_leaves`` float32 leaves of 1-16 KiB with mixed shapes, named like a deep model."""
+    import numpy as np
+
+    rng = np.random.default_rng(1234)
+    params = [("attn", p, k) for p in ("q", "k", "v", "o") for k in ("kernel", "bias")]
+    params += [("mlp", p, k) for p in ("fc1", "fc2", "fc3") for k in ("kernel", "bias")]
+    params += [(ln, "norm", k) for ln in ("ln1", "ln2") for k in ("scale", "bias")]
+    params += [("adapter", "down", "kernel"), ("adapter", "up", "kernel")]  # 20 per block
+    out = []
+    for i in range(n_leaves):
+        block, j = divmod(i, len(params))
+        a, b, c = params[j]
+        n = int(rng.integers(1, 17)) * 256  # 1..16 KiB of float32
+        kind = i % 4
+        if kind == 0:
+            shape = (n,)
+        elif kind == 1:
+            shape = (n // 16, 16)
+        elif kind == 2:
+            shape = (16, n // 16)
+        else:
+            shape = (n // 64, 4, 16)
+        out.append((("model", f"block_{block:03d}", a, b, c), shape))
+    return out
+
+
+def leaf_data(case: str, i: int, shape) -> "np.ndarray":  # noqa: F821
+    import numpy as np
+
+    rng = np.random.default_rng([0 if case == "big" else 1, i])
+    return rng.standard_normal(shape, dtype=np.float32)
+
+
+def _set(tree: dict, path, value) -> None:
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+def case_leaves(case: str, cfg: dict):
+    """[(path, shape)] of the case's state."""
+    if case == "big":
+        return [(("params", f"w{i}"), s) for i, s in enumerate(big_shapes(cfg["size_bytes"]))]
+    return many_specs(cfg["many_leaves"])
+
+
+def _shardings(jax, case: str, which: str):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import numpy as np
+
+    devs = jax.devices()
+    if case == "many":
+        return jax.sharding.SingleDeviceSharding(devs[0])
+    if which == "same":
+        return NamedSharding(Mesh(np.array(devs), ("data",)), P("data", None))
+    return NamedSharding(Mesh(np.array(devs).reshape(2, 2), ("a", "b")), P(None, "b"))
+
+
+def build_state(jax, case: str, cfg: dict):
+    """Device arrays (jax) with the case's save sharding; numpy copies are freed."""
+    sharding = _shardings(jax, case, "same")
+    tree: dict = {}
+    for i, (path, shape) in enumerate(case_leaves(case, cfg)):
+        host = leaf_data(case, i, shape)
+        _set(tree, path, jax.device_put(host, sharding))
+        del host
+    jax.block_until_ready(tree)
+    gc.collect()
+    return tree
+
+
+def build_target(jax, case: str, cfg: dict, which: str):
+    import numpy as np
+
+    sharding = _shardings(jax, case, which)
+    tree: dict = {}
+    for path, shape in case_leaves(case, cfg):
+        _set(tree, path, jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding))
+    return tree
+
+
+def build_host_arrays(case: str, cfg: dict):
+    return [leaf_data(case, i, shape) for i, (_, shape) in enumerate(case_leaves(case, cfg))]
+
+
+def _get(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def verify(jax, case: str, cfg: dict, restored, target, full: bool) -> None:
+    """Check restored values (leaf 0, or all when ``full``) and shardings."""
+    import numpy as np
+
+    leaves = case_leaves(case, cfg)
+    check = range(len(leaves)) if (full or case == "many") else [0]
+    for i in check:
+        path, shape = leaves[i]
+        got = _get(restored, path)
+        want_sh = _get(target, path).sharding
+        if not got.sharding.is_equivalent_to(want_sh, len(shape)):
+            raise AssertionError(f"leaf {path}: sharding {got.sharding} != {want_sh}")
+        if not np.array_equal(np.asarray(got), leaf_data(case, i, shape)):
+            raise AssertionError(f"leaf {path}: restored values differ")
+
+
+def dir_stats(path: str) -> tuple[int, int]:
+    files = size = 0
+    for root, _dirs, names in os.walk(path):
+        for n in names:
+            files += 1
+            size += os.path.getsize(os.path.join(root, n))
+    return files, size
+
+
+# --- libraries ----------------------------------------------------------------------
+
+
+class JaxckptLib:
+    name = "jaxckpt"
+
+    def __init__(self, d):
+        import jaxckpt
+
+        self.mod, self.path = jaxckpt, os.path.join(d, "ckpt")
+
+    def save(self, tree):
+        self.mod.save(self.path, tree)
+
+    def restore(self, target):
+        return self.mod.restore(self.path, target)
+
+    def ckpt_dir(self):
+        return self.path
+
+
+class OrbaxLib:
+    """orbax-checkpoint CheckpointManager, sync saves (save + wait_until_finished).
+
+    ``compression=True``: defaults (StandardSave/StandardRestore: OCDBT, zarr2, zstd
+    level 1). ``compression=False``: ``PyTreeCheckpointHandler(use_compression=False)``
+    with PyTreeSave/PyTreeRestore (StandardCheckpointHandler has no such option);
+    otherwise the same defaults.
+    """
+
+    def __init__(self, d, compression: bool):
+        import orbax.checkpoint as ocp
+
+        self.ocp, self.compression = ocp, compression
+        self.dir = os.path.join(d, "orbax")
+        t0 = time.perf_counter()
+        opts = ocp.CheckpointManagerOptions(create=True)
+        if compression:
+            self.mngr = ocp.CheckpointManager(self.dir, options=opts)
+        else:
+            handler = ocp.PyTreeCheckpointHandler(use_compression=False)
+            self.mngr = ocp.CheckpointManager(self.dir, options=opts, item_handlers=handler)
+        self.open_s = time.perf_counter() - t0
+
+    def save(self, tree):
+        ocp = self.ocp
+        args = ocp.args.StandardSave(tree) if self.compression else ocp.args.PyTreeSave(tree)
+        self.mngr.save(0, args=args)
+        self.mngr.wait_until_finished()
+
+    def restore(self, target):
+        ocp = self.ocp
+        if self.compression:
+            args = ocp.args.StandardRestore(target)
+        else:
+            args = ocp.args.PyTreeRestore(
+                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+        return self.mngr.restore(0, args=args)
+
+    def ckpt_dir(self):
+        return os.path.join(self.dir, "0")
+
+    def close(self):
+        self.mngr.close()
+
+
+def _groups(n: int) -> list[list[int]]:
+    return [list(range(t, n, THREADS)) for t in range(THREADS)]
+
+
+def limit_write(d: str, arrays) -> None:
+    """Thread t appends leaves t, t+4, ... to file t with ndarray.tofile, then fsyncs."""
+    os.makedirs(d, exist_ok=True)
+
+    def work(t, idx):
+        with open(os.path.join(d, f"part{t}.bin"), "wb") as f:
+            for i in idx:
+                arrays[i].tofile(f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    with ThreadPoolExecutor(THREADS) as ex:
+        list(ex.map(work, range(THREADS), _groups(len(arrays))))
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def limit_read(d: str, shapes) -> list:
+    """Read the files back with 4 threads into fresh numpy arrays."""
+    import numpy as np
+
+    out = [None] * len(shapes)
+
+    def work(t, idx):
+        with open(os.path.join(d, f"part{t}.bin"), "rb", buffering=0) as f:
+            for i in idx:
+                a = np.empty(shapes[i], np.float32)
+                view = memoryview(a).cast("B")
+                got = 0
+                while got < a.nbytes:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        raise EOFError(f"short read in part{t}.bin")
+                    got += n
+                out[i] = a
+
+    with ThreadPoolExecutor(THREADS) as ex:
+        list(ex.map(work, range(THREADS), _groups(len(shapes))))
+    return out
+
+
+def limit_copy(arrays) -> float:
+    """np.copyto from the arrays into pre-touched buffers with 4 threads; seconds."""
+    import numpy as np
+
+    dst = [np.empty_like(a) for a in arrays]
+    for b in dst:
+        b.fill(1.0)  # touch every page before timing
+
+    def work(idx):
+        for i in idx:
+            np.copyto(dst[i], arrays[i])
+
+    with ThreadPoolExecutor(THREADS) as ex:
+        t0 = time.perf_counter()
+        list(ex.map(work, _groups(len(arrays))))
+        return time.perf_counter() - t0
+
+
+# --- worker ops ---------------------------------------------------------------------
+
+
+def _timed_save(fn) -> dict:
+    with PeakRSS() as m:
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        os.sync()
+        t2 = time.perf_counter()
+    return {"save_call_s": t1 - t0, "save_s": t2 - t0, "save_rss": m.delta,
+            "hwm_reset": m.reset_ok}
+
+
+def run_worker(args) -> dict:
+    cfg = json.loads(args.cfg)
+    case, libs, ops = args.case, args.lib.split(","), args.op.split(",")
+    jax = _setup_jax()
+    import numpy as np  # noqa: F401
+
+    out: dict = {"case": case, "results": {}}
+    for lib in libs:
+        d = os.path.join(args.dir, lib)
+        res: dict = {}
+        out["results"][lib] = res
+        if lib == "limit":
+            shapes = [s for _, s in case_leaves(case, cfg)]
+            arrays = None
+            if "save" in ops or "copy" in ops:
+                arrays = build_host_arrays(case, cfg)
+            if "save" in ops:
+                res.update(_timed_save(lambda: limit_write(d, arrays)))
+                res["files"], res["disk_bytes"] = dir_stats(d)
+            if "copy" in ops:
+                res["copy_s"] = limit_copy(arrays)
+            del arrays
+            gc.collect()
+            if "restore_same" in ops:
+                with PeakRSS() as m:
+                    t0 = time.perf_counter()
+                    got = limit_read(d, shapes)
+                    res["restore_same_s"] = time.perf_counter() - t0
+                res["restore_same_rss"] = m.delta
+                if args.verify or case == "many":
+                    for i, a in enumerate(got):
+                        if not np.array_equal(a, leaf_data(case, i, shapes[i])):
+                            raise AssertionError(f"limit read leaf {i} differs")
+                del got
+            continue
+        for op in ops:
+            if op == "save":
+                tree = build_state(jax, case, cfg)
+                h = JaxckptLib(d) if lib == "jaxckpt" else OrbaxLib(d, lib == "orbax")
+                res.update(_timed_save(lambda: h.save(tree)))
+                res["files"], res["disk_bytes"] = dir_stats(h.ckpt_dir())
+                if isinstance(h, OrbaxLib):
+                    h.close()
+                del tree, h
+                gc.collect()
+            elif op in ("restore_same", "restore_other"):
+                which = op.split("_")[1]
+                target = build_target(jax, case, cfg, which)
+                h = JaxckptLib(d) if lib == "jaxckpt" else OrbaxLib(d, lib == "orbax")
+                with PeakRSS() as m:
+                    t0 = time.perf_counter()
+                    restored = h.restore(target)
+                    jax.block_until_ready(restored)
+                    res[op + "_s"] = time.perf_counter() - t0
+                res[op + "_rss"] = m.delta
+                if isinstance(h, OrbaxLib):
+                    res[op + "_open_s"] = h.open_s
+                verify(jax, case, cfg, restored, target, full=args.verify)
+                if isinstance(h, OrbaxLib):
+                    h.close()
+                del restored, h
+                gc.collect()
+            else:
+                raise ValueError(f"unknown op {op!r}")
+    return out
+
+
+# =====================================================================================
+# parent side
+# =====================================================================================
+
+
+def _worker_env() -> dict:
+    env = dict(os.environ)
+    flag = f"--xla_force_host_platform_device_count={NDEV}"
+    if flag not in env.get("XLA_FLAGS", ""):
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flag).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def spawn(case: str, libs: list[str], ops: list[str], d: str, cfg: dict, verify: bool) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--case", case,
+           "--lib", ",".join(libs), "--op", ",".join(ops), "--dir", d, "--cfg", json.dumps(cfg)]
+    if verify:
+        cmd.append("--verify")
+    p = subprocess.run(cmd, capture_output=True, text=True, env=_worker_env(), cwd=REPO,
+                       timeout=WORKER_TIMEOUT_S)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith(MARK)]
+    if p.returncode != 0 or not lines:
+        tail = (p.stdout + p.stderr)[-3000:]
+        raise RuntimeError(f"worker {case}/{','.join(libs)}/{','.join(ops)} failed "
+                           f"(rc={p.returncode}):\n{tail}")
+    return json.loads(lines[-1][len(MARK):])
+
+
+def _sync_rmtree(d: str) -> None:
+    shutil.rmtree(d, ignore_errors=True)
+    os.sync()
+
+
+def _ops_for(case: str, lib: str) -> list[list[str]]:
+    """Worker processes (each a list of ops) for one rep of one library."""
+    restores = ["restore_same", "restore_other"] if case == "big" else ["restore_same"]
+    if lib == "limit":
+        return [["save", "copy"], ["restore_same"]]
+    return [["save"]] + [[r] for r in restores]
+
+
+def run_case(case: str, libs: list[str], cfg: dict, reps: int, smoke: bool, samples: dict,
+             errors: list) -> None:
+    os.makedirs(OUT_ROOT, exist_ok=True)
+    for rep in range(reps):
+        order = libs[rep % len(libs):] + libs[: rep % len(libs)]  # rotate to spread drift
+        tmp = tempfile.mkdtemp(prefix=f"{case}-r{rep}-", dir=OUT_ROOT)
+        try:
+            if smoke:  # one process for the whole case: checks every code path quickly
+                all_ops = sorted({op for lib in order for g in _ops_for(case, lib) for op in g},
+                                 key=["save", "copy", "restore_same", "restore_other"].index)
+                groups = [(order, [all_ops])]
+            else:  # one process per (library, op group); a library's files go when it is done
+                groups = [([lib], _ops_for(case, lib)) for lib in order]
+            for job_libs, jobs in groups:
+                for ops in jobs:
+                    t0 = time.perf_counter()
+                    try:
+                        out = spawn(case, job_libs, ops, tmp, cfg, verify=smoke)
+                    except Exception as e:  # noqa: BLE001 - keep going, report at the end
+                        errors.append(str(e))
+                        print(f"  [{case} rep {rep}] {','.join(job_libs)} {','.join(ops)}: "
+                              "FAILED", file=sys.stderr)
+                        continue
+                    for lib, res in out["results"].items():
+                        for k, v in res.items():
+                            samples.setdefault(case, {}).setdefault(lib, {}).setdefault(k, []).append(v)
+                    print(f"  [{case} rep {rep}] {','.join(job_libs)} {','.join(ops)}: "
+                          f"{time.perf_counter() - t0:.1f}s wall", file=sys.stderr)
+                for lib in job_libs:
+                    _sync_rmtree(os.path.join(tmp, lib))
+        finally:
+            _sync_rmtree(tmp)
+
+
+IMPORTS = {
+    "interpreter": "pass",
+    "jaxckpt": "import jaxckpt",
+    "orbax": "import orbax.checkpoint",
+    "limit": "import jax, tensorstore",
+}
+
+
+def run_import(reps: int, samples: dict) -> None:
+    raw: dict = {k: [] for k in IMPORTS}
+    env = _worker_env()
+    for _ in range(reps):
+        for k, code in IMPORTS.items():
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=REPO)
+            raw[k].append(time.perf_counter() - t0)
+    base = statistics.median(raw["interpreter"])
+    for k in ("jaxckpt", "orbax", "limit"):
+        samples.setdefault("import", {})[k] = {
+            "import_s": [x - base for x in raw[k]], "raw_s": raw[k]}
+    samples["import"]["interpreter"] = {"raw_s": raw["interpreter"]}
+
+
+# --- table --------------------------------------------------------------------------
+
+ROWS = {
+    "big": [
+        ("save_call_s", "s", "save call (limit: tofile+fsync, 4 threads)"),
+        ("save_s", "s", "save + os.sync (durable)"),
+        ("save_rss", "GiB", "peak RSS over baseline during save"),
+        ("restore_same_s", "s", "restore, same mesh (limit: 4-thread read)"),
+        ("restore_same_rss", "GiB", "peak RSS over baseline, restore same"),
+        ("restore_other_s", "s", "restore onto 2x2 mesh P(None,'b')"),
+        ("restore_other_rss", "GiB", "peak RSS over baseline, restore other"),
+        ("copy_s", "s", "memcpy limit (np.copyto, 4 threads)"),
+        ("files", "", "files per checkpoint"),
+        ("disk_bytes", "MiB", "bytes on disk per checkpoint"),
+    ],
+    "import": [("import_s", "s", "import time minus `python -c pass`")],
+}
+ROWS["many"] = [r for r in ROWS["big"] if not r[0].startswith("restore_other")]
+# Rows whose limit column borrows another limit metric.
+LIMIT_ALIAS = {"restore_other_s": "restore_same_s", "restore_other_rss": "restore_same_rss"}
+COLS = ("jaxckpt", "orbax", "orbax_nocomp", "limit")
+RATIOS = (("jaxckpt", "orbax"), ("jaxckpt", "orbax_nocomp"), ("jaxckpt", "limit"))
+
+
+def summarize(samples: dict, cases: list[str]) -> dict:
+    table: dict = {}
+    for case in cases:
+        rows = []
+        for key, unit, label in ROWS[case]:
+            vals, raw = {}, {}
+            for lib in COLS:
+                k = LIMIT_ALIAS.get(key, key) if lib == "limit" else key
+                xs = samples.get(case, {}).get(lib, {}).get(k)
+                if xs:
+                    scale = GiB if unit == "GiB" else MiB if unit == "MiB" else 1
+                    raw[lib] = [x / scale for x in xs]
+                    vals[lib] = statistics.median(raw[lib])
+            if not vals:
+                continue
+            ratios = {f"{a}/{b}": vals[a] / vals[b] for a, b in RATIOS
+                      if a in vals and b in vals and vals[b] > 0}
+            rows.append({"metric": key, "unit": unit, "label": label, "median": vals,
+                         "ratios": ratios, "samples": raw})
+        table[case] = rows
+    return table
+
+
+def _fmt(x, unit) -> str:
+    if x is None:
+        return "-"
+    if unit == "" or unit == "MiB":
+        return f"{x:.0f}" if unit == "" else f"{x:.1f}"
+    if unit == "GiB":
+        return f"{x:.3f}"
+    return f"{x:.3f}" if x < 100 else f"{x:.1f}"
+
+
+def print_table(table: dict, cfg: dict, reps: int) -> None:
+    heads = {"big": f"big: {cfg['big_bytes'] / GiB:.3f} GiB float32, 8 leaves {cfg['big_shape']}, "
+                    "NamedSharding mesh (4,) P('data', None)",
+             "many": f"many: {cfg['many_leaves']} float32 leaves, 1-16 KiB each "
+                     f"({cfg['many_bytes'] / MiB:.2f} MiB), single device",
+             "import": "import: wall time of `python -c ...` minus `python -c pass` "
+                       "(limit column = `import jax, tensorstore`)"}
+    cols = list(COLS) + [f"{a}/{b}".replace("jaxckpt/", "jx/") for a, b in RATIOS]
+    w0 = 44
+    for case, rows in table.items():
+        print(f"\n== {heads[case]}  [median of {reps}]")
+        print(f"{'metric':<{w0}}" + "".join(f"{c:>13}" for c in cols))
+        for r in rows:
+            label = f"{r['label']} [{r['unit']}]" if r["unit"] else r["label"]
+            cells = [_fmt(r["median"].get(c), r["unit"]) for c in COLS]
+            cells += [f"{r['ratios'][f'{a}/{b}']:.2f}" if f"{a}/{b}" in r["ratios"] else "-"
+                      for a, b in RATIOS]
+            print(f"{label[:w0]:<{w0}}" + "".join(f"{c:>13}" for c in cells))
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": sys.version.split()[0]}
+    for d in ("jaxckpt", "jax", "jaxlib", "orbax-checkpoint", "tensorstore", "numpy"):
+        try:
+            out[d] = version(d)
+        except PackageNotFoundError:
+            out[d] = None
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=None, help="repetitions (default 5; 1 with --smoke)")
+    ap.add_argument("--cases", default="big,many,import", help="comma list of big,many,import")
+    ap.add_argument("--libs", default=",".join(LIBS), help="comma list of " + ",".join(LIBS))
+    ap.add_argument("--size-gib", type=float, default=None, help="big case size (default 1.0)")
+    ap.add_argument("--many-leaves", type=int, default=None, help="many case leaves (default 1000)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny version: 4 MiB big case, 50 leaves, 1 rep, one process per case")
+    ap.add_argument("--json", metavar="FILE", help="also write the table (and samples) as JSON")
+    # worker mode
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--case", help=argparse.SUPPRESS)
+    ap.add_argument("--lib", help=argparse.SUPPRESS)
+    ap.add_argument("--op", help=argparse.SUPPRESS)
+    ap.add_argument("--dir", help=argparse.SUPPRESS)
+    ap.add_argument("--cfg", help=argparse.SUPPRESS)
+    ap.add_argument("--verify", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.worker:
+        try:
+            out = run_worker(args)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            return 1
+        print(MARK + json.dumps(out), flush=True)
+        return 0
+
+    reps = args.reps if args.reps is not None else (1 if args.smoke else 5)
+    size_gib = args.size_gib if args.size_gib is not None else (4 / 1024 if args.smoke else 1.0)
+    many_leaves = args.many_leaves or (50 if args.smoke else 1000)
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    libs = [x.strip() for x in args.libs.split(",") if x.strip()]
+    for c in cases:
+        if c not in CASES:
+            ap.error(f"unknown case {c!r}")
+    for x in libs:
+        if x not in LIBS:
+            ap.error(f"unknown lib {x!r}")
+    shapes = big_shapes(int(size_gib * GiB))
+    cfg = {"size_bytes": int(size_gib * GiB), "many_leaves": many_leaves,
+           "big_shape": list(shapes[0]), "big_bytes": sum(r * c * 4 for r, c in shapes),
+           "many_bytes": sum(4 * math.prod(s) for _, s in many_specs(many_leaves))}
+
+    t_start = time.perf_counter()
+    samples: dict = {}
+    errors: list[str] = []
+    for case in cases:
+        print(f"-- {case} ({reps} rep(s))", file=sys.stderr)
+        if case == "import":
+            try:
+                run_import(reps, samples)
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"import: {e}")
+        else:
+            run_case(case, libs, cfg, reps, args.smoke, samples, errors)
+    table = summarize(samples, [c for c in cases if c in samples])
+    print_table(table, cfg, reps)
+    print(f"\nratios: value(jaxckpt) / value(other); < 1 means jaxckpt is faster/smaller. "
+          f"total wall {time.perf_counter() - t_start:.0f}s")
+    for e in errors:
+        print(f"\nERROR: {e}", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": {**cfg, "reps": reps, "smoke": args.smoke, "devices": NDEV,
+                                  "threads": THREADS, "libs": libs},
+                       "versions": _versions(), "table": table, "raw": samples,
+                       "errors": errors}, f, indent=1)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
