@@ -13,6 +13,7 @@ from ._checkpoint import metadata as metadata
 from ._checkpoint import restore as restore
 from ._checkpoint import save as save
 from ._errors import CheckpointError as CheckpointError
+from ._manager import CheckpointManager as CheckpointManager
 from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ._errors import CorruptCheckpointError as CorruptCheckpointError
 from ._errors import TreeMismatchError as TreeMismatchError
@@ -26,6 +27,7 @@ except PackageNotFoundError:  # running from a source tree without installing
 __all__ = [
     "CheckpointError",
     "CheckpointInfo",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "LeafInfo",

@@ -205,8 +205,14 @@ def _check_metadata(metadata: Any) -> dict[str, Any]:
 
 
 def save_snapshot(path: Any, snap: Snapshot, *, metadata: Any = None, overwrite: bool = False,
-                  extra_info: dict[str, Any] | None = None, timeout_s: float | None = None) -> None:
-    """The writing half of ``save``: stage, write every shard, manifest last, commit."""
+                  extra_info: dict[str, Any] | None = None, timeout_s: float | None = None,
+                  total_since: float | None = None, clock: Any = None) -> Manifest:
+    """The writing half of ``save``: stage, write every shard, manifest last, commit.
+
+    ``total_since`` (a ``time.perf_counter()`` value) and ``clock`` (returns the commit
+    time in seconds) add ``total_seconds`` and ``commit_time`` to the manifest.
+    Returns the committed manifest.
+    """
     final = _storage.resolve(path)
     metadata = _check_metadata(metadata)
     timeout = timeout_s or _distributed.DEFAULT_TIMEOUT_S
@@ -222,8 +228,13 @@ def save_snapshot(path: Any, snap: Snapshot, *, metadata: Any = None, overwrite:
         t0 = time.perf_counter()
         write_data(staging, snap)
         _distributed.barrier(f"written/{token}", timeout)
-        info = {"write_seconds": round(time.perf_counter() - t0, 6), **(extra_info or {})}
+        manifest = None
         if me == 0:
+            info = {"write_seconds": round(time.perf_counter() - t0, 6), **(extra_info or {})}
+            if total_since is not None:
+                info["total_seconds"] = round(time.perf_counter() - total_since, 6)
+            if clock is not None:
+                info["commit_time"] = clock()
             manifest = build_manifest(snap, metadata, info)
             _commit.commit(final, staging, manifest.to_bytes(), token)
         _distributed.barrier(f"committed/{token}", timeout)
@@ -231,6 +242,7 @@ def save_snapshot(path: Any, snap: Snapshot, *, metadata: Any = None, overwrite:
         if me == 0 and staging is not None:
             _commit.abort(final, staging)
         raise
+    return manifest if manifest is not None else _commit.read_manifest(final)
 
 
 def save(path: Any, tree: Any, *, metadata: dict[str, Any] | None = None,

@@ -98,3 +98,66 @@ def read_manifest(loc: Location) -> _manifest.Manifest:
             f"No checkpoint at '{loc}': {_manifest.MANIFEST} is missing (not committed, or not a checkpoint)"
         )
     return _manifest.parse(data, str(loc))
+
+
+# --- step directories (the manager's layout) -----------------------------------------
+
+
+def step_name(step: int) -> str:
+    return str(step)
+
+
+def parse_step_name(name: str) -> int | None:
+    """The step of a directory named like one (``"7"``); ``None`` for anything else."""
+    if not name.isdigit() or (len(name) > 1 and name[0] == "0"):
+        return None
+    return int(name)
+
+
+def discover_steps(directory: Location) -> dict[int, _manifest.Manifest | None]:
+    """Committed steps under ``directory`` with their manifests.
+
+    A step directory counts only when its manifest exists and validates; anything else
+    (temporary attempts, an empty ``7/``, a missing or truncated manifest) is ignored.
+    """
+    found: dict[int, _manifest.Manifest | None] = {}
+    for name in _storage.list_children(directory):
+        step = parse_step_name(name)
+        if step is None:
+            continue
+        loc = directory.child(name)
+        data = _storage.read_blob(loc, _manifest.MANIFEST)
+        if data is None:
+            continue
+        try:
+            found[step] = _manifest.parse(data, str(loc))
+        except CheckpointError:
+            continue
+    return found
+
+
+def stale_attempts(directory: Location) -> list[str]:
+    """Names of temporary step attempts left behind by a crashed save or delete."""
+    out = []
+    for name in _storage.list_children(directory):
+        if is_temporary_name(name):
+            stem = name[1:].split(TMP_MARK)[0].split(OLD_MARK)[0]
+            if parse_step_name(stem) is not None:
+                out.append(name)
+    return out
+
+
+def delete_step(directory: Location, step: int, token: str) -> None:
+    """Make a committed step invisible first, then delete its data."""
+    loc = directory.child(step_name(step))
+    if loc.local is not None:
+        doomed = os.path.join(directory.local, f".{step_name(step)}{OLD_MARK}{token}")
+        try:
+            os.rename(loc.local, doomed)
+        except FileNotFoundError:
+            return
+        _storage.fsync_dir(directory.local)
+        _storage.delete_tree(_storage.resolve(doomed))
+        return
+    _storage.delete_blob(loc, _manifest.MANIFEST)
+    _storage.delete_tree(loc)
