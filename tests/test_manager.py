@@ -1,0 +1,314 @@
+"""CheckpointManager: async saves in a donating loop, discovery, retention, failures."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_bit_equal, mesh
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxckpt
+from jaxckpt import _storage
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class FakeClock:
+    def __init__(self, t=1000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def test_async_saves_in_a_donating_jitted_loop_are_exact(tmp_path):
+    m = mesh((4, 2), ("data", "model"))
+    w_sharding = NamedSharding(m, P("data", "model"))
+    state = {
+        "w": jax.device_put(jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32), w_sharding),
+        "b": jax.device_put(jnp.zeros(32, jnp.bfloat16), NamedSharding(m, P())),
+        "step": jnp.int32(0),
+        "rng": jax.random.key(0),
+    }
+
+    @jax.jit
+    def train_step(s):
+        rng, sub = jax.random.split(s["rng"])
+        noise = jax.random.normal(sub, s["w"].shape)
+        return {"w": s["w"] * 1.01 + noise, "b": s["b"] + 1, "step": s["step"] + 1, "rng": rng}
+
+    step_fn = jax.jit(train_step, donate_argnums=0)
+    expected = {}
+    with jaxckpt.CheckpointManager(tmp_path, max_pending=2) as mgr:
+        for i in range(1, 9):
+            state = step_fn(state)
+            expected[i] = jax.tree.map(lambda x: np.array(jax.random.key_data(x) if jax.dtypes.issubdtype(
+                x.dtype, jax.dtypes.prng_key) else x), state)
+            assert mgr.save(i, state, metrics={"i": i})
+        # the loop keeps going (and donating) while saves are in flight
+        for _ in range(3):
+            state = step_fn(state)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == list(range(1, 9))
+        target = jax.tree.map(lambda x: x, state)
+        for i in range(1, 9):
+            back = mgr.restore(i, target)
+            assert back["w"].sharding == w_sharding
+            for k in ("w", "b", "step"):
+                assert_bit_equal(back[k], expected[i][k])
+            assert_bit_equal(jax.random.key_data(back["rng"]), expected[i]["rng"])
+            assert mgr.metrics(i) == {"i": i}
+        info = mgr.info(8)
+        assert info["bytes"] == 64 * 32 * 4 + 32 * 2 + 4 + 8
+        assert info["blocking_seconds"] <= info["total_seconds"]
+
+
+def test_discovery_ignores_everything_but_committed_steps(tmp_path):
+    with jaxckpt.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(3, {"x": np.ones(2)})
+        mgr.save(5, {"x": np.ones(2) * 5})
+    (tmp_path / "7").mkdir()  # empty step dir
+    (tmp_path / "9").mkdir()
+    (tmp_path / "9" / "arrays").mkdir()  # data but no manifest
+    os.system(f"cp -r {tmp_path / '5'} {tmp_path / '11'}")
+    manifest = tmp_path / "11" / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:50])  # truncated manifest
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "013").mkdir()
+    stale = tmp_path / ".12.jaxckpt-tmp-abc"
+    stale.mkdir()
+    (stale / "junk").write_text("x")
+    foreign = tmp_path / ".hidden-by-user"
+    foreign.mkdir()
+
+    with jaxckpt.CheckpointManager(tmp_path, max_to_keep=1, async_save=False) as mgr:
+        assert not stale.exists()  # our own stale attempt is cleaned on start
+        assert mgr.all_steps() == [3, 5] and mgr.latest_step() == 5
+        assert_bit_equal(mgr.restore()["x"], np.ones(2) * 5)
+        mgr.save(6, {"x": np.zeros(1)})
+        assert mgr.all_steps() == [6]
+    # retention never touched what is not a committed step
+    assert sorted(os.listdir(tmp_path)) == [".hidden-by-user", "013", "11", "6", "7", "9", "notes"]
+
+
+def test_interval_force_and_duplicates(tmp_path):
+    with jaxckpt.CheckpointManager(tmp_path, save_interval_steps=5) as mgr:
+        assert mgr.should_save(10) and not mgr.should_save(11)
+        assert mgr.save(11, {"a": 1}) is False
+        assert mgr.save(11, {"a": 1}, force=True) is True
+        assert mgr.save(10, {"a": 2}) is True
+        with pytest.raises(jaxckpt.CheckpointError, match="Step 10 is already (being saved|committed)"):
+            mgr.save(10, {"a": 3})
+        mgr.wait_until_finished()
+        assert not mgr.should_save(10)
+        with pytest.raises(jaxckpt.CheckpointError, match=r"Step 10 is already committed in '.*'"):
+            mgr.save(10, {"a": 3}, force=True)
+        assert mgr.all_steps() == [10, 11]
+        assert mgr.restore(10) == {"a": 2}
+
+
+def test_background_failure_surfaces_on_next_call(tmp_path, monkeypatch):
+    def fail_step_2(op, key):
+        if threading.current_thread().name.startswith("jaxckpt-save") and fail["on"]:
+            raise OSError("injected: no space left on device")
+
+    fail = {"on": False}
+    monkeypatch.setattr(_storage, "fault_hook", fail_step_2)
+    mgr = jaxckpt.CheckpointManager(tmp_path)
+    mgr.save(1, {"x": np.ones(3)})
+    mgr.wait_until_finished()
+    fail["on"] = True
+    assert mgr.save(2, {"x": np.ones(3) * 2}) is True  # returns; the failure is in the background
+    with pytest.raises(jaxckpt.CheckpointError, match="Saving step 2 .* failed: .*no space left") as err:
+        mgr.wait_until_finished()
+    assert isinstance(err.value.__cause__, jaxckpt.CheckpointError)
+    assert "injected" in str(err.value.__cause__.__cause__)
+    assert mgr.all_steps() == [1]
+    assert sorted(os.listdir(tmp_path)) == ["1"]  # nothing half-written is visible
+    # the same surfaces from save() and close()
+    mgr.save(3, {"x": np.ones(3)})
+    with pytest.raises(jaxckpt.CheckpointError, match="Saving step 3"):
+        mgr.save(4, {"x": np.ones(3)})
+    mgr.save(5, {"x": np.ones(3)})
+    with pytest.raises(jaxckpt.CheckpointError, match="Saving step 5"):
+        mgr.close()
+    fail["on"] = False
+    assert jaxckpt.CheckpointManager(tmp_path).all_steps() == [1]
+
+
+def test_sync_failure_raises_directly(tmp_path, monkeypatch):
+    monkeypatch.setattr(_storage, "fault_hook", lambda op, key: (_ for _ in ()).throw(OSError("boom")))
+    with jaxckpt.CheckpointManager(tmp_path, async_save=False) as mgr:
+        with pytest.raises(jaxckpt.CheckpointError, match="Saving step 0 .* failed.*boom"):
+            mgr.save(0, {"x": np.ones(1)})
+        assert mgr.all_steps() == []
+
+
+def test_max_pending_bounds_saves_in_flight(tmp_path, monkeypatch):
+    release = threading.Event()
+    started = threading.Event()
+
+    def hold(op, key):
+        if threading.current_thread().name.startswith("jaxckpt-save"):
+            started.set()
+            release.wait(10)
+
+    monkeypatch.setattr(_storage, "fault_hook", hold)
+    mgr = jaxckpt.CheckpointManager(tmp_path, max_pending=1)
+    mgr.save(1, {"x": np.ones(1024, np.float32)})
+    assert started.wait(10)
+    assert mgr.staging_bytes == 4096
+    second_returned = threading.Event()
+    t = threading.Thread(target=lambda: (mgr.save(2, {"x": np.ones(4)}), second_returned.set()))
+    t.start()
+    assert not second_returned.wait(0.5)  # blocked behind the first save
+    release.set()
+    assert second_returned.wait(10)
+    t.join()
+    mgr.close()
+    assert mgr.all_steps() == [1, 2]
+    assert mgr.staging_bytes == 0
+
+
+def test_snapshot_owns_host_arrays(tmp_path, monkeypatch):
+    release = threading.Event()
+    monkeypatch.setattr(_storage, "fault_hook", lambda op, key: release.wait(10))
+    x = np.arange(8.0)
+    with jaxckpt.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"x": x})
+        x[:] = -1  # the caller reuses its buffer while the write is pending
+        release.set()
+    assert_bit_equal(jaxckpt.CheckpointManager(tmp_path).restore(1)["x"], np.arange(8.0))
+
+
+def test_time_and_best_retention_with_injected_clock(tmp_path):
+    clock = FakeClock()
+    losses = {0: 4.0, 1: 1.0, 2: 3.0, 3: 2.0, 4: 5.0, 5: 6.0, 6: 0.5, 7: 7.0}
+    with jaxckpt.CheckpointManager(tmp_path, max_to_keep=2, keep_time_interval=30, best_metric="loss",
+                                   keep_best=1, clock=clock, async_save=False) as mgr:
+        for s in range(8):
+            clock.t = 1000.0 + 10 * s
+            mgr.save(s, {"s": s}, metrics={"loss": losses[s]})
+        # latest 2: 6, 7; best: 6 (0.5); one per 30 s: 0 (1000), 3 (1030), 6 (1060)
+        assert mgr.all_steps() == [0, 3, 6, 7]
+        assert mgr.best_step() == 6
+    assert sorted(os.listdir(tmp_path)) == ["0", "3", "6", "7"]
+
+
+def test_latest_is_kept_even_if_worst(tmp_path):
+    with jaxckpt.CheckpointManager(tmp_path, best_metric="acc", best_mode="max", keep_best=1,
+                                   async_save=False) as mgr:
+        mgr.save(1, {"a": 1}, metrics={"acc": 0.9})
+        mgr.save(2, {"a": 2}, metrics={"acc": 0.1})
+        assert mgr.all_steps() == [1, 2]
+        mgr.save(3, {"a": 3}, metrics={"acc": 0.2})
+        assert mgr.all_steps() == [1, 3]
+        assert mgr.best_step() == 1
+
+
+def test_retention_spares_a_step_being_restored(tmp_path, monkeypatch):
+    mgr = jaxckpt.CheckpointManager(tmp_path, max_to_keep=1, async_save=False)
+    mgr.save(1, {"x": np.ones(2)})
+    real_restore = jaxckpt._checkpoint.restore
+
+    def restore_while_saving(path, *a, **kw):
+        mgr.save(2, {"x": np.zeros(2)})  # retention runs while step 1 is being read
+        assert (tmp_path / "1").exists()
+        return real_restore(path, *a, **kw)
+
+    monkeypatch.setattr(jaxckpt._checkpoint, "restore", restore_while_saving)
+    assert_bit_equal(mgr.restore(1)["x"], np.ones(2))
+    monkeypatch.setattr(jaxckpt._checkpoint, "restore", real_restore)
+    assert mgr.all_steps() == [1, 2]
+    mgr.save(3, {"x": np.zeros(2)})  # now step 1 (deferred) and 2 go
+    assert mgr.all_steps() == [3]
+    assert sorted(os.listdir(tmp_path)) == ["3"]
+    mgr.close()
+
+
+def test_restore_errors(tmp_path):
+    mgr = jaxckpt.CheckpointManager(tmp_path)
+    with pytest.raises(jaxckpt.CheckpointNotFoundError, match="No committed step in"):
+        mgr.restore()
+    mgr.save(1, {"a": 1})
+    mgr.wait_until_finished()
+    with pytest.raises(jaxckpt.CheckpointNotFoundError, match=r"No committed step 2 .*committed: \[1\]"):
+        mgr.restore(2)
+    with pytest.raises(jaxckpt.CheckpointError, match="best_step\\(\\) needs best_metric"):
+        mgr.best_step()
+    mgr.close()
+    with pytest.raises(jaxckpt.CheckpointError, match="is closed"):
+        mgr.save(5, {"a": 1})
+
+
+def _run_child(code, **kw):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_sigkill_during_async_save_keeps_previous_step(tmp_path):
+    code = f"""
+        import os, sys, time
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+        import jax, numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        import jaxckpt
+        from jaxckpt import _storage
+        mesh = jax.make_mesh((4,), ("x",))
+        mgr = jaxckpt.CheckpointManager({str(tmp_path)!r})
+        mgr.save(1, {{"w": np.full(1024, 1.0, np.float32)}})
+        mgr.wait_until_finished()
+        writes = []
+        def hook(op, key):
+            writes.append(key)
+            if len(writes) == 6:          # part of the big save is on disk
+                print("MIDWAY", flush=True)
+                time.sleep(60)
+        _storage.fault_hook = hook
+        big = {{f"w{{i}}": jax.device_put(np.full((2048, 1024), i, np.float32), NamedSharding(mesh, P("x")))
+               for i in range(8)}}   # 64 MiB
+        mgr.save(2, big)
+        print("RETURNED", flush=True)
+        time.sleep(60)
+    """
+    child = _run_child(code)
+    lines = []
+    for line in child.stdout:
+        lines.append(line.strip())
+        if line.strip() == "MIDWAY":
+            break
+    assert "RETURNED" in lines or lines[-1] == "MIDWAY", child.stderr.read()
+    child.send_signal(signal.SIGKILL)
+    child.wait(10)
+    assert child.returncode == -signal.SIGKILL
+    leftovers = os.listdir(tmp_path)
+    assert "2" not in leftovers and any(n.startswith(".2.jaxckpt-tmp-") for n in leftovers)
+    mgr = jaxckpt.CheckpointManager(tmp_path)
+    assert mgr.latest_step() == 1
+    assert_bit_equal(mgr.restore()["w"], np.full(1024, 1.0, np.float32))
+    assert sorted(os.listdir(tmp_path)) == ["1"]  # the dead attempt was cleaned up
+    mgr.close()
+
+
+def test_pending_save_completes_at_interpreter_exit(tmp_path):
+    code = f"""
+        import numpy as np, jaxckpt
+        mgr = jaxckpt.CheckpointManager({str(tmp_path)!r})
+        mgr.save(4, {{"x": np.arange(1 << 20, dtype=np.float32)}})
+        # no close(): atexit must wait for the commit
+    """
+    child = _run_child(code)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, err
+    mgr = jaxckpt.CheckpointManager(tmp_path)
+    assert mgr.all_steps() == [4]
+    assert_bit_equal(mgr.restore()["x"], np.arange(1 << 20, dtype=np.float32))
