@@ -206,47 +206,70 @@ def _check_metadata(metadata: Any) -> dict[str, Any]:
 
 def save_snapshot(path: Any, snap: Snapshot, *, metadata: Any = None, overwrite: bool = False,
                   extra_info: dict[str, Any] | None = None, timeout_s: float | None = None,
-                  total_since: float | None = None, clock: Any = None) -> Manifest:
+                  total_since: float | None = None, clock: Any = None, op_id: int | None = None) -> Manifest:
     """The writing half of ``save``: stage, write every shard, manifest last, commit.
 
+    In a multi-process job every process calls this with its own snapshot; the phases
+    (staged, written, committed) are agreed through jax's key-value store, so a failure
+    in any process fails the save in all of them and nothing is committed.
+
     ``total_since`` (a ``time.perf_counter()`` value) and ``clock`` (returns the commit
-    time in seconds) add ``total_seconds`` and ``commit_time`` to the manifest.
+    time in seconds) add ``total_seconds`` and ``commit_time`` to the manifest; ``op_id``
+    is the collective sequence number (taken in program order by the caller).
     Returns the committed manifest.
     """
     final = _storage.resolve(path)
     metadata = _check_metadata(metadata)
     timeout = timeout_s or _distributed.DEFAULT_TIMEOUT_S
+    name = f"save{_distributed.next_id() if op_id is None else op_id}"
     me = _distributed.process_index()
-    token = _commit.new_token() if me == 0 else None
-    staging = None
+    staging = token = None
+    manifest = None
     try:
         if me == 0:
-            staging = _commit.prepare(final, token, overwrite)
-        token = _distributed.broadcast(f"token/{final}", token, timeout)
-        staging = staging or _commit.staging_location(final, token)
-        _distributed.barrier(f"staged/{token}", timeout)
+            error = None
+            try:
+                token = _commit.new_token()
+                staging = _commit.prepare(final, token, overwrite)
+                _distributed.broadcast(f"{name}/token", token, timeout)
+            except BaseException as e:  # noqa: BLE001 - reported to every process
+                error = e
+            _distributed.agree(f"{name}/staged '{final}'", error, timeout)
+        else:
+            _distributed.agree(f"{name}/staged '{final}'", None, timeout)
+            token = _distributed.broadcast(f"{name}/token", None, timeout)
+            staging = _commit.staging_location(final, token)
+
         t0 = time.perf_counter()
-        write_data(staging, snap)
-        _distributed.barrier(f"written/{token}", timeout)
-        manifest = None
+        error = None
+        try:
+            write_data(staging, snap)
+        except BaseException as e:  # noqa: BLE001
+            error = e
+        _distributed.agree(f"{name}/written '{final}'", error, timeout)
+
+        error = None
         if me == 0:
-            info = {"write_seconds": round(time.perf_counter() - t0, 6), **(extra_info or {})}
-            if total_since is not None:
-                info["total_seconds"] = round(time.perf_counter() - total_since, 6)
-            if clock is not None:
-                info["commit_time"] = clock()
-            manifest = build_manifest(snap, metadata, info)
-            _commit.commit(final, staging, manifest.to_bytes(), token)
-        _distributed.barrier(f"committed/{token}", timeout)
+            try:
+                info = {"write_seconds": round(time.perf_counter() - t0, 6), **(extra_info or {})}
+                if total_since is not None:
+                    info["total_seconds"] = round(time.perf_counter() - total_since, 6)
+                if clock is not None:
+                    info["commit_time"] = clock()
+                manifest = build_manifest(snap, metadata, info)
+                _commit.commit(final, staging, manifest.to_bytes(), token)
+            except BaseException as e:  # noqa: BLE001
+                error = e
+        _distributed.agree(f"{name}/committed '{final}'", error, timeout)
     except BaseException:
-        if me == 0 and staging is not None:
+        if me == 0 and staging is not None and manifest is None:
             _commit.abort(final, staging)
         raise
     return manifest if manifest is not None else _commit.read_manifest(final)
 
 
 def save(path: Any, tree: Any, *, metadata: dict[str, Any] | None = None,
-         overwrite: bool = False) -> None:
+         overwrite: bool = False, timeout_s: float | None = None) -> None:
     """Save ``tree`` to ``path``, blocking until it is committed.
 
     Each process writes only the shards of its own devices with ``replica_id == 0``.
@@ -259,13 +282,15 @@ def save(path: Any, tree: Any, *, metadata: dict[str, Any] | None = None,
         ``int/float/bool/str/None``.
       metadata: a JSON-serialisable dict stored in the manifest.
       overwrite: replace an existing checkpoint at ``path`` (otherwise it raises).
+      timeout_s: multi-process only: how long processes wait for each other at each
+        phase before the save fails in all of them (default 30 s).
 
     Example:
       >>> jaxckpt.save("/tmp/ckpt", {"params": params, "step": 100})
     """
     metadata = _check_metadata(metadata)
     snap = snapshot(tree, copy_host_arrays=False)
-    save_snapshot(path, snap, metadata=metadata, overwrite=overwrite)
+    save_snapshot(path, snap, metadata=metadata, overwrite=overwrite, timeout_s=timeout_s)
 
 
 # --- metadata -----------------------------------------------------------------------

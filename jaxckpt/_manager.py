@@ -102,7 +102,7 @@ class CheckpointManager:
             for name in _commit.stale_attempts(self._dir):
                 _storage.delete_tree(self._dir.child(name))
         self._steps: dict[int, Manifest] = dict(_commit.discover_steps(self._dir))
-        _distributed.barrier(f"mgr-init/{self._dir}", self._timeout)
+        _distributed.agree(f"manager{_distributed.next_id()}/start '{self._dir}'", None, self._timeout)
         ref = weakref.ref(self)
         self._atexit = lambda: (m := ref()) is not None and m._finish_at_exit()
         atexit.register(self._atexit)
@@ -202,8 +202,9 @@ class CheckpointManager:
             metrics = _checkpoint._check_metadata(metrics)
         self._wait_for_slot()
         snap = _checkpoint.snapshot(state, copy_host_arrays=self._async)
+        op_id = _distributed.next_id()  # in program order, the same in every process
         blocking = time.perf_counter() - t_start
-        job = lambda: self._write(step, snap, metrics, t_start, blocking)  # noqa: E731
+        job = lambda: self._write(step, snap, metrics, t_start, blocking, op_id)  # noqa: E731
         if not self._async:
             job()
             return True
@@ -224,7 +225,7 @@ class CheckpointManager:
             self._raise_background_error()
 
     def _write(self, step: int, snap: _checkpoint.Snapshot, metrics: dict | None, t_start: float,
-               blocking: float) -> None:
+               blocking: float, op_id: int) -> None:
         try:
             final = self._dir.child(_commit.step_name(step))
             info = {
@@ -234,7 +235,7 @@ class CheckpointManager:
                 "staging_bytes": snap.nbytes_local,
             }
             manifest = _checkpoint.save_snapshot(final, snap, extra_info=info, timeout_s=self._timeout,
-                                                 total_since=t_start, clock=self._clock)
+                                                 total_since=t_start, clock=self._clock, op_id=op_id)
             with self._lock:
                 self._steps[step] = manifest
             self._apply_retention()

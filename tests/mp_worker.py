@@ -1,0 +1,141 @@
+"""One process of a real multi-process JAX job, for tests/test_multihost.py.
+
+Usage: mp_worker.py PORT NPROC PID NDEV SCENARIO JSON_ARGS
+Prints one line `RESULT <json>`. In the scenario with a dead peer it exits without
+jax's distributed shutdown, which would wait for the dead process.
+"""
+
+import json
+import os
+import sys
+import time
+import traceback
+
+port, nproc, pid, ndev, scenario = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+args = json.loads(sys.argv[6])
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ndev}"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
+                           initialization_timeout=60)
+
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jaxckpt  # noqa: E402
+from jaxckpt import _storage  # noqa: E402
+
+
+def make_mesh(shape, names):
+    return jax.sharding.Mesh(np.array(jax.devices()).reshape(shape), names)
+
+
+def spec_of(entries):
+    return P(*[tuple(e) if isinstance(e, list) else e for e in entries])
+
+
+def expected_tree():
+    big = np.arange(64 * 4096, dtype=np.float32).reshape(64, 4096)  # 1 MiB: file store
+    small = np.arange(8 * 16, dtype=np.int32).reshape(8, 16)  # OCDBT store
+    return {"big": big, "small": small, "repl": np.arange(16, dtype=np.float32)}
+
+
+def global_tree(mesh, spec):
+    host = expected_tree()
+    out = {}
+    for k, v in host.items():
+        sharding = NamedSharding(mesh, P() if k == "repl" else spec)
+        out[k] = jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+    out["host"] = np.ones(3, np.int8) * 7
+    out["step"] = 12
+    return out
+
+
+def main():
+    result = {"pid": pid}
+    mesh = make_mesh(args["mesh"], args["names"])
+    spec = spec_of(args["spec"])
+    path = args["path"]
+    if scenario == "save":
+        tree = global_tree(mesh, spec)
+        _storage.reset_io_stats()
+        jaxckpt.save(path, tree, timeout_s=20)
+        result["written"] = _storage.io_stats()["bytes_written"]
+    elif scenario == "restore":
+        host = expected_tree()
+        target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, spec if k != "repl" else P()))
+                  for k, v in host.items()}
+        target["host"] = np.zeros(3, np.int8)
+        target["step"] = 0
+        _storage.reset_io_stats()
+        back = jaxckpt.restore(path, target)
+        result["read"] = _storage.io_stats()["bytes_read"]
+        need = 0
+        for k, v in host.items():
+            arr = back[k]
+            assert arr.sharding == target[k].sharding
+            seen = set()
+            for shard in arr.addressable_shards:
+                got = np.asarray(shard.data)
+                assert got.tobytes() == v[shard.index].tobytes(), (k, shard.index)
+                key = tuple((s.start, s.stop) for s in shard.index)
+                if key not in seen:
+                    seen.add(key)
+                    need += got.nbytes
+        assert back["host"].tolist() == [7, 7, 7] and back["step"] == 12
+        result["needed"] = need + 3  # + the host leaf, read whole by every process
+        result["ok"] = True
+    elif scenario in ("fail_write", "die"):
+        tree = global_tree(mesh, spec)
+        if pid == args["bad"]:
+            def hook(op, key):
+                if scenario == "die":
+                    os._exit(3)
+                raise OSError(f"injected failure in process {pid}")
+            _storage.fault_hook = hook
+        t0 = time.monotonic()
+        try:
+            jaxckpt.save(path, tree, timeout_s=args["timeout"])
+            result["error"] = None
+        except jaxckpt.CheckpointError as e:
+            result["error"] = str(e)
+        result["seconds"] = time.monotonic() - t0
+        result["committed"] = os.path.exists(os.path.join(path, "manifest.json"))
+    elif scenario == "manager":
+        result.update(run_manager(mesh, spec, path))
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_manager(mesh, spec, path):
+    sharding = NamedSharding(mesh, spec)
+    state = {"w": jax.make_array_from_callback((16, 32), sharding,
+                                               lambda idx: np.arange(16 * 32, dtype=np.float32).reshape(16, 32)[idx]),
+             "n": jax.device_put(np.int32(0), NamedSharding(mesh, P()))}
+    step_fn = jax.jit(lambda s: {"w": s["w"] * 2.0 + 1.0, "n": s["n"] + 1}, donate_argnums=0)
+    expected = {}
+    with jaxckpt.CheckpointManager(path, max_to_keep=2, timeout_s=20) as mgr:
+        for i in range(1, 6):
+            state = step_fn(state)
+            # a cross-process collective in the loop while background saves agree
+            total = float(jax.jit(lambda w: w.sum())(state["w"]))
+            expected[i] = total
+            mgr.save(i, state)
+        mgr.wait_until_finished()
+        steps = mgr.all_steps()
+        back = mgr.restore(None, state)
+        restored_total = float(jax.jit(lambda w: w.sum())(back["w"]))
+    files = sorted(os.listdir(path))
+    return {"steps": steps, "files": files, "restored_total": restored_total, "expected": expected[5],
+            "n": int(back["n"].addressable_shards[0].data)}
+
+
+try:
+    main()
+except BaseException:
+    print("RESULT " + json.dumps({"pid": pid, "crash": traceback.format_exc()}), flush=True)
+sys.stdout.flush()
+if scenario != "die":
+    jax.distributed.shutdown()  # waits for every process, so the coordinator outlives them
+os._exit(0)
