@@ -370,7 +370,9 @@ def run_worker(args) -> dict:
     jax = _setup_jax()
     import numpy as np  # noqa: F401
 
-    out: dict = {"case": case, "results": {}}
+    import jaxckpt
+
+    out: dict = {"case": case, "results": {}, "jaxckpt_file": jaxckpt.__file__}
     for lib in libs:
         d = os.path.join(args.dir, lib)
         res: dict = {}
@@ -438,13 +440,17 @@ def run_worker(args) -> dict:
 # =====================================================================================
 
 
+JAXCKPT_SRC = None  # --jaxckpt-src: a directory holding the jaxckpt package to benchmark
+
+
 def _worker_env() -> dict:
     env = dict(os.environ)
     flag = f"--xla_force_host_platform_device_count={NDEV}"
     if flag not in env.get("XLA_FLAGS", ""):
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flag).strip()
     env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    first = [JAXCKPT_SRC] if JAXCKPT_SRC else []
+    env["PYTHONPATH"] = os.pathsep.join(first + [REPO] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
 
 
@@ -637,6 +643,9 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true",
                     help="tiny version: 4 MiB big case, 50 leaves, 1 rep, one process per case")
     ap.add_argument("--json", metavar="FILE", help="also write the table (and samples) as JSON")
+    ap.add_argument("--jaxckpt-src", metavar="DIR",
+                    help="benchmark the jaxckpt package found in DIR (e.g. a `git archive` of a "
+                         "commit) instead of the installed one")
     # worker mode
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--case", help=argparse.SUPPRESS)
@@ -656,6 +665,11 @@ def main(argv=None) -> int:
         print(MARK + json.dumps(out), flush=True)
         return 0
 
+    global JAXCKPT_SRC
+    if args.jaxckpt_src:
+        JAXCKPT_SRC = os.path.abspath(args.jaxckpt_src)
+        if not os.path.isfile(os.path.join(JAXCKPT_SRC, "jaxckpt", "__init__.py")):
+            ap.error(f"no jaxckpt package in {JAXCKPT_SRC}")
     reps = args.reps if args.reps is not None else (1 if args.smoke else 5)
     size_gib = args.size_gib if args.size_gib is not None else (4 / 1024 if args.smoke else 1.0)
     many_leaves = args.many_leaves or (50 if args.smoke else 1000)

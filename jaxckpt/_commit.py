@@ -17,6 +17,7 @@ from ._errors import CheckpointError, CheckpointNotFoundError
 from ._storage import Location
 
 TMP_MARK = ".jaxckpt-tmp-"
+DATA_DIRS = {"arrays", "ocdbt"}  # what a checkpoint holds besides its manifest
 OLD_MARK = ".jaxckpt-old-"
 
 
@@ -40,32 +41,33 @@ def has_manifest(loc: Location) -> bool:
     return _storage.read_blob(loc, _manifest.MANIFEST) is not None
 
 
-def exists_nonempty(loc: Location) -> bool:
-    return bool(_storage.list_children(loc))
-
-
 def prepare(final: Location, token: str, overwrite: bool) -> Location:
     """Check the destination and create the staging location (process 0 only)."""
-    if exists_nonempty(final):
-        if not overwrite:
-            raise CheckpointError(
-                f"Checkpoint '{final}' already exists; pass overwrite=True to replace it"
-            )
-        if not has_manifest(final):
+    children = set(_storage.list_children(final))
+    if children:
+        # On object stores data is written in place, so our own data dirs without a
+        # manifest are an attempt that died before its commit: not a checkpoint, and
+        # ours to clear. (Locally a dead attempt stays in its hidden staging directory.)
+        dead_attempt = final.local is None and children <= DATA_DIRS
+        if not dead_attempt and not has_manifest(final):
             raise CheckpointError(
                 f"'{final}' exists and is not a jaxckpt checkpoint (no manifest.json); "
                 "refusing to overwrite it"
             )
+        if not dead_attempt and not overwrite:
+            raise CheckpointError(
+                f"Checkpoint '{final}' already exists; pass overwrite=True to replace it"
+            )
+        if final.local is None:
+            # Un-commit first (no manifest = not visible), then clear the data so stale
+            # chunks cannot mix with the new ones. Unlike a local overwrite, the old
+            # checkpoint is gone before the new one is complete.
+            _storage.delete_blob(final, _manifest.MANIFEST)
+            _storage.delete_tree(final)
     staging = staging_location(final, token)
     if staging.local is not None:
-        parent = os.path.dirname(staging.local)
-        os.makedirs(parent, exist_ok=True)
+        os.makedirs(os.path.dirname(staging.local), exist_ok=True)
         os.mkdir(staging.local)
-    elif exists_nonempty(final):
-        # Object store: un-commit the old checkpoint first (manifest gone = not visible),
-        # then clear its data so stale chunks cannot mix with the new ones.
-        _storage.delete_blob(final, _manifest.MANIFEST)
-        _storage.delete_tree(final)
     return staging
 
 
