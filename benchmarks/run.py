@@ -440,6 +440,7 @@ def run_worker(args) -> dict:
 # =====================================================================================
 
 
+JAXCKPT_FILES: set = set()  # jaxckpt/__init__.py the workers imported
 JAXCKPT_SRC = None  # --jaxckpt-src: a directory holding the jaxckpt package to benchmark
 
 
@@ -505,6 +506,7 @@ def run_case(case: str, libs: list[str], cfg: dict, reps: int, smoke: bool, samp
                         print(f"  [{case} rep {rep}] {','.join(job_libs)} {','.join(ops)}: "
                               "FAILED", file=sys.stderr)
                         continue
+                    JAXCKPT_FILES.add(out.get("jaxckpt_file"))
                     for lib, res in out["results"].items():
                         for k, v in res.items():
                             samples.setdefault(case, {}).setdefault(lib, {}).setdefault(k, []).append(v)
@@ -700,6 +702,7 @@ def main(argv=None) -> int:
             run_case(case, libs, cfg, reps, args.smoke, samples, errors)
     table = summarize(samples, [c for c in cases if c in samples])
     print_table(table, cfg, reps)
+    print(f"jaxckpt imported from: {', '.join(sorted(f for f in JAXCKPT_FILES if f)) or '-'}")
     print(f"\nratios: value(jaxckpt) / value(other); < 1 means jaxckpt is faster/smaller. "
           f"total wall {time.perf_counter() - t_start:.0f}s")
     for e in errors:
@@ -707,7 +710,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": {**cfg, "reps": reps, "smoke": args.smoke, "devices": NDEV,
-                                  "threads": THREADS, "libs": libs},
+                                  "threads": THREADS, "libs": libs,
+                                  "jaxckpt_files": sorted(f for f in JAXCKPT_FILES if f)},
                        "versions": _versions(), "table": table, "raw": samples,
                        "errors": errors}, f, indent=1)
     return 1 if errors else 0

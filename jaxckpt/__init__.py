@@ -5,7 +5,8 @@ tensorstore, restore them onto any mesh, and manage steps with retention and asy
 commits.
 """
 
-from importlib.metadata import PackageNotFoundError, version as _version
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
 
 from ._checkpoint import CheckpointInfo as CheckpointInfo
 from ._checkpoint import LeafInfo as LeafInfo
@@ -13,11 +14,11 @@ from ._checkpoint import metadata as metadata
 from ._checkpoint import restore as restore
 from ._checkpoint import save as save
 from ._errors import CheckpointError as CheckpointError
-from ._manager import CheckpointManager as CheckpointManager
 from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ._errors import CorruptCheckpointError as CorruptCheckpointError
 from ._errors import TreeMismatchError as TreeMismatchError
 from ._layout import SavedSharding as SavedSharding
+from ._manager import CheckpointManager as CheckpointManager
 
 try:
     __version__ = _version("jaxckpt")

@@ -13,8 +13,8 @@ import functools
 import json
 import math
 import time
-from importlib.metadata import version as _dist_version
 from dataclasses import dataclass, field
+from importlib.metadata import version as _dist_version
 from typing import Any, NamedTuple
 
 import jax
@@ -166,7 +166,7 @@ def write_data(staging: Location, snap: Snapshot) -> None:
             w.result()
     except CheckpointError:
         raise
-    except Exception as e:  # noqa: BLE001 - tensorstore raises ValueError/OSError
+    except Exception as e:
         raise CheckpointError(f"Writing checkpoint '{staging}' failed: {e}") from e
 
 
@@ -399,7 +399,7 @@ def _target_kind(path: str, leaf: Any, rec: LeafRecord, sharding: Any, where: st
                     sharding, leaf)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _key_dtype(impl: str) -> Any:
     return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
 
@@ -464,7 +464,7 @@ class _Reader:
                 for sub, fut in parts:
                     rel = tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(sub, index))
                     out[rel] = fut.result()
-        except Exception as e:  # noqa: BLE001 - tensorstore reports corruption as ValueError
+        except Exception as e:
             raise CorruptCheckpointError(
                 f"Checkpoint '{self.loc}': leaf '{rec.path}' could not be read: {e}"
             ) from e

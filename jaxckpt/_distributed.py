@@ -71,7 +71,7 @@ def broadcast(name: str, value: str | None, timeout_s: float = DEFAULT_TIMEOUT_S
         return value
     try:
         return client.blocking_key_value_get(key, int(timeout_s * 1000))
-    except Exception as e:  # noqa: BLE001 - jax raises JaxRuntimeError
+    except Exception as e:
         raise CheckpointError(
             f"{name}: process 0 did not answer within {timeout_s:g}s (failed or dead?)"
         ) from e

@@ -204,7 +204,7 @@ class CheckpointManager:
         snap = _checkpoint.snapshot(state, copy_host_arrays=self._async)
         op_id = _distributed.next_id()  # in program order, the same in every process
         blocking = time.perf_counter() - t_start
-        job = lambda: self._write(step, snap, metrics, t_start, blocking, op_id)  # noqa: E731
+        job = lambda: self._write(step, snap, metrics, t_start, blocking, op_id)
         if not self._async:
             job()
             return True
@@ -327,10 +327,10 @@ class CheckpointManager:
         except BaseException as e:  # noqa: BLE001 - at exit, report instead of raising
             print(f"jaxckpt: a pending save failed at exit: {e}", file=sys.stderr)
 
-    def __enter__(self) -> "CheckpointManager":
+    def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:

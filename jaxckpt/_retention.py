@@ -37,7 +37,7 @@ class RetentionPolicy(NamedTuple):
 
     @classmethod
     def make(cls, *, max_to_keep=None, keep_period=None, keep_time_interval=None, best_metric=None,
-             best_mode="min", keep_best=None) -> "RetentionPolicy":
+             best_mode="min", keep_best=None) -> RetentionPolicy:
         """Validate arguments (``ValueError`` on nonsense) and normalise the interval to seconds."""
         for name, v in (("max_to_keep", max_to_keep), ("keep_period", keep_period), ("keep_best", keep_best)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):

@@ -80,7 +80,7 @@ class Location:
     def kvstore(self) -> dict[str, Any]:
         return dict(self.spec)
 
-    def child(self, key: str) -> "Location":
+    def child(self, key: str) -> Location:
         spec = self.kvstore
         spec["path"] = spec.get("path", "") + key.strip("/") + "/"
         local = os.path.join(self.local, key) if self.local is not None else None

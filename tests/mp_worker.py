@@ -15,17 +15,18 @@ port, nproc, pid, ndev, scenario = sys.argv[1], int(sys.argv[2]), int(sys.argv[3
 args = json.loads(sys.argv[6])
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ndev}"
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
                            initialization_timeout=60)
 
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import jaxckpt  # noqa: E402
-from jaxckpt import _storage  # noqa: E402
+import jaxckpt
+from jaxckpt import _storage
 
 
 def make_mesh(shape, names):

@@ -10,7 +10,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import assert_bit_equal, mesh, sharded
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import _storage

@@ -3,7 +3,8 @@
 import jax
 import numpy as np
 from conftest import mesh
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxckpt import _layout
 

@@ -6,14 +6,14 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_bit_equal, mesh
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import _storage
