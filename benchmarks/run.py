@@ -128,7 +128,7 @@ def many_specs(n_leaves: int) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
     return out
 
 
-def leaf_data(case: str, i: int, shape) -> "np.ndarray":  # noqa: F821
+def leaf_data(case: str, i: int, shape) -> np.ndarray:  # noqa: F821
     import numpy as np
 
     rng = np.random.default_rng([0 if case == "big" else 1, i])
@@ -149,8 +149,9 @@ def case_leaves(case: str, cfg: dict):
 
 
 def _shardings(jax, case: str, which: str):
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     devs = jax.devices()
     if case == "many":
@@ -254,7 +255,9 @@ class OrbaxLib:
         self.ocp, self.compression = ocp, compression
         self.dir = os.path.join(d, "orbax")
         t0 = time.perf_counter()
-        opts = ocp.CheckpointManagerOptions(create=True)
+        # enable_async_checkpointing=True is orbax's default; explicit because the async
+        # rows depend on it (sync saves call wait_until_finished inside the timed block).
+        opts = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=True)
         if compression:
             self.mngr = ocp.CheckpointManager(self.dir, options=opts)
         else:
@@ -263,19 +266,26 @@ class OrbaxLib:
         self.open_s = time.perf_counter() - t0
 
     def save(self, tree):
-        ocp = self.ocp
-        args = ocp.args.StandardSave(tree) if self.compression else ocp.args.PyTreeSave(tree)
-        self.mngr.save(0, args=args)
+        self.save_async(0, tree)
         self.mngr.wait_until_finished()
 
-    def restore(self, target):
+    def save_async(self, step, tree):
+        """``mngr.save`` only: returns when orbax hands the write to its background thread."""
+        ocp = self.ocp
+        args = ocp.args.StandardSave(tree) if self.compression else ocp.args.PyTreeSave(tree)
+        self.mngr.save(step, args=args)
+
+    def wait(self):
+        self.mngr.wait_until_finished()
+
+    def restore(self, target, step=0):
         ocp = self.ocp
         if self.compression:
             args = ocp.args.StandardRestore(target)
         else:
             args = ocp.args.PyTreeRestore(
                 item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
-        return self.mngr.restore(0, args=args)
+        return self.mngr.restore(step, args=args)
 
     def ckpt_dir(self):
         return os.path.join(self.dir, "0")
@@ -353,6 +363,70 @@ def limit_copy(arrays) -> float:
 # --- worker ops ---------------------------------------------------------------------
 
 
+class JaxckptAsync:
+    """``jaxckpt.CheckpointManager(dir, async_save=True)``."""
+
+    def __init__(self, d):
+        import jaxckpt
+
+        self.mngr = jaxckpt.CheckpointManager(os.path.join(d, "mgr"), async_save=True)
+
+    def save_async(self, step, tree):
+        self.mngr.save(step, tree)
+
+    def wait(self):
+        self.mngr.wait_until_finished()
+
+    def restore(self, target, step):
+        return self.mngr.restore(step, target)
+
+    def close(self):
+        self.mngr.close()
+
+
+def timed_async(jax, lib: str, d: str, case: str, cfg: dict, full_verify: bool) -> dict:
+    """Async save of the case's state with a fresh manager.
+
+    Timed: ``save(1)`` (the blocking part) and until ``wait_until_finished`` returns
+    (committed); peak RSS over both. Then, untimed ``os.sync()``, a second save (step 2)
+    in the same process with the same manager: the steady state of a training loop,
+    without first-call costs. With ``full_verify`` step 1 is restored and checked.
+    """
+    tree = build_state(jax, case, cfg)
+    d = os.path.join(d, "async")
+    t0 = time.perf_counter()
+    h = JaxckptAsync(d) if lib == "jaxckpt" else OrbaxLib(d, lib == "orbax")
+    res: dict = {"async_open_s": time.perf_counter() - t0}
+    try:
+        with PeakRSS() as m:
+            t0 = time.perf_counter()
+            h.save_async(1, tree)
+            t1 = time.perf_counter()
+            h.wait()
+            t2 = time.perf_counter()
+        res.update(async_block_s=t1 - t0, async_total_s=t2 - t0, async_rss=m.delta)
+        if lib == "jaxckpt":  # the library's own account of the blocking part
+            res["async_block_self_s"] = h.mngr.info(1).get("blocking_seconds")
+        os.sync()
+        t0 = time.perf_counter()
+        h.save_async(2, tree)
+        t1 = time.perf_counter()
+        h.wait()
+        t2 = time.perf_counter()
+        res.update(async_block2_s=t1 - t0, async_total2_s=t2 - t0)
+        del tree
+        gc.collect()
+        if full_verify:
+            target = build_target(jax, case, cfg, "same")
+            restored = h.restore(target, step=1)
+            verify(jax, case, cfg, restored, target, full=True)
+            del restored
+    finally:
+        h.close()
+    gc.collect()
+    return res
+
+
 def _timed_save(fn) -> dict:
     with PeakRSS() as m:
         t0 = time.perf_counter()
@@ -368,7 +442,7 @@ def run_worker(args) -> dict:
     cfg = json.loads(args.cfg)
     case, libs, ops = args.case, args.lib.split(","), args.op.split(",")
     jax = _setup_jax()
-    import numpy as np  # noqa: F401
+    import numpy as np
 
     import jaxckpt
 
@@ -383,7 +457,7 @@ def run_worker(args) -> dict:
             if "save" in ops or "copy" in ops:
                 arrays = build_host_arrays(case, cfg)
             if "save" in ops:
-                res.update(_timed_save(lambda: limit_write(d, arrays)))
+                res.update(_timed_save(lambda d=d, a=arrays: limit_write(d, a)))
                 res["files"], res["disk_bytes"] = dir_stats(d)
             if "copy" in ops:
                 res["copy_s"] = limit_copy(arrays)
@@ -404,10 +478,12 @@ def run_worker(args) -> dict:
         for op in ops:
             if op == "copy":  # a limit-only op
                 continue
-            if op == "save":
+            if op == "async":
+                res.update(timed_async(jax, lib, d, case, cfg, full_verify=args.verify))
+            elif op == "save":
                 tree = build_state(jax, case, cfg)
                 h = JaxckptLib(d) if lib == "jaxckpt" else OrbaxLib(d, lib == "orbax")
-                res.update(_timed_save(lambda: h.save(tree)))
+                res.update(_timed_save(lambda h=h, t=tree: h.save(t)))
                 res["files"], res["disk_bytes"] = dir_stats(h.ckpt_dir())
                 if isinstance(h, OrbaxLib):
                     h.close()
@@ -460,7 +536,7 @@ def spawn(case: str, libs: list[str], ops: list[str], d: str, cfg: dict, verify:
            "--lib", ",".join(libs), "--op", ",".join(ops), "--dir", d, "--cfg", json.dumps(cfg)]
     if verify:
         cmd.append("--verify")
-    p = subprocess.run(cmd, capture_output=True, text=True, env=_worker_env(), cwd=REPO,
+    p = subprocess.run(cmd, check=False, capture_output=True, text=True, env=_worker_env(), cwd=REPO,
                        timeout=WORKER_TIMEOUT_S)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith(MARK)]
     if p.returncode != 0 or not lines:
@@ -475,42 +551,49 @@ def _sync_rmtree(d: str) -> None:
     os.sync()
 
 
-def _ops_for(case: str, lib: str) -> list[list[str]]:
+OP_ORDER = ["save", "copy", "restore_same", "restore_other", "async"]
+
+
+def _ops_for(case: str, lib: str, mode: str = "default") -> list[list[str]]:
     """Worker processes (each a list of ops) for one rep of one library."""
+    if mode == "scaling":  # jaxckpt sync save + same-sharding restore; the write limit
+        return [["save"]] if lib == "limit" else [["save"], ["restore_same"]]
     restores = ["restore_same", "restore_other"] if case == "big" else ["restore_same"]
     if lib == "limit":
         return [["save", "copy"], ["restore_same"]]
-    return [["save"]] + [[r] for r in restores]
+    asyncs = [["async"]] if case == "big" else []
+    return [["save"]] + [[r] for r in restores] + asyncs
 
 
 def run_case(case: str, libs: list[str], cfg: dict, reps: int, smoke: bool, samples: dict,
-             errors: list) -> None:
+             errors: list, mode: str = "default", tag: str = "") -> None:
+    tag = tag or case
     os.makedirs(OUT_ROOT, exist_ok=True)
     for rep in range(reps):
         order = libs[rep % len(libs):] + libs[: rep % len(libs)]  # rotate to spread drift
         tmp = tempfile.mkdtemp(prefix=f"{case}-r{rep}-", dir=OUT_ROOT)
         try:
             if smoke:  # one process for the whole case: checks every code path quickly
-                all_ops = sorted({op for lib in order for g in _ops_for(case, lib) for op in g},
-                                 key=["save", "copy", "restore_same", "restore_other"].index)
+                all_ops = sorted({op for lib in order for g in _ops_for(case, lib, mode) for op in g},
+                                 key=OP_ORDER.index)
                 groups = [(order, [all_ops])]
             else:  # one process per (library, op group); a library's files go when it is done
-                groups = [([lib], _ops_for(case, lib)) for lib in order]
+                groups = [([lib], _ops_for(case, lib, mode)) for lib in order]
             for job_libs, jobs in groups:
                 for ops in jobs:
                     t0 = time.perf_counter()
                     try:
                         out = spawn(case, job_libs, ops, tmp, cfg, verify=smoke)
                     except Exception as e:  # noqa: BLE001 - keep going, report at the end
-                        errors.append(str(e))
-                        print(f"  [{case} rep {rep}] {','.join(job_libs)} {','.join(ops)}: "
+                        errors.append(f"[{tag} rep {rep}] {e}")
+                        print(f"  [{tag} rep {rep}] {','.join(job_libs)} {','.join(ops)}: "
                               "FAILED", file=sys.stderr)
                         continue
                     JAXCKPT_FILES.add(out.get("jaxckpt_file"))
                     for lib, res in out["results"].items():
                         for k, v in res.items():
                             samples.setdefault(case, {}).setdefault(lib, {}).setdefault(k, []).append(v)
-                    print(f"  [{case} rep {rep}] {','.join(job_libs)} {','.join(ops)}: "
+                    print(f"  [{tag} rep {rep}] {','.join(job_libs)} {','.join(ops)}: "
                           f"{time.perf_counter() - t0:.1f}s wall", file=sys.stderr)
                 for lib in job_libs:
                     _sync_rmtree(os.path.join(tmp, lib))
@@ -552,15 +635,23 @@ ROWS = {
         ("restore_same_rss", "MiB", "  restore: peak RSS over baseline"),
         ("restore_other_s", "s", "restore onto 2x2 mesh P(None,'b')"),
         ("restore_other_rss", "MiB", "  restore 2x2: peak RSS over baseline"),
+        ("async_block_s", "s", "async save: blocking"),
+        ("async_total_s", "s", "async save: total to commit"),
+        ("async_rss", "MiB", "  async save: peak RSS over baseline"),
+        ("async_block2_s", "s", "  async: blocking, 2nd save same mgr"),
+        ("async_total2_s", "s", "  async: total, 2nd save same mgr"),
         ("copy_s", "s", "memcpy of all bytes (limit only)"),
         ("files", "", "files per checkpoint"),
         ("disk_bytes", "MiB", "bytes per checkpoint"),
     ],
     "import": [("import_s", "s", "import time minus `python -c pass`")],
 }
-ROWS["many"] = [r for r in ROWS["big"] if not r[0].startswith("restore_other")]
-# Rows whose limit column borrows another limit metric.
-LIMIT_ALIAS = {"restore_other_s": "restore_same_s", "restore_other_rss": "restore_same_rss"}
+ROWS["many"] = [r for r in ROWS["big"] if not r[0].startswith(("restore_other", "async_"))]
+# Rows whose limit column borrows another limit metric: the blocking part of an async
+# save against the memcpy of all bytes, its total against the write limit (tofile+fsync).
+LIMIT_ALIAS = {"restore_other_s": "restore_same_s", "restore_other_rss": "restore_same_rss",
+               "async_block_s": "copy_s", "async_block2_s": "copy_s",
+               "async_total_s": "save_call_s", "async_total2_s": "save_call_s"}
 COLS = ("jaxckpt", "orbax", "orbax_nocomp", "limit")
 RATIOS = (("jaxckpt", "orbax"), ("jaxckpt", "orbax_nocomp"), ("jaxckpt", "limit"))
 
@@ -621,6 +712,154 @@ def print_table(table: dict, cfg: dict, reps: int) -> None:
             print("limit: save = ndarray.tofile + fsync, 4 threads into 4 files; restore = those "
                   "files read by 4 threads into fresh numpy arrays (also the limit for the 2x2 "
                   "restore); RSS limit = that read")
+        if case == "big":
+            _print_async_note(rows)
+
+
+def _print_async_note(rows) -> None:
+    by = {r["metric"]: r for r in rows}
+    for key, what in (("async_block_s", "first save in a fresh process"),
+                      ("async_block2_s", "2nd save, same manager")):
+        r = by.get(key)
+        if not r:
+            continue
+        med = r["median"]
+        parts = [f"{lib} {med[lib] * 1e3:.0f} ms" for lib in ("jaxckpt", "orbax", "orbax_nocomp")
+                 if lib in med]
+        if "limit" in med:
+            parts.append(f"memcpy limit {med['limit'] * 1e3:.0f} ms")
+        ratios = [f"{k.replace('limit', 'memcpy')} {v:.2f}" for k, v in r["ratios"].items()]
+        print(f"async save blocking ({what}): " + ", ".join(parts)
+              + ("; " + ", ".join(ratios) if ratios else ""))
+
+
+# --- scaling ------------------------------------------------------------------------
+
+SCALING_GIB = (0.25, 1.0, 4.0)
+SCALING_LEAVES = (100, 1000, 10000)
+SCALING_SMOKE_GIB = (1 / 1024, 4 / 1024, 16 / 1024)
+SCALING_SMOKE_LEAVES = (10, 50, 200)
+# (case, lib, metric, unit, label)
+SCALING_SERIES = {
+    "big": [("jaxckpt", "save_call_s", "s", "jaxckpt save call"),
+            ("jaxckpt", "save_s", "s", "jaxckpt save incl. os.sync"),
+            ("jaxckpt", "restore_same_s", "s", "jaxckpt restore, same sharding"),
+            ("limit", "save_call_s", "s", "limit write (tofile+fsync)"),
+            ("jaxckpt", "save_rss", "MiB", "jaxckpt save peak RSS"),
+            ("jaxckpt", "restore_same_rss", "MiB", "jaxckpt restore peak RSS")],
+    "many": [("jaxckpt", "save_call_s", "s", "jaxckpt save call"),
+             ("jaxckpt", "save_s", "s", "jaxckpt save incl. os.sync"),
+             ("jaxckpt", "restore_same_s", "s", "jaxckpt restore"),
+             ("jaxckpt", "save_rss", "MiB", "jaxckpt save peak RSS"),
+             ("jaxckpt", "restore_same_rss", "MiB", "jaxckpt restore peak RSS")],
+}
+
+
+def make_cfg(size_gib: float, many_leaves: int) -> dict:
+    shapes = big_shapes(int(size_gib * GiB))
+    return {"size_bytes": int(size_gib * GiB), "many_leaves": many_leaves,
+            "big_shape": list(shapes[0]), "big_bytes": sum(r * c * 4 for r, c in shapes),
+            "many_bytes": sum(4 * math.prod(s) for _, s in many_specs(many_leaves))}
+
+
+def fit_line(xs, ys) -> dict:
+    """Least-squares y = a + b x, plus two linearity checks.
+
+    ``ratio``: (y/x at the largest x) / (y/x at the smallest x); 1 = proportional,
+    < 1 = a fixed cost weighs on the small end, > 1 = superlinear. ``marginal``: the
+    slope between the two largest points over the slope between the two smallest;
+    1 = linear whatever the fixed cost, > 1 = the cost per unit grows with size.
+    """
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else float("nan")
+    a = my - b * mx
+    pts = sorted(zip(xs, ys))
+    (x0, y0), (xn, yn) = pts[0], pts[-1]
+    out = {"slope": b, "intercept": a,
+           "ratio": (yn / xn) / (y0 / x0) if y0 > 0 and x0 > 0 else None, "marginal": None}
+    if n >= 3:
+        lo = (pts[1][1] - pts[0][1]) / (pts[1][0] - pts[0][0])
+        hi = (pts[-1][1] - pts[-2][1]) / (pts[-1][0] - pts[-2][0])
+        out["marginal"] = hi / lo if lo > 0 else None
+    return out
+
+
+def run_scaling(reps: int, smoke: bool, samples: dict, errors: list) -> dict:
+    """Big case at SCALING_GIB (jaxckpt + write limit), many case at SCALING_LEAVES."""
+    gibs = SCALING_SMOKE_GIB if smoke else SCALING_GIB
+    leaves = SCALING_SMOKE_LEAVES if smoke else SCALING_LEAVES
+    points = {"big": [(g, make_cfg(g, 50)) for g in gibs],
+              "many": [(n, make_cfg(1 / 1024, n)) for n in leaves]}
+    libs = {"big": ["jaxckpt", "limit"], "many": ["jaxckpt"]}
+    for case in ("big", "many"):
+        for x, cfg in points[case]:
+            tag = f"{case}@{x:g}{'GiB' if case == 'big' else 'leaves'}"
+            print(f"-- scaling {tag} ({reps} rep(s))", file=sys.stderr)
+            run_case(case, libs[case], cfg, reps, smoke, samples.setdefault(tag, {}), errors,
+                     mode="scaling", tag=tag)
+    out: dict = {}
+    for case in ("big", "many"):
+        series = []
+        for lib, key, unit, label in SCALING_SERIES[case]:
+            xs, ys, raw, xlab = [], [], [], []
+            for x, cfg in points[case]:
+                tag = f"{case}@{x:g}{'GiB' if case == 'big' else 'leaves'}"
+                vals = samples.get(tag, {}).get(case, {}).get(lib, {}).get(key)
+                if not vals:
+                    continue
+                scale = MiB if unit == "MiB" else 1
+                # x in GiB actually saved / in thousands of leaves
+                xs.append(cfg["big_bytes"] / GiB if case == "big" else cfg["many_leaves"] / 1000)
+                ys.append(statistics.median(vals) / scale)
+                raw.append([v / scale for v in vals])
+                xlab.append(x)
+            if len(xs) < 2:
+                continue
+            series.append({"lib": lib, "metric": key, "unit": unit, "label": label, "x": xs,
+                           "points": xlab, "median": ys, "samples": raw, "fit": fit_line(xs, ys)})
+        out[case] = {"x_unit": "GiB" if case == "big" else "1000 leaves",
+                     "points": [x for x, _ in points[case]], "series": series}
+    return out
+
+
+def print_scaling(sc: dict, reps: int) -> None:
+    heads = {"big": "scaling, big: 8 float32 leaves, mesh (4,) P('data', None); jaxckpt.save/"
+                    "restore vs the write limit",
+             "many": "scaling, many: float32 leaves of 1-16 KiB, single device"}
+    for case, d in sc.items():
+        per = "GiB" if case == "big" else "1k leaves"
+        if case == "many":
+            pts = [f"{x} leaves" for x in d["points"]]
+        else:
+            pts = [f"{x:g} GiB" if x >= 0.1 else f"{x * 1024:g} MiB" for x in d["points"]]
+        print(f"\n== {heads[case]}  [median of {reps}]")
+        w0 = 36
+        hdr = (f"{'series':<{w0}}" + "".join(f"{p:>13}" for p in pts)
+               + f"{'slope/' + per:>17}{'intercept':>11}{'t/x hi:lo':>11}{'marginal':>10}")
+        print(hdr)
+        for s in d["series"]:
+            cells = {p: m for p, m in zip(s["points"], s["median"])}
+            f = s["fit"]
+            row = f"{(s['label'] + ' [' + s['unit'] + ']')[:w0]:<{w0}}"
+            row += "".join(f"{_fmt(cells.get(x), s['unit']):>13}" for x in d["points"])
+            row += f"{f['slope']:>17.3f}{f['intercept']:>11.3f}"
+            row += f"{f['ratio']:>11.2f}" if f["ratio"] is not None else f"{'-':>11}"
+            row += f"{f['marginal']:>10.2f}" if f["marginal"] is not None else f"{'-':>10}"
+            print(row)
+        if case == "big":  # jaxckpt over the write limit per size
+            by = {(s["lib"], s["metric"]): s for s in d["series"]}
+            j, lim = by.get(("jaxckpt", "save_call_s")), by.get(("limit", "save_call_s"))
+            if j and lim:
+                lm = dict(zip(lim["points"], lim["median"]))
+                cells = [f"{m / lm[p]:.2f}" if lm.get(p) else "-" for p, m in zip(j["points"], j["median"])]
+                print(f"{'jaxckpt save / limit write':<{w0}}" + "".join(f"{c:>13}" for c in cells))
+        print(f"slope: least squares over the medians, in the row's unit per {per} (x = "
+              + ("bytes actually saved)" if case == "big" else "leaves / 1000)"))
+        print("t/x hi:lo = (time/size at the largest) / (time/size at the smallest): 1 = "
+              "proportional, < 1 = fixed costs; marginal = slope between the two largest points / "
+              "slope between the two smallest: 1 = linear, > 1 = superlinear")
 
 
 def _versions() -> dict:
@@ -644,6 +883,10 @@ def main(argv=None) -> int:
     ap.add_argument("--many-leaves", type=int, default=None, help="many case leaves (default 1000)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny version: 4 MiB big case, 50 leaves, 1 rep, one process per case")
+    ap.add_argument("--scaling", action="store_true",
+                    help="scaling check instead of the comparison: big case at 0.25/1/4 GiB "
+                         "(jaxckpt save + restore, write limit), many case at 100/1k/10k leaves "
+                         "(jaxckpt); default 3 reps; with --smoke tiny sizes")
     ap.add_argument("--json", metavar="FILE", help="also write the table (and samples) as JSON")
     ap.add_argument("--jaxckpt-src", metavar="DIR",
                     help="benchmark the jaxckpt package found in DIR (e.g. a `git archive` of a "
@@ -672,6 +915,8 @@ def main(argv=None) -> int:
         JAXCKPT_SRC = os.path.abspath(args.jaxckpt_src)
         if not os.path.isfile(os.path.join(JAXCKPT_SRC, "jaxckpt", "__init__.py")):
             ap.error(f"no jaxckpt package in {JAXCKPT_SRC}")
+    if args.scaling:
+        return main_scaling(args)
     reps = args.reps if args.reps is not None else (1 if args.smoke else 5)
     size_gib = args.size_gib if args.size_gib is not None else (4 / 1024 if args.smoke else 1.0)
     many_leaves = args.many_leaves or (50 if args.smoke else 1000)
@@ -683,10 +928,7 @@ def main(argv=None) -> int:
     for x in libs:
         if x not in LIBS:
             ap.error(f"unknown lib {x!r}")
-    shapes = big_shapes(int(size_gib * GiB))
-    cfg = {"size_bytes": int(size_gib * GiB), "many_leaves": many_leaves,
-           "big_shape": list(shapes[0]), "big_bytes": sum(r * c * 4 for r, c in shapes),
-           "many_bytes": sum(4 * math.prod(s) for _, s in many_specs(many_leaves))}
+    cfg = make_cfg(size_gib, many_leaves)
 
     t_start = time.perf_counter()
     samples: dict = {}
@@ -713,6 +955,27 @@ def main(argv=None) -> int:
                                   "threads": THREADS, "libs": libs,
                                   "jaxckpt_files": sorted(f for f in JAXCKPT_FILES if f)},
                        "versions": _versions(), "table": table, "raw": samples,
+                       "errors": errors}, f, indent=1)
+    return 1 if errors else 0
+
+
+def main_scaling(args) -> int:
+    reps = args.reps if args.reps is not None else (1 if args.smoke else 3)
+    t_start = time.perf_counter()
+    samples: dict = {}
+    errors: list[str] = []
+    sc = run_scaling(reps, args.smoke, samples, errors)
+    print_scaling(sc, reps)
+    print(f"jaxckpt imported from: {', '.join(sorted(f for f in JAXCKPT_FILES if f)) or '-'}")
+    print(f"total wall {time.perf_counter() - t_start:.0f}s")
+    for e in errors:
+        print(f"\nERROR: {e}", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": {"mode": "scaling", "reps": reps, "smoke": args.smoke,
+                                  "devices": NDEV, "threads": THREADS,
+                                  "jaxckpt_files": sorted(f for f in JAXCKPT_FILES if f)},
+                       "versions": _versions(), "scaling": sc, "raw": samples,
                        "errors": errors}, f, indent=1)
     return 1 if errors else 0
 

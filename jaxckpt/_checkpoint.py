@@ -1,9 +1,9 @@
 """``save``, ``restore`` and ``metadata``: blocking functions with no hidden state.
 
-Save runs in two halves so the manager can split them across threads:
-``snapshot`` (flatten, describe, copy local replica-0 shards into host buffers this
-library owns) and ``write_snapshot`` (tensorstore writes of every leaf at once, then
-the manifest, then the commit).
+Save runs in two halves so the manager can split them across threads: ``snapshot``
+(host buffers of everything this process writes; see ``_snapshot``) and
+``save_snapshot`` (write, agree, manifest last, commit). Restore matches the target
+against the manifest, reads through ``_reader`` and places the slices on devices.
 """
 
 from __future__ import annotations
@@ -11,163 +11,19 @@ from __future__ import annotations
 import datetime
 import functools
 import json
-import math
 import time
-from dataclasses import dataclass, field
 from importlib.metadata import version as _dist_version
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from . import _commit, _distributed, _layout, _manifest, _storage, _tree
-from ._errors import CheckpointError, CorruptCheckpointError, TreeMismatchError
+from . import _commit, _distributed, _layout, _manifest, _reader, _storage, _tree
+from ._errors import CheckpointError, TreeMismatchError
 from ._manifest import LeafRecord, Manifest
+from ._snapshot import Snapshot, snapshot, write_data
+from ._snapshot import is_inline as _is_inline
 from ._storage import Location
-
-# Leaves smaller than this go to the per-process OCDBT database; bigger ones get a
-# zarr3 array of their own with one file per chunk.
-SMALL_LEAF_BYTES = 1 << 20
-
-
-# --- save ---------------------------------------------------------------------------
-
-
-@dataclass
-class Snapshot:
-    """What a save needs after the caller's arrays may be gone."""
-
-    structure: dict[str, Any]
-    records: list[LeafRecord]
-    # per leaf: [(index, host buffer)] for the shards this process writes
-    shards: list[list[tuple[_layout.Index, np.ndarray]]]
-    nbytes_local: int = 0
-    stats: dict[str, Any] = field(default_factory=dict)
-
-
-def _is_inline(x: Any) -> bool:
-    return x is None or isinstance(x, (bool, int, float, str))
-
-
-def _is_prng(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def snapshot(tree: Any, *, copy_host_arrays: bool) -> Snapshot:
-    """Flatten ``tree`` and take host buffers of every shard this process must write.
-
-    With ``copy_host_arrays`` numpy leaves are copied, so the caller may mutate them
-    once this returns (jax arrays are immutable; their host buffers are kept alive).
-    """
-    flat, _ = _tree.flatten(tree)
-    structure = _tree.describe(tree)
-    me = _distributed.process_index()
-    records: list[LeafRecord] = []
-    pending: list[tuple[int, list[tuple[_layout.Index, Any]]]] = []
-    shards: list[list[tuple[_layout.Index, np.ndarray]]] = []
-    for i, (path, leaf) in enumerate(flat):
-        if _is_inline(leaf):
-            records.append(LeafRecord(path=path, kind="value", value=leaf))
-            shards.append([])
-            continue
-        kind, impl, key_ndim, scalar = "array", None, 0, False
-        if _is_prng(leaf):
-            kind, impl, key_ndim = "prng_key", str(jax.random.key_impl(leaf)), leaf.ndim
-            leaf = jax.random.key_data(leaf)
-        if isinstance(leaf, np.generic):
-            leaf, scalar = np.asarray(leaf), True
-        if isinstance(leaf, jax.Array):
-            sharding = leaf.sharding
-            shape = tuple(leaf.shape)
-            chunk_shape = _layout.chunk_shape_for(sharding, shape)
-            owned = [(s.index, s.data) for s in leaf.addressable_shards if s.replica_id == 0]
-            for _, data in owned:
-                data.copy_to_host_async()  # start every transfer before waiting on any
-            local = [(_layout.normalize_index(idx, shape), data) for idx, data in owned]
-            writers_by_index = _layout.writer_processes(sharding, shape)
-            sharding_json = _layout.sharding_to_json(sharding)
-        elif isinstance(leaf, np.ndarray):
-            shape = tuple(leaf.shape)
-            chunk_shape = tuple(max(1, d) for d in shape)
-            full = tuple((0, d) for d in shape)
-            data = np.array(leaf, copy=True) if copy_host_arrays else leaf
-            # A host array is the same on every process: process 0 writes it.
-            local = [(full, data)] if me == 0 else []
-            writers_by_index = {full: 0}
-            sharding_json = None
-        else:
-            raise CheckpointError(
-                f"Leaf '{path}' has type {type(leaf).__name__}, which cannot be saved: use "
-                "jax/numpy arrays or int/float/bool/str/None"
-            )
-        dtype = _storage.dtype_name(leaf.dtype)
-        nbytes = math.prod(shape) * _storage.DTYPES[dtype].itemsize
-        store = "ocdbt" if nbytes < SMALL_LEAF_BYTES else "file"
-        writers: tuple[int, ...] = ()
-        if store == "ocdbt" and 0 not in shape:
-            grid = _layout.chunk_grid_shape(shape, chunk_shape)
-            w = [0] * math.prod(grid)
-            for index, proc in writers_by_index.items():
-                cell = tuple(a // c for (a, _), c in zip(index, chunk_shape))
-                w[_layout.chunk_flat_index(cell, grid)] = proc
-            writers = tuple(w)
-        records.append(LeafRecord(
-            path=path, kind=kind, dtype=dtype, shape=shape, scalar=scalar, impl=impl,
-            key_ndim=key_ndim, sharding=sharding_json, store=store, key=str(i),
-            chunk_shape=chunk_shape, storage_dtype=_storage.storage_dtype_name(dtype),
-            nbytes=nbytes, writers=writers,
-        ))
-        pending.append((len(shards), local))
-        shards.append([])
-    total = 0
-    for slot, local in pending:
-        bufs = []
-        for index, data in local:
-            host = data if isinstance(data, np.ndarray) else np.asarray(data)
-            total += host.nbytes
-            bufs.append((index, host))
-        shards[slot] = bufs
-    return Snapshot(structure, records, shards, nbytes_local=total)
-
-
-def _writer_of(rec: LeafRecord, index: _layout.Index) -> int:
-    if rec.store != "ocdbt":
-        return 0
-    grid = _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
-    cell = tuple(a // c for (a, _), c in zip(index, rec.chunk_shape))
-    return rec.writers[_layout.chunk_flat_index(cell, grid)] if index else rec.writers[0]
-
-
-def write_data(staging: Location, snap: Snapshot) -> None:
-    """Write this process's shards of every leaf, all in flight at once; wait until durable."""
-    me = _distributed.process_index()
-    ctx = _storage.new_context(staging)
-    opens: list[tuple[int, Any]] = []
-    for i, rec in enumerate(snap.records):
-        if rec.kind == "value":
-            continue
-        spec = _storage.array_spec(staging, rec.store, rec.key, rec.shape, rec.chunk_shape,
-                                   rec.storage_dtype, writer=me)
-        # Process 0 writes each array's zarr.json (in its own db for OCDBT leaves);
-        # everyone else opens blind from the spec and only writes chunks.
-        create = me == 0
-        if snap.shards[i] or create:
-            opens.append((i, _storage.open_array(spec, ctx, create=create)))
-    writes = []
-    try:
-        for i, fut in opens:
-            store = fut.result()
-            rec = snap.records[i]
-            for index, data in snap.shards[i]:
-                if data.size == 0:
-                    continue
-                writes.append((rec, _storage.write_chunk(store, index, data, rec.storage_dtype, rec.key)))
-        for rec, w in writes:
-            w.result()
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise CheckpointError(f"Writing checkpoint '{staging}' failed: {e}") from e
 
 
 def build_manifest(snap: Snapshot, metadata: dict[str, Any] | None,
@@ -190,6 +46,7 @@ def build_manifest(snap: Snapshot, metadata: dict[str, Any] | None,
         metadata=metadata or {},
         process_count=_distributed.process_count(),
         info=info,
+        packed=snap.packed,
     )
 
 
@@ -420,114 +277,75 @@ def _castable(src: np.dtype, dst: np.dtype) -> bool:
     return a is not None and b is not None and a <= b
 
 
-class _Reader:
-    """Issues every read of a restore at once, then hands out host arrays."""
-
-    def __init__(self, loc: Location, man: Manifest):
-        self.loc, self.man = loc, man
-        self.ctx = _storage.new_context(loc)
-        self.stores: dict[tuple[str, int], Any] = {}
-
-    def _store(self, rec: LeafRecord, writer: int) -> Any:
-        key = (rec.key, writer)
-        if key not in self.stores:
-            spec = _storage.array_spec(self.loc, rec.store, rec.key, rec.shape, rec.chunk_shape,
-                                       rec.storage_dtype, writer=writer)
-            self.stores[key] = _storage.open_array(spec, self.ctx, create=False)
-        return self.stores[key]
-
-    def start(self, rec: LeafRecord, index: _layout.Index) -> list[tuple[_layout.Index, Any]]:
-        """Futures covering ``index``: [(sub-index in global coords, future)]."""
-        itemsize = _storage.DTYPES[rec.dtype].itemsize
-        if _layout.index_size(index) == 0:
-            return []
-        if rec.store == "file" or len(set(rec.writers)) == 1:
-            writer = rec.writers[0] if rec.writers else 0
-            store = self._store(rec, writer).result()
-            return [(index, _storage.read_region(store, index, _layout.index_size(index) * itemsize))]
-        # OCDBT leaf written by several processes: read each chunk from its writer's db.
-        grid = _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
-        parts = []
-        for cell, overlap in _layout.chunks_overlapping(index, rec.chunk_shape):
-            writer = rec.writers[_layout.chunk_flat_index(cell, grid)]
-            store = self._store(rec, writer).result()
-            parts.append((overlap, _storage.read_region(store, overlap, _layout.index_size(overlap) * itemsize)))
-        return parts
-
-    def finish(self, rec: LeafRecord, index: _layout.Index, parts: list) -> np.ndarray:
-        saved = _storage.DTYPES[rec.dtype]
-        try:
-            if len(parts) == 1 and parts[0][0] == index:
-                out = parts[0][1].result()
-            else:
-                out = np.zeros(_layout.index_shape(index), _storage.DTYPES[rec.storage_dtype])
-                for sub, fut in parts:
-                    rel = tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(sub, index))
-                    out[rel] = fut.result()
-        except Exception as e:
-            raise CorruptCheckpointError(
-                f"Checkpoint '{self.loc}': leaf '{rec.path}' could not be read: {e}"
-            ) from e
-        if out.dtype != saved:
-            out = out.view(saved)
-        return out
-
-
 def _restore_leaves(loc: Location, man: Manifest, requests: list[_Request]) -> list[Any]:
-    reader = _Reader(loc, man)
-    # 1. plan and start every read
+    """Read what every request needs (each distinct slice once), then place it."""
+    reader = _reader.Reader(loc, man)
     plans: list[Any] = []
     for req in requests:
         rec = req.rec
         if req.mode == "value":
             plans.append(None)
-            continue
-        if req.mode in ("numpy", "scalar"):
+        elif req.mode in ("numpy", "scalar"):
             full = tuple((0, d) for d in rec.shape)
-            plans.append({full: reader.start(rec, full)})
-            continue
-        sharding = req.sharding
-        if rec.kind == "prng_key":
-            sharding = _key_data_sharding(sharding, len(rec.shape) - rec.key_ndim, rec.path)
-        per_device = _layout.needed_indices(sharding, rec.shape)
-        unique: dict[_layout.Index, Any] = {}
-        for index in per_device.values():
-            if index not in unique:
-                unique[index] = reader.start(rec, index)
-        plans.append((sharding, per_device, unique))
-    # 2. collect and assemble
-    out: list[Any] = []
-    for req, plan in zip(requests, plans):
+            reader.add(rec, full)
+            plans.append(full)
+        else:
+            sharding = req.sharding
+            if rec.kind == "prng_key":
+                sharding = _key_data_sharding(sharding, len(rec.shape) - rec.key_ndim, rec.path)
+            per_device = _layout.needed_indices(sharding, rec.shape)
+            for index in set(per_device.values()):
+                reader.add(rec, index)
+            plans.append((sharding, per_device))
+    reader.run()
+
+    out: list[Any] = [None] * len(requests)
+    # Device placement, batched: the first device of each host buffer adopts it (no copy
+    # on CPU when aligned); further devices holding the same slice get their own copy.
+    placements: dict[bool, tuple[list, list, list]] = {True: ([], [], []), False: ([], [], [])}
+    for i, (req, plan) in enumerate(zip(requests, plans)):
         rec = req.rec
         if req.mode == "value":
-            out.append(rec.value)
+            out[i] = rec.value
             continue
         if req.mode in ("numpy", "scalar"):
-            (full, parts), = plan.items()
-            arr = _empty_or(reader, rec, full, parts)
+            arr = reader.get(rec, plan)
             if req.mode == "scalar":
-                out.append(type(req.target)(arr.item()))
+                out[i] = type(req.target)(arr.item())
                 continue
             if req.dtype is not None and arr.dtype != req.dtype:
                 arr = arr.astype(req.dtype)
-            out.append(arr[()] if rec.scalar else arr)
+            out[i] = arr[()] if rec.scalar else arr
             continue
-        sharding, per_device, unique = plan
-        host = {index: _empty_or(reader, rec, index, parts) for index, parts in unique.items()}
-        if req.dtype is not None:
-            host = {k: (v.astype(req.dtype) if v.dtype != req.dtype else v) for k, v in host.items()}
-        arrays = [jax.device_put(host[index], device) for device, index in per_device.items()]
-        arr = jax.make_array_from_single_device_arrays(rec.shape, sharding, arrays)
+        _, per_device = plan
+        adopted: set[_layout.Index] = set()
+        host: dict[_layout.Index, np.ndarray] = {}
+        for device, index in per_device.items():
+            if index not in host:
+                arr = reader.get(rec, index)
+                if req.dtype is not None and arr.dtype != req.dtype:
+                    arr = arr.astype(req.dtype)
+                host[index] = arr
+            alias = index not in adopted
+            adopted.add(index)
+            xs, ds, slots = placements[alias]
+            xs.append(host[index])
+            ds.append(device)
+            slots.append((i, device))
+    per_leaf: dict[int, dict[Any, Any]] = {}
+    for alias, (xs, ds, slots) in placements.items():
+        if xs:
+            for (i, device), arr in zip(slots, jax.device_put(xs, ds, may_alias=alias)):
+                per_leaf.setdefault(i, {})[device] = arr
+    for i, arrays in per_leaf.items():
+        rec = requests[i].rec
+        sharding, per_device = plans[i]
+        arr = jax.make_array_from_single_device_arrays(
+            rec.shape, sharding, [arrays[d] for d in per_device])
         if rec.kind == "prng_key":
             arr = jax.random.wrap_key_data(arr, impl=rec.impl)
-        out.append(arr)
+        out[i] = arr
     return out
-
-
-def _empty_or(reader: _Reader, rec: LeafRecord, index: _layout.Index, parts: list) -> np.ndarray:
-    if _layout.index_size(index) == 0:
-        return np.zeros(_layout.index_shape(index), _storage.DTYPES[rec.dtype])
-    return reader.finish(rec, index, parts)
 
 
 def _key_data_sharding(sharding: Any, extra: int, path: str) -> Any:

@@ -17,7 +17,7 @@ from ._errors import CheckpointError, CheckpointNotFoundError
 from ._storage import Location
 
 TMP_MARK = ".jaxckpt-tmp-"
-DATA_DIRS = {"arrays", "ocdbt"}  # what a checkpoint holds besides its manifest
+DATA_DIRS = {"arrays", "packed"}  # what a checkpoint holds besides its manifest
 OLD_MARK = ".jaxckpt-old-"
 
 

@@ -166,3 +166,48 @@ def chunk_flat_index(cell: Sequence[int], grid: Sequence[int]) -> int:
     for g, n in zip(cell, grid):
         flat = flat * n + g
     return flat
+
+
+def replica0_devices(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> dict[Any, Index]:
+    """Device -> index for the devices holding replica 0 of each distinct index."""
+    out: dict[Any, Index] = {}
+    seen: set[Index] = set()
+    for device, index in sharding.devices_indices_map(tuple(shape)).items():
+        key = normalize_index(index, shape)
+        if key not in seen:
+            seen.add(key)
+            out[device] = key
+    return out
+
+
+def chunk_region(cell: Sequence[int], chunk_shape: Sequence[int], shape: Sequence[int]) -> Index:
+    """The part of the array that chunk ``cell`` covers (edge chunks are clipped)."""
+    return tuple((g * c, min((g + 1) * c, s)) for g, c, s in zip(cell, chunk_shape, shape))
+
+
+def chunk_cells(shape: Sequence[int], chunk_shape: Sequence[int]) -> list[tuple[int, ...]]:
+    """Every chunk grid position in C order (none for a zero-size array)."""
+    return list(np.ndindex(*chunk_grid_shape(shape, chunk_shape)))
+
+
+PACK_ALIGN = 64  # bytes; aligned host buffers let jax alias them on CPU
+
+
+def pack_offsets(chunk_writers: Sequence[Sequence[tuple[int, int]]]) -> tuple[list[list[int]], dict[int, int]]:
+    """Lay the chunks of small leaves out in one byte array per writing process.
+
+    ``chunk_writers[i]`` lists, for leaf ``i``'s chunks in C order, ``(process, nbytes)``.
+    Returns each chunk's offset in its process's array and each process's total size.
+    A pure function of the global layout, so every process computes the same answer
+    (process 0 writes the manifest without asking the others).
+    """
+    sizes: dict[int, int] = {}
+    offsets: list[list[int]] = []
+    for chunks in chunk_writers:
+        leaf = []
+        for proc, nbytes in chunks:
+            at = sizes.get(proc, 0)
+            leaf.append(at)
+            sizes[proc] = at + -(-nbytes // PACK_ALIGN) * PACK_ALIGN
+        offsets.append(leaf)
+    return offsets, sizes

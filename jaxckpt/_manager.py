@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from . import _checkpoint, _commit, _distributed, _retention, _storage
+from . import _checkpoint, _commit, _distributed, _retention, _snapshot, _storage
 from ._errors import CheckpointError, CheckpointNotFoundError
 from ._manifest import Manifest
 
@@ -201,7 +201,7 @@ class CheckpointManager:
         if metrics is not None:
             metrics = _checkpoint._check_metadata(metrics)
         self._wait_for_slot()
-        snap = _checkpoint.snapshot(state, copy_host_arrays=self._async)
+        snap = _snapshot.snapshot(state, copy_host_arrays=self._async)
         op_id = _distributed.next_id()  # in program order, the same in every process
         blocking = time.perf_counter() - t_start
         job = lambda: self._write(step, snap, metrics, t_start, blocking, op_id)
@@ -224,7 +224,7 @@ class CheckpointManager:
             concurrent.futures.wait([oldest.future])
             self._raise_background_error()
 
-    def _write(self, step: int, snap: _checkpoint.Snapshot, metrics: dict | None, t_start: float,
+    def _write(self, step: int, snap: _snapshot.Snapshot, metrics: dict | None, t_start: float,
                blocking: float, op_id: int) -> None:
         try:
             final = self._dir.child(_commit.step_name(step))

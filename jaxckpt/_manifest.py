@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import _layout, _storage
 from ._errors import CorruptCheckpointError
@@ -21,7 +21,7 @@ FORMAT = "jaxckpt"
 FORMAT_VERSION = 1
 
 KINDS = ("array", "prng_key", "value")
-STORES = ("file", "ocdbt")
+STORES = ("file", "packed")
 _MAX_RANK = 64
 _MAX_DIM = 1 << 62
 _MAX_CHUNKS = 1 << 20
@@ -46,7 +46,7 @@ class LeafRecord:
     chunk_shape: tuple[int, ...] = ()
     storage_dtype: str = ""
     nbytes: int = 0
-    writers: tuple[int, ...] = ()  # per chunk (C order): process that wrote it (ocdbt)
+    chunks: tuple[tuple[int, int], ...] = ()  # packed: per chunk (C order) (process, offset)
 
     def to_json(self) -> dict[str, Any]:
         if self.kind == "value":
@@ -69,11 +69,17 @@ class LeafRecord:
             out["key_ndim"] = self.key_ndim
         if self.storage_dtype != self.dtype:
             out["storage_dtype"] = self.storage_dtype
-        if self.store == "ocdbt":
-            out["writers"] = (
-                self.writers[0] if len(set(self.writers)) == 1 else list(self.writers)
-            )
+        if self.store == "packed":
+            out["chunks"] = [list(c) for c in self.chunks]
         return out
+
+
+class PackedArray(NamedTuple):
+    """One process's byte array of small leaves (``packed/p<process>/``)."""
+
+    process: int
+    nbytes: int
+    chunk_bytes: int
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,7 @@ class Manifest:
     metadata: dict[str, Any]
     process_count: int
     info: dict[str, Any] = field(default_factory=dict)  # versions, times, stats
+    packed: tuple[PackedArray, ...] = ()
 
     def to_bytes(self) -> bytes:
         doc = {
@@ -91,6 +98,7 @@ class Manifest:
             "format_version": self.format_version,
             **self.info,
             "process_count": self.process_count,
+            "packed": [p._asdict() for p in self.packed],
             "metadata": self.metadata,
             "structure": self.structure,
             "leaves": [r.to_json() for r in self.leaves],
@@ -121,6 +129,7 @@ def parse(data: bytes, where: str) -> Manifest:
         metadata = {}
     if not isinstance(metadata, dict):
         raise bad("metadata is not an object")
+    packed = _parse_packed(doc.get("packed", []), process_count, bad)
     raw_leaves = doc.get("leaves")
     if not isinstance(raw_leaves, list):
         raise bad("leaves is not a list")
@@ -128,7 +137,7 @@ def parse(data: bytes, where: str) -> Manifest:
     seen_paths: set[str] = set()
     seen_keys: set[tuple[str, str]] = set()
     for i, raw in enumerate(raw_leaves):
-        rec = _parse_leaf(raw, i, process_count, bad)
+        rec = _parse_leaf(raw, i, packed, bad)
         if rec.path in seen_paths:
             raise bad(f"duplicate leaf path '{rec.path}'")
         seen_paths.add(rec.path)
@@ -140,8 +149,25 @@ def parse(data: bytes, where: str) -> Manifest:
     structure = doc.get("structure")
     _check_structure(structure, len(leaves), bad)
     info = {k: v for k, v in doc.items()
-            if k not in ("format", "format_version", "process_count", "metadata", "structure", "leaves")}
-    return Manifest(version, structure, tuple(leaves), metadata, process_count, info)
+            if k not in ("format", "format_version", "process_count", "packed", "metadata", "structure",
+                         "leaves")}
+    return Manifest(version, structure, tuple(leaves), metadata, process_count, info,
+                    tuple(packed[k] for k in sorted(packed)))
+
+
+def _parse_packed(raw: Any, process_count: int, bad) -> dict[int, PackedArray]:
+    if not isinstance(raw, list):
+        raise bad("packed is not a list")
+    out: dict[int, PackedArray] = {}
+    for entry in raw:
+        if not isinstance(entry, dict):
+            raise bad("packed entry is not an object")
+        p, n, c = entry.get("process"), entry.get("nbytes"), entry.get("chunk_bytes")
+        if not (_is_int(p) and 0 <= p < process_count and p not in out and _is_int(n)
+                and 0 < n <= _MAX_NBYTES and _is_int(c) and 0 < c <= n):
+            raise bad(f"packed entry {entry!r}")
+        out[p] = PackedArray(p, n, c)
+    return out
 
 
 def _is_int(x: Any) -> bool:
@@ -152,7 +178,7 @@ def _int_list(x: Any, lo: int, hi: int) -> bool:
     return isinstance(x, list) and len(x) <= _MAX_RANK and all(_is_int(v) and lo <= v < hi for v in x)
 
 
-def _parse_leaf(raw: Any, i: int, process_count: int, bad) -> LeafRecord:
+def _parse_leaf(raw: Any, i: int, packed: dict[int, PackedArray], bad) -> LeafRecord:
     if not isinstance(raw, dict):
         raise bad(f"leaf #{i} is not an object")
     path = raw.get("path")
@@ -191,16 +217,19 @@ def _parse_leaf(raw: Any, i: int, process_count: int, bad) -> LeafRecord:
     key = raw.get("key")
     if not isinstance(key, str) or not _storage.is_safe_key(key):
         raise bad(f"leaf '{path}': data key {key!r} is not a relative path inside the checkpoint")
-    writers: tuple[int, ...] = ()
-    if store == "ocdbt":
-        w = raw.get("writers")
-        if _is_int(w):
-            w = [w] * n_chunks
-        if not isinstance(w, list) or len(w) != n_chunks or not all(
-            _is_int(p) and 0 <= p < process_count for p in w
-        ):
-            raise bad(f"leaf '{path}': writers do not match its {n_chunks} chunks")
-        writers = tuple(w)
+    chunks: tuple[tuple[int, int], ...] = ()
+    if store == "packed":
+        raw_chunks = raw.get("chunks")
+        if not isinstance(raw_chunks, list) or len(raw_chunks) != n_chunks:
+            raise bad(f"leaf '{path}': chunks do not match its {n_chunks} chunk grid")
+        cells = _layout.chunk_cells(shape, chunk_shape)
+        for cell, c in zip(cells, raw_chunks):
+            region = _layout.chunk_region(cell, chunk_shape, shape)
+            size = _layout.index_size(region) * itemsize
+            if not (isinstance(c, list) and len(c) == 2 and _is_int(c[0]) and c[0] in packed
+                    and _is_int(c[1]) and 0 <= c[1] and c[1] + size <= packed[c[0]].nbytes):
+                raise bad(f"leaf '{path}': chunk {c!r} lies outside the packed data")
+        chunks = tuple((c[0], c[1]) for c in raw_chunks)
     sharding = raw.get("sharding")
     try:
         _layout.sharding_from_json(sharding)
@@ -214,7 +243,7 @@ def _parse_leaf(raw: Any, i: int, process_count: int, bad) -> LeafRecord:
     return LeafRecord(
         path=path, kind=kind, dtype=dtype, shape=tuple(shape), scalar=bool(raw.get("scalar", False)),
         impl=impl, key_ndim=key_ndim, sharding=sharding, store=store, key=key,
-        chunk_shape=tuple(chunk_shape), storage_dtype=storage_dtype, nbytes=nbytes, writers=writers,
+        chunk_shape=tuple(chunk_shape), storage_dtype=storage_dtype, nbytes=nbytes, chunks=chunks,
     )
 
 

@@ -5,8 +5,9 @@ Two stores hold array data inside a checkpoint:
 
 * ``file``: one zarr3 array per leaf under ``arrays/<i>/``, one object per chunk. Best
   for big leaves: chunks are written and read in parallel at disk speed.
-* ``ocdbt``: small leaves share one OCDBT database per writing process
-  (``ocdbt/p<k>/``), so a thousand small leaves are a handful of files, not thousands.
+* ``packed``: small leaves are laid out back to back in one zarr3 byte array per
+  writing process (``packed/p<k>/``, 4 MiB chunks), so a thousand small leaves are a
+  few files and one read, not thousands.
 
 This module also counts what it reads and writes (``io_stats``), so tests can check
 that a restore reads only what it needs.
@@ -167,13 +168,11 @@ fault_hook = None
 
 # --- arrays -------------------------------------------------------------------------
 
-
 # The memory kvstore lives in a context: everything in memory:// shares this one.
 _MEMORY_CONTEXT = ts.Context()
 
 
 def new_context(root: Location) -> ts.Context:
-    """One context per save/restore, so all its leaves share one OCDBT instance."""
     if root.kvstore["driver"] == "memory":
         return _MEMORY_CONTEXT
     return ts.Context()
@@ -183,31 +182,15 @@ def _kvstore(root: Location) -> ts.KvStore:
     return ts.KvStore.open(root.kvstore, context=new_context(root)).result()
 
 
-_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
-_CODECS_1BYTE = [{"name": "bytes"}, {"name": "crc32c"}]
-
-
-def array_spec(
-    root: Location,
-    store: str,
-    key: str,
-    shape: Sequence[int],
-    chunk_shape: Sequence[int],
-    storage_dtype: str,
-    writer: int = 0,
-) -> dict[str, Any]:
-    """The zarr3 tensorstore spec of one leaf's data (``writer`` picks the OCDBT db)."""
-    if store == "file":
-        kvstore: dict[str, Any] = root.key_spec(f"arrays/{key}/")
-        path = None
-    else:
-        kvstore = {"driver": "ocdbt", "base": root.key_spec(f"ocdbt/p{writer}/")}
-        path = key + "/"
-    codecs = _CODECS_1BYTE if np.dtype(DTYPES[storage_dtype]).itemsize == 1 else _CODECS
-    spec: dict[str, Any] = {
+def _zarr3(kvstore: dict[str, Any], shape: Sequence[int], chunk_shape: Sequence[int],
+           storage_dtype: str) -> dict[str, Any]:
+    itemsize = np.dtype(DTYPES[storage_dtype]).itemsize
+    codecs = [{"name": "bytes"} if itemsize == 1 else
+              {"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+    return {
         "driver": "zarr3",
         "kvstore": kvstore,
-        # A chunk that is all zeros must still be written: missing chunks are errors.
+        # A missing chunk must be an error, never zeros; so all-zero chunks are written too.
         "fill_missing_data_reads": False,
         "store_data_equal_to_fill_value": True,
         "metadata": {
@@ -219,9 +202,17 @@ def array_spec(
             "fill_value": _fill_value(storage_dtype),
         },
     }
-    if path is not None:
-        spec["path"] = path
-    return spec
+
+
+def array_spec(root: Location, key: str, shape: Sequence[int], chunk_shape: Sequence[int],
+               storage_dtype: str) -> dict[str, Any]:
+    """The zarr3 spec of a big leaf's own array, ``arrays/<key>/``."""
+    return _zarr3(root.key_spec(f"arrays/{key}/"), shape, chunk_shape, storage_dtype)
+
+
+def packed_spec(root: Location, process: int, nbytes: int, chunk_bytes: int) -> dict[str, Any]:
+    """The zarr3 spec of one process's byte array of small leaves, ``packed/p<k>/``."""
+    return _zarr3(root.key_spec(f"packed/p{process}/"), [nbytes], [chunk_bytes], "uint8")
 
 
 def _fill_value(storage_dtype: str) -> Any:
@@ -238,23 +229,36 @@ def open_array(spec: dict[str, Any], ctx: ts.Context, *, create: bool) -> ts.Fut
     return ts.open(spec, assume_metadata=True, context=ctx)
 
 
-def write_chunk(store: ts.TensorStore, index: Sequence[tuple[int, int]], data: np.ndarray,
-                storage_dtype: str, key: str) -> ts.WriteFutures:
+def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary.
+
+    On CPU, jax can adopt such a buffer without copying (``device_put(may_alias=True)``).
+    """
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    start = (-raw.ctypes.data) % 64
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def _region(index: Sequence[tuple[int, int]]) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in index)
+
+
+def write_region(store: ts.TensorStore, index: Sequence[tuple[int, int]], data: np.ndarray,
+                 key: str) -> ts.WriteFutures:
+    """Start writing ``data`` (already in the storage dtype) to ``store[index]``."""
     if fault_hook is not None:
         fault_hook("write", key)
-    if data.dtype != DTYPES[storage_dtype]:
-        data = data.view(DTYPES[storage_dtype])
     _count(bytes_written=data.nbytes, writes=1)
-    if not index:
-        return store.write(data)
-    return store[tuple(slice(a, b) for a, b in index)].write(data)
+    return store[_region(index)].write(data) if index else store.write(data)
 
 
-def read_region(store: ts.TensorStore, index: Sequence[tuple[int, int]], nbytes: int) -> ts.Future:
-    _count(bytes_read=nbytes, reads=1)
-    if not index:
-        return store.read()
-    return store[tuple(slice(a, b) for a, b in index)].read()
+def read_into(dest: np.ndarray, store: ts.TensorStore, index: Sequence[tuple[int, int]]) -> ts.Future:
+    """Start reading ``store[index]`` straight into ``dest`` (a numpy array or view)."""
+    _count(bytes_read=dest.nbytes, reads=1)
+    target = ts.array(dest, copy=False, write=True)
+    return target.write(store[_region(index)] if index else store)
 
 
 # --- small blobs (the manifest) -----------------------------------------------------

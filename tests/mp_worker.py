@@ -73,20 +73,29 @@ def main():
         _storage.reset_io_stats()
         back = jaxckpt.restore(path, target)
         result["read"] = _storage.io_stats()["bytes_read"]
-        need = 0
+        with open(os.path.join(path, "manifest.json")) as f:
+            saved = {leaf["path"]: leaf for leaf in json.load(f)["leaves"]}
+        need = chunk_bytes = 0
         for k, v in host.items():
             arr = back[k]
             assert arr.sharding == target[k].sharding
-            seen = set()
+            slices, chunks = set(), set()
             for shard in arr.addressable_shards:
                 got = np.asarray(shard.data)
                 assert got.tobytes() == v[shard.index].tobytes(), (k, shard.index)
-                key = tuple((s.start, s.stop) for s in shard.index)
-                if key not in seen:
-                    seen.add(key)
+                key = tuple((s.start or 0, v.shape[d] if s.stop is None else s.stop)
+                            for d, s in enumerate(shard.index))
+                if key not in slices:
+                    slices.add(key)
                     need += got.nbytes
+                cs = saved[k]["chunk_shape"]
+                ranges = [range(a // c, (b - 1) // c + 1) for (a, b), c in zip(key, cs)]
+                for pos in np.ndindex(*[len(r) for r in ranges]):
+                    chunks.add(tuple(r[i] for r, i in zip(ranges, pos)))
+            chunk_bytes += len(chunks) * int(np.prod(saved[k]["chunk_shape"])) * v.itemsize
         assert back["host"].tolist() == [7, 7, 7] and back["step"] == 12
         result["needed"] = need + 3  # + the host leaf, read whole by every process
+        result["chunk_bytes"] = chunk_bytes + 3  # the saved chunks those slices touch
         result["ok"] = True
     elif scenario in ("fail_write", "die"):
         tree = global_tree(mesh, spec)

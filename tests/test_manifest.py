@@ -45,7 +45,11 @@ BAD = {
     "unreferenced_leaf": (lambda d: d.update(structure={"dict": [["w", {"leaf": 0}]]}),
                           "does not reference every leaf"),
     "bad_value": (lambda d: _leaf(d, "step").update(value={"x": 1}), "inline value of type dict"),
-    "bad_writers": (lambda d: _leaf(d, "w").update(writers=[3]), "writers"),
+    "chunk_of_no_process": (lambda d: _leaf(d, "w").update(chunks=[[3, 0]]), "lies outside the packed data"),
+    "chunk_past_the_end": (lambda d: _leaf(d, "w").update(chunks=[[0, 1 << 30]]), "lies outside the packed data"),
+    "chunk_count": (lambda d: _leaf(d, "w").update(chunks=[]), "chunks do not match"),
+    "packed_table": (lambda d: d.update(packed=[{"process": 5, "nbytes": 10, "chunk_bytes": 10}]),
+                     "packed entry"),
     "duplicate_path": (lambda d: d["leaves"].append(dict(_leaf(d, "step"))), "duplicate leaf path 'step'"),
 }
 
@@ -74,9 +78,10 @@ def test_truncated_and_binary_manifests(saved):
 
 
 def test_round_trip_of_a_record():
-    rec = _manifest.LeafRecord(path="a/b", kind="array", dtype="int4", shape=(4, 2), store="ocdbt", key="3",
-                               chunk_shape=(2, 2), storage_dtype="int4", nbytes=8, writers=(0, 0))
-    man = _manifest.Manifest(1, {"leaf": 0}, (rec,), {"m": 1}, 1)
+    rec = _manifest.LeafRecord(path="a/b", kind="array", dtype="int4", shape=(4, 2), store="packed", key="3",
+                               chunk_shape=(2, 2), storage_dtype="int4", nbytes=8, chunks=((0, 0), (0, 64)))
+    man = _manifest.Manifest(1, {"leaf": 0}, (rec,), {"m": 1}, 1, packed=(_manifest.PackedArray(0, 128, 128),))
     back = _manifest.parse(man.to_bytes(), "x")
     assert back.leaves == (rec,)
+    assert back.packed == man.packed
     assert back.metadata == {"m": 1}

@@ -62,14 +62,25 @@ def test_save_in_n_processes_restore_in_m(tmp_path, case):
     path = str(tmp_path / "ckpt")
     saved = run_job(n, 2, "save", {"mesh": mesh_s, "names": names_s, "spec": spec_s, "path": path})
     written = [saved[i]["written"] for i in range(n)]
-    total = 64 * 4096 * 4 + 8 * 16 * 4 + 16 * 4 + 3
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = json.load(f)
+    packed = sum(p["nbytes"] for p in manifest["packed"])
+    small = 8 * 16 * 4 + 16 * 4 + 3  # the sharded small leaf, the replicated one, the host one
+    n_chunks = sum(len(leaf.get("chunks", [])) for leaf in manifest["leaves"])
+    # small leaves are packed with each shard padded to 64 bytes
+    assert small <= packed < small + 64 * n_chunks
     # every byte written exactly once in total: replicated leaves once, not once per process
-    assert sum(written) == total, written
+    assert sum(written) == 64 * 4096 * 4 + packed, written
     restored = run_job(m, 2, "restore", {"mesh": mesh_r, "names": names_r, "spec": spec_r, "path": path})
     for i in range(m):
         assert restored[i].get("ok"), restored[i]
-        # each process read exactly the distinct slices its own devices hold
-        assert restored[i]["read"] == restored[i]["needed"], restored[i]
+        # Each process read only the saved chunks its own devices' slices touch, each
+        # once (small leaves: plus their 64-byte alignment padding). Where the target's
+        # slices are whole saved chunks that is exactly the bytes its devices hold.
+        r = restored[i]
+        assert r["needed"] <= r["read"] <= r["chunk_bytes"] + 64 * 8, r
+        if case != "4->2":
+            assert r["read"] - r["needed"] < 64 * 8, r
     if case == "2->4":
         print(f"\n(2,4): bytes written per process {written}; read per process "
               f"{[restored[i]['read'] for i in range(m)]}")

@@ -1,0 +1,213 @@
+"""The data half of a restore: read the slices a restore needs, each once, straight
+into 64-byte-aligned host buffers.
+
+Callers ``add`` every (leaf, slice) they need, ``run`` once, then take each slice's
+host array with ``get``. ``run`` plans all I/O together:
+
+* packed (small) leaves: the byte ranges needed are merged where they meet in one
+  stored chunk and read with one tensorstore read each; slices that are exactly one
+  saved shard come back as views of those buffers, without a copy.
+* big leaves: a slice is read straight into its own buffer. A saved chunk that several
+  slices need (a restore onto another layout) is read once into a temporary buffer and
+  copied out, instead of being read and decoded once per slice.
+
+Reads run concurrently within a byte budget, so the memory beyond the restored arrays
+themselves stays bounded.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import _layout, _storage
+from ._errors import CorruptCheckpointError
+from ._manifest import LeafRecord, Manifest
+from ._storage import Location
+
+READ_BUDGET_BYTES = 128 << 20  # bytes of reads in flight (their transient buffers)
+
+
+class Reader:
+    def __init__(self, loc: Location, man: Manifest):
+        self.loc, self.man = loc, man
+        self.ctx = _storage.new_context(loc)
+        self._stores: dict[str, Any] = {}
+        self._packed = {p.process: p for p in man.packed}
+        self._wanted: dict[tuple[str, _layout.Index], LeafRecord] = {}
+        self._out: dict[tuple[str, _layout.Index], np.ndarray] = {}
+
+    def add(self, rec: LeafRecord, index: _layout.Index) -> None:
+        self._wanted[(rec.path, index)] = rec
+
+    def get(self, rec: LeafRecord, index: _layout.Index) -> np.ndarray:
+        """The slice as a host array of the saved dtype."""
+        out = self._out[(rec.path, index)]
+        saved = _storage.DTYPES[rec.dtype]
+        return out if out.dtype == saved else out.view(saved)
+
+    # --- planning and running ----------------------------------------------------
+
+    def run(self) -> None:
+        ops: list[_Op] = []
+        packed_requests = []
+        by_leaf: dict[str, list[_layout.Index]] = collections.defaultdict(list)
+        for (path, index), rec in self._wanted.items():
+            if _layout.index_size(index) == 0:
+                self._out[(path, index)] = np.zeros(_layout.index_shape(index), _storage.DTYPES[rec.storage_dtype])
+            elif rec.store == "packed":
+                packed_requests.append((rec, index))
+            else:
+                by_leaf[path].append(index)
+        ranges = self._plan_packed(packed_requests, ops)
+        for path, indices in by_leaf.items():
+            self._plan_file_leaf(self._wanted[(path, indices[0])], indices, ops)
+        _execute(ops, self.loc)
+        for rec, index in packed_requests:
+            self._out[(rec.path, index)] = self._assemble_packed(rec, index, ranges)
+
+    def _store(self, spec: dict[str, Any], key: str) -> Any:
+        if key not in self._stores:
+            self._stores[key] = _storage.open_array(spec, self.ctx, create=False)
+        return self._stores[key]
+
+    def _plan_packed(self, requests, ops) -> dict[int, list[tuple[int, int, np.ndarray]]]:
+        needed: dict[int, set[tuple[int, int]]] = collections.defaultdict(set)
+        owners: dict[int, list[tuple[int, int, str]]] = collections.defaultdict(list)
+        for rec, index in requests:
+            for proc, offset, nbytes, _ in _packed_chunks(rec, index):
+                needed[proc].add((offset, nbytes))
+                owners[proc].append((offset, offset + nbytes, rec.path))
+        ranges: dict[int, list[tuple[int, int, np.ndarray]]] = {}
+        for proc, spans in needed.items():
+            info = self._packed[proc]
+            store = self._store(_storage.packed_spec(self.loc, proc, info.nbytes, info.chunk_bytes), f"p{proc}")
+            merged: list[list[int]] = []
+            chunk = info.chunk_bytes
+            for offset, nbytes in sorted(spans):
+                # Ranges that meet in one stored chunk are read together: that chunk is
+                # read and checksummed whole either way.
+                if merged and offset // chunk <= (merged[-1][1] - 1) // chunk:
+                    merged[-1][1] = max(merged[-1][1], offset + nbytes)
+                else:
+                    merged.append([offset, offset + nbytes])
+            ranges[proc] = []
+            for a, b in merged:
+                buf = _storage.aligned_empty((b - a,), np.uint8)
+                ranges[proc].append((a, b, buf))
+                leaves = sorted({p for s, e, p in owners[proc] if s < b and e > a})
+                ops.append(_Op(b - a, _start_read(buf, store, ((a, b),)), None, leaves))
+        return ranges
+
+    def _assemble_packed(self, rec: LeafRecord, index: _layout.Index, ranges) -> np.ndarray:
+        storage = _storage.DTYPES[rec.storage_dtype]
+        parts = list(_packed_chunks(rec, index))
+        views = []
+        for proc, offset, nbytes, region in parts:
+            for a, b, buf in ranges[proc]:
+                if a <= offset and offset + nbytes <= b:
+                    views.append(buf[offset - a:offset - a + nbytes].view(storage)
+                                 .reshape(_layout.index_shape(region)))
+                    break
+        if len(parts) == 1 and parts[0][3] == index:
+            return views[0]  # exactly one saved chunk: no copy
+        out = _storage.aligned_empty(_layout.index_shape(index), storage)
+        for (_, _, _, region), view in zip(parts, views):
+            overlap = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(index, region))
+            out[_rel(overlap, index)] = view[_rel(overlap, region)]
+        return out
+
+    def _plan_file_leaf(self, rec: LeafRecord, indices: list[_layout.Index], ops) -> None:
+        storage = _storage.DTYPES[rec.storage_dtype]
+        spec = _storage.array_spec(self.loc, rec.key, rec.shape, rec.chunk_shape, rec.storage_dtype)
+        store = self._store(spec, f"a{rec.key}")
+        users: dict[tuple[int, ...], list[tuple[_layout.Index, _layout.Index]]] = collections.defaultdict(list)
+        for index in indices:
+            for cell, overlap in _layout.chunks_overlapping(index, rec.chunk_shape):
+                users[cell].append((index, overlap))
+        shared = {cell for cell, u in users.items() if len(u) > 1}
+        dests = {}
+        for index in indices:
+            dest = _storage.aligned_empty(_layout.index_shape(index), storage)
+            dests[index] = dest
+            self._out[(rec.path, index)] = dest
+            cells = list(_layout.chunks_overlapping(index, rec.chunk_shape))
+            if not any(cell in shared for cell, _ in cells):
+                ops.append(_Op(dest.nbytes, _start_read(dest, store, index), None, [rec.path]))
+                continue
+            for cell, overlap in cells:
+                if cell not in shared:
+                    view = dest[_rel(overlap, index)]
+                    ops.append(_Op(view.nbytes, _start_read(view, store, overlap), None, [rec.path]))
+        for cell in shared:
+            region = _layout.chunk_region(cell, rec.chunk_shape, rec.shape)
+            tmp = _storage.aligned_empty(_layout.index_shape(region), storage)
+
+            def scatter(tmp=tmp, region=region, cell=cell) -> None:
+                for index, overlap in users[cell]:
+                    dests[index][_rel(overlap, index)] = tmp[_rel(overlap, region)]
+
+            ops.append(_Op(tmp.nbytes, _start_read(tmp, store, region), scatter, [rec.path]))
+
+
+class _Op:
+    """One read: its size (for the budget), how to start it, what to do when it is done."""
+
+    def __init__(self, nbytes: int, start: Callable[[], Any], done: Callable[[], None] | None,
+                 leaves: list[str]):
+        self.nbytes, self.start, self.done, self.leaves = nbytes, start, done, leaves
+
+
+def _start_read(dest: np.ndarray, store_future: Any, index: _layout.Index) -> Callable[[], Any]:
+    return lambda: _storage.read_into(dest, store_future.result(), index)
+
+
+def _execute(ops: list[_Op], loc: Location) -> None:
+    in_flight: collections.deque = collections.deque()
+    budget = 0
+
+    def finish(op: _Op, future: Any) -> None:
+        try:
+            future.result()
+        except Exception as e:  # noqa: BLE001 - tensorstore reports corruption as ValueError
+            names = ", ".join(f"'{p}'" for p in op.leaves[:5]) + (" ..." if len(op.leaves) > 5 else "")
+            raise CorruptCheckpointError(
+                f"Checkpoint '{loc}': leaf {names} could not be read: {e}"
+            ) from e
+        if op.done is not None:
+            op.done()
+
+    try:
+        for op in ops:
+            while in_flight and budget + op.nbytes > READ_BUDGET_BYTES:
+                done_op, future = in_flight.popleft()
+                budget -= done_op.nbytes
+                finish(done_op, future)
+            in_flight.append((op, op.start()))
+            budget += op.nbytes
+        while in_flight:
+            finish(*in_flight.popleft())
+    finally:
+        for _, future in in_flight:  # after an error: let started reads settle
+            try:
+                future.result()
+            except Exception:  # noqa: BLE001, S110
+                pass
+
+
+def _packed_chunks(rec: LeafRecord, index: _layout.Index):
+    """(process, offset, nbytes, chunk region) of each saved chunk ``index`` touches."""
+    itemsize = _storage.DTYPES[rec.dtype].itemsize
+    grid = _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
+    for cell, _ in _layout.chunks_overlapping(index, rec.chunk_shape):
+        region = _layout.chunk_region(cell, rec.chunk_shape, rec.shape)
+        proc, offset = rec.chunks[_layout.chunk_flat_index(cell, grid)]
+        yield proc, offset, _layout.index_size(region) * itemsize, region
+
+
+def _rel(inner: _layout.Index, outer: _layout.Index) -> tuple[slice, ...]:
+    """``inner`` (global coordinates) as slices relative to ``outer``'s origin."""
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer))
