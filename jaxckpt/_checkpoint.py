@@ -330,7 +330,8 @@ def _restore_leaves(loc: Location, man: Manifest, requests: list[_Request]) -> l
             adopted.add(index)
             xs, ds, slots = placements[alias]
             xs.append(host[index])
-            ds.append(device)
+            # one device: place with the sharding itself, no assembly needed
+            ds.append(plan[0] if len(per_device) == 1 and len(plan[0].device_set) == 1 else device)
             slots.append((i, device))
     per_leaf: dict[int, dict[Any, Any]] = {}
     for alias, (xs, ds, slots) in placements.items():
@@ -340,8 +341,11 @@ def _restore_leaves(loc: Location, man: Manifest, requests: list[_Request]) -> l
     for i, arrays in per_leaf.items():
         rec = requests[i].rec
         sharding, per_device = plans[i]
-        arr = jax.make_array_from_single_device_arrays(
-            rec.shape, sharding, [arrays[d] for d in per_device])
+        if len(arrays) == 1 and len(sharding.device_set) == 1:
+            (arr,) = arrays.values()
+        else:
+            arr = jax.make_array_from_single_device_arrays(
+                rec.shape, sharding, [arrays[d] for d in per_device])
         if rec.kind == "prng_key":
             arr = jax.random.wrap_key_data(arr, impl=rec.impl)
         out[i] = arr

@@ -7,6 +7,7 @@ An *index* here is a tuple of ``(start, stop)`` pairs, one per dimension, with n
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
@@ -54,6 +55,7 @@ def _spec_entry_to_json(entry: Any) -> Any:
     return str(entry)  # PartitionSpec.UNCONSTRAINED and friends
 
 
+@functools.lru_cache(maxsize=4096)
 def sharding_to_json(sharding: jax.sharding.Sharding | None) -> dict[str, Any] | None:
     """A description of how an array was laid out when saved (for humans and re-layout)."""
     if sharding is None:
@@ -112,6 +114,7 @@ def sharding_from_json(obj: dict[str, Any] | None) -> SavedSharding | None:
 # --- what a process writes ----------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=4096)
 def chunk_shape_for(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> tuple[int, ...]:
     """Chunk shape = shard shape, so every chunk has exactly one writer.
 
@@ -134,6 +137,7 @@ def writer_processes(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> d
     return out
 
 
+@functools.lru_cache(maxsize=4096)
 def needed_indices(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> dict[jax.Device, Index]:
     """For each addressable device of ``sharding``: the index of the global array it holds."""
     return {
@@ -144,6 +148,9 @@ def needed_indices(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> dic
 
 def chunks_overlapping(index: Index, chunk_shape: Sequence[int]) -> Iterator[tuple[tuple[int, ...], Index]]:
     """Chunk grid positions that ``index`` touches, each with the overlap (global coords)."""
+    if all(a == 0 and b == c for (a, b), c in zip(index, chunk_shape)):
+        yield (0,) * len(index), index  # exactly the first chunk (e.g. a whole one-chunk leaf)
+        return
     ranges = []
     for (a, b), c in zip(index, chunk_shape):
         if b <= a:
@@ -168,6 +175,7 @@ def chunk_flat_index(cell: Sequence[int], grid: Sequence[int]) -> int:
     return flat
 
 
+@functools.lru_cache(maxsize=4096)
 def replica0_devices(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> dict[Any, Index]:
     """Device -> index for the devices holding replica 0 of each distinct index."""
     out: dict[Any, Index] = {}
@@ -187,6 +195,8 @@ def chunk_region(cell: Sequence[int], chunk_shape: Sequence[int], shape: Sequenc
 
 def chunk_cells(shape: Sequence[int], chunk_shape: Sequence[int]) -> list[tuple[int, ...]]:
     """Every chunk grid position in C order (none for a zero-size array)."""
+    if tuple(shape) == tuple(chunk_shape):  # the common small-leaf case: one chunk
+        return [(0,) * len(shape)]
     return list(np.ndindex(*chunk_grid_shape(shape, chunk_shape)))
 
 

@@ -86,7 +86,8 @@ def snapshot(tree: Any, *, copy_host_arrays: bool) -> Snapshot:
             for shard in leaf.addressable_shards:
                 index = replica0.get(shard.device)
                 if index is not None:
-                    shard.data.copy_to_host_async()  # start every transfer before waiting on any
+                    if shard.device.platform != "cpu":
+                        shard.data.copy_to_host_async()  # start every transfer before waiting on any
                     local.append((index, shard.data))
             grid = _layout.chunk_grid_shape(shape, chunk_shape)
             writers = [0] * math.prod(grid)

@@ -15,6 +15,7 @@ that a restore reads only what it needs.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -47,6 +48,7 @@ DTYPES.update({n: np.dtype(getattr(ml_dtypes, n)) for n in _ML_NAMES if hasattr(
 _ZARR3_UNSUPPORTED = {"int2", "uint2", "uint4", "float8_e4m3", "float4_e2m1fn"}
 
 
+@functools.lru_cache(maxsize=256)
 def dtype_name(dtype: Any) -> str:
     name = np.dtype(dtype).name
     if name not in DTYPES:
