@@ -18,6 +18,9 @@ from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ._errors import CorruptCheckpointError as CorruptCheckpointError
 from ._errors import TreeMismatchError as TreeMismatchError
 from ._layout import SavedSharding as SavedSharding
+from .inspect import CheckpointView as CheckpointView
+from .inspect import LazyArray as LazyArray
+from .inspect import open as open  # noqa: A004
 from ._manager import CheckpointManager as CheckpointManager
 
 try:
@@ -30,12 +33,15 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "CheckpointView",
     "CorruptCheckpointError",
+    "LazyArray",
     "LeafInfo",
     "SavedSharding",
     "TreeMismatchError",
     "__version__",
     "metadata",
+    "open",
     "restore",
     "save",
 ]
