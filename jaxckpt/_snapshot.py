@@ -124,7 +124,8 @@ def snapshot(tree: Any, *, copy_host_arrays: bool) -> Snapshot:
     # Lay out the small leaves of every process (the same answer everywhere).
     small = [a for a in arrays if a[1]["store"] == "packed"]
     offsets, sizes = _layout.pack_offsets([a[3] for a in small])
-    packed = tuple(PackedArray(p, n, min(PACK_CHUNK_BYTES, n)) for p, n in sorted(sizes.items()))
+    # zarr stores an edge chunk at full size, so split evenly instead of in 4 MiB pieces
+    packed = tuple(PackedArray(p, n, -(-n // -(-n // PACK_CHUNK_BYTES))) for p, n in sorted(sizes.items()))
     packed_buf = None
     if sizes.get(me):
         # zeros, not empty: alignment padding must not carry stale process memory to disk

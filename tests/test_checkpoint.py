@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _storage
+from jaxckpt import _reader, _storage
 
 DTYPES = [
     np.float16, np.float32, np.float64, jnp.bfloat16,
@@ -233,31 +233,35 @@ def _file_bytes_read():
     return 0
 
 
-def test_restore_reads_each_distinct_slice_once(ckpt):
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "tensorstore"])
+def test_restore_reads_each_distinct_slice_once(ckpt, monkeypatch, direct):
+    monkeypatch.setattr(_reader, "_DIRECT_OK", direct)
     small = np.arange(64 * 1024, dtype=np.float32).reshape(256, 256)  # 256 KiB: packed store
-    big = np.arange(8 * 512 * 1024, dtype=np.float32).reshape(8 * 512, 1024)  # 16 MiB: file store
+    big = np.arange(8 * 512 * 1024, dtype=np.float32).reshape(8 * 512, 1024)  # 16 MiB, 8 chunks
     jaxckpt.save(ckpt, {"big": sharded(big, (8,), ("x",), ("x", None)),
                         "small": sharded(small, (8,), ("x",), ("x", None))})
 
-    # Replicated on 8 devices: one read per leaf, not eight.
+    # Replicated on 8 devices: each saved chunk read once, not once per device; the
+    # small leaf's 8 shards lie back to back in the packed array: one read.
     repl = NamedSharding(mesh((8,), ("x",)), P())
     _storage.reset_io_stats()
     before = _file_bytes_read()
     back = jaxckpt.restore(ckpt, shardings={"big": repl, "small": repl})
     stats = _storage.io_stats()
-    assert stats == {**stats, "reads": 2, "bytes_read": big.nbytes + small.nbytes}
+    assert stats == {**stats, "reads": 9, "bytes_read": big.nbytes + small.nbytes}
     assert_bit_equal(back["big"], big)
-    # what tensorstore actually pulled from disk: the data plus checksums and indexes
-    disk = _file_bytes_read() - before
-    assert big.nbytes + small.nbytes <= disk < (big.nbytes + small.nbytes) * 1.01
+    assert_bit_equal(back["small"], small)
+    if not direct:
+        # what tensorstore pulled from disk: the data plus checksums and metadata
+        disk = _file_bytes_read() - before
+        assert big.nbytes + small.nbytes <= disk < (big.nbytes + small.nbytes) * 1.01
 
-    # 4 row blocks, each replicated over 2 devices: 4 reads of the big leaf; the small
-    # leaf's blocks lie back to back in the packed array and are read as one range.
+    # 4 row blocks, each replicated over 2 devices: still 8 chunk reads + 1 packed read.
     blocks = NamedSharding(mesh((4, 2), ("r", "c")), P("r", None))
     _storage.reset_io_stats()
     back = jaxckpt.restore(ckpt, shardings={"big": blocks, "small": blocks})
     stats = _storage.io_stats()
-    assert stats["reads"] == 5
+    assert stats["reads"] == 9
     assert stats["bytes_read"] == big.nbytes + small.nbytes
     assert_bit_equal(back["small"], small)
 
@@ -289,9 +293,11 @@ def test_restore_reads_only_the_slices_of_addressable_devices(ckpt, monkeypatch)
     assert_bit_equal(by_device[5], host[320:384])
 
 
-def test_reshard_reads_each_saved_chunk_once(ckpt):
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "tensorstore"])
+def test_reshard_reads_each_saved_chunk_once(ckpt, monkeypatch, direct):
     """Rows saved in 4 blocks, restored as 2 column halves: every saved chunk is needed by
     both halves, yet read (and checksummed) once."""
+    monkeypatch.setattr(_reader, "_DIRECT_OK", direct)
     host = np.arange(8 * 65536, dtype=np.float32).reshape(512, 1024)
     jaxckpt.save(ckpt, {"w": sharded(host, (4,), ("x",), ("x", None))})
     before = _file_bytes_read()
@@ -299,7 +305,8 @@ def test_reshard_reads_each_saved_chunk_once(ckpt):
     cols = NamedSharding(mesh((2,), ("y",)), P(None, "y"))
     back = jaxckpt.restore(ckpt, shardings={"w": cols})
     assert _storage.io_stats() == {**_storage.io_stats(), "reads": 4, "bytes_read": host.nbytes}
-    assert host.nbytes <= _file_bytes_read() - before < host.nbytes * 1.01
+    if not direct:
+        assert host.nbytes <= _file_bytes_read() - before < host.nbytes * 1.01
     assert_bit_equal(back["w"], host)
 
 
@@ -369,9 +376,11 @@ def test_metadata_reads_no_array_data(ckpt):
     assert info.format_version == 1
 
 
-def test_corrupted_chunk_is_detected(ckpt):
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "tensorstore"])
+def test_corrupted_chunk_is_detected(ckpt, monkeypatch, direct):
+    monkeypatch.setattr(_reader, "_DIRECT_OK", direct)
     big = np.arange(1 << 19, dtype=np.float32)  # 2 MiB: a file-store leaf
-    small = np.arange(64, dtype=np.float32)  # OCDBT leaf
+    small = np.arange(64, dtype=np.float32)  # packed leaf
     jaxckpt.save(ckpt, {"big": sharded(big, (4,), ("x",), ("x",)), "small": small})
     chunk = os.path.join(ckpt, "arrays", "0", "c", "2")
     with open(chunk, "r+b") as f:
@@ -385,6 +394,11 @@ def test_corrupted_chunk_is_detected(ckpt):
     back = jaxckpt.restore(ckpt, {"small": small}, partial=True)
     assert_bit_equal(back["small"], small)
     # a missing chunk is an error too, never silently zero-filled
+    # a truncated chunk too
+    with open(chunk, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(jaxckpt.CorruptCheckpointError, match="leaf 'big' could not be read"):
+        jaxckpt.restore(ckpt)
     os.remove(chunk)
     with pytest.raises(jaxckpt.CorruptCheckpointError, match="leaf 'big'.*missing"):
         jaxckpt.restore(ckpt)

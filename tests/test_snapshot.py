@@ -1,0 +1,44 @@
+"""The save data path: what a snapshot holds and how small leaves are packed."""
+
+import jax
+import numpy as np
+from conftest import sharded
+
+from jaxckpt import _layout, _snapshot
+
+
+def test_small_leaves_are_packed_aligned_with_zero_padding():
+    tree = {"a": np.arange(3, dtype=np.int8), "b": sharded(np.arange(16, dtype=np.float32), (4,), ("x",), ("x",)),
+            "c": np.ones((2, 2), np.float64), "step": 5}
+    snap = _snapshot.snapshot(tree, copy_host_arrays=True)
+    recs = {r.path: r for r in snap.records}
+    assert recs["step"].kind == "value" and recs["step"].value == 5
+    assert recs["a"].chunks == ((0, 0),)
+    assert recs["b"].chunks == ((0, 64), (0, 128), (0, 192), (0, 256))  # one 16-byte shard per device
+    assert recs["c"].chunks == ((0, 320),)
+    assert snap.packed == (_snapshot.PackedArray(0, 384, 384),)
+    buf = snap.packed_buf
+    assert buf[:3].tolist() == [0, 1, 2] and not buf[3:64].any()  # padding is zeros
+    assert buf[64:80].view(np.float32).tolist() == [0, 1, 2, 3]
+    assert buf[320:352].view(np.float64).tolist() == [1.0] * 4
+    assert snap.file_shards == {}
+
+
+def test_big_leaves_keep_one_host_buffer_per_replica0_shard():
+    x = sharded(np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024), (4, 2), ("a", "b"), ("a", None))
+    snap = _snapshot.snapshot({"x": x}, copy_host_arrays=False)
+    (rec,) = snap.records
+    assert rec.store == "file" and rec.chunk_shape == (256, 1024)
+    shards = snap.file_shards[0]
+    # 8 devices hold 4 distinct row blocks: only the 4 replica-0 shards are written
+    assert sorted(index for index, _ in shards) == [((i * 256, (i + 1) * 256), (0, 1024)) for i in range(4)]
+    replica0 = {s.device for s in x.addressable_shards if s.replica_id == 0}
+    assert set(_layout.replica0_devices(x.sharding, x.shape)) == replica0
+    assert snap.nbytes_local == x.nbytes
+
+
+def test_prng_keys_and_scalars():
+    snap = _snapshot.snapshot({"k": jax.random.key(0, impl="rbg"), "s": np.float16(2)}, copy_host_arrays=True)
+    k, s = snap.records
+    assert (k.kind, k.impl, k.key_ndim, k.dtype, k.shape) == ("prng_key", "rbg", 0, "uint32", (4,))
+    assert s.scalar and s.shape == () and s.dtype == "float16"
