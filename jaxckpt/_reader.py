@@ -21,7 +21,7 @@ themselves stays bounded.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -48,7 +48,6 @@ class Reader:
         self._packed = {p.process: p for p in man.packed}
         self._wanted: dict[tuple[str, _layout.Index], LeafRecord] = {}
         self._out: dict[tuple[str, _layout.Index], np.ndarray] = {}
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     def add(self, rec: LeafRecord, index: _layout.Index) -> None:
         self._wanted[(rec.path, index)] = rec
@@ -75,10 +74,7 @@ class Reader:
         ranges = self._plan_packed(packed_requests, ops)
         for path, indices in by_leaf.items():
             self._plan_file_leaf(self._wanted[(path, indices[0])], indices, ops)
-        try:
-            _execute(ops, self.loc)
-        finally:
-            self.close()
+        _execute(ops, self.loc)
         for rec, index in packed_requests:
             self._out[(rec.path, index)] = self._assemble_packed(rec, index, ranges)
 
@@ -112,7 +108,7 @@ class Reader:
                 buf = _storage.aligned_empty((b - a,), np.uint8)
                 ranges[proc].append((a, b, buf))
                 leaves = sorted({p for s, e, p in owners[proc] if s < b and e > a})
-                ops.append(_Op(b - a, _start_read(buf, store, ((a, b),)), None, leaves))
+                ops.append(_Op(b - a, leaves, buf, None, store, ((a, b),)))
         return ranges
 
     def _assemble_packed(self, rec: LeafRecord, index: _layout.Index, ranges) -> np.ndarray:
@@ -143,13 +139,12 @@ class Reader:
             for cell, overlap in _layout.chunks_overlapping(index, rec.chunk_shape):
                 users[cell].append((index, overlap))
 
-        def read(dest: np.ndarray, cell: tuple[int, ...], region: _layout.Index, whole: bool) -> _Op:
+        def read(dest: Any, cell: tuple[int, ...], region: _layout.Index, whole: bool,
+                 done: Callable[[np.ndarray], None] | None = None) -> _Op:
             path = _storage.chunk_file(self.loc, rec.key, cell) if direct and whole else None
-            if path is not None and dest.flags.c_contiguous:
-                start = _pool_read(self._pool(), dest, path)
-            else:
-                start = _start_read(dest, store, region)
-            return _Op(dest.nbytes, start, None, [rec.path])
+            contiguous = not isinstance(dest, np.ndarray) or dest.flags.c_contiguous
+            nbytes = _layout.index_size(region) * storage.itemsize
+            return _Op(nbytes, [rec.path], dest, path if contiguous else None, store, region, done)
 
         dests = {}
         for index in indices:
@@ -162,71 +157,83 @@ class Reader:
                 index, overlap = uses[0]
                 ops.append(read(dests[index][_rel(overlap, index)], cell, overlap, overlap == region))
                 continue
-            # Several slices need it: read it once into a temporary buffer, then copy out.
-            tmp = _storage.aligned_empty(_layout.index_shape(region), storage)
 
-            def scatter(tmp=tmp, region=region, uses=uses) -> None:
+            # Several slices need it: read it once into a temporary buffer (allocated when
+            # the read starts, dropped once copied out), then copy out.
+            def scatter(tmp: np.ndarray, region=region, uses=uses) -> None:
                 for index, overlap in uses:
                     dests[index][_rel(overlap, index)] = tmp[_rel(overlap, region)]
 
-            op = read(tmp, cell, region, True)
-            op.done = scatter
-            ops.append(op)
-
-    def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(DIRECT_READ_THREADS, "jaxckpt-read")
-        return self._executor
-
-    def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+            temp = functools.partial(_storage.aligned_empty, _layout.index_shape(region), storage)
+            ops.append(read(temp, cell, region, True, scatter))
 
 
 class _Op:
-    """One read: its size (for the budget), how to start it, what to do when it is done."""
+    """One read of ``region`` into ``dest`` (an array, or a factory of a temporary one):
+    from the local chunk file ``path`` if set, else through tensorstore ``store``;
+    ``done(buffer)`` runs after it."""
 
-    def __init__(self, nbytes: int, start: Callable[[], Any], done: Callable[[], None] | None,
-                 leaves: list[str]):
-        self.nbytes, self.start, self.done, self.leaves = nbytes, start, done, leaves
+    def __init__(self, nbytes: int, leaves: list[str], dest: Any, path: str | None, store: Any,
+                 region: _layout.Index, done: Callable[[np.ndarray], None] | None = None):
+        self.nbytes, self.leaves, self.dest, self.path = nbytes, leaves, dest, path
+        self.store, self.region, self.done = store, region, done
+
+    def buffer(self) -> np.ndarray:
+        return self.dest if isinstance(self.dest, np.ndarray) else self.dest()
+
+    def finish(self, buf: np.ndarray) -> None:
+        if self.done is not None:
+            self.done(buf)
 
 
-def _start_read(dest: np.ndarray, store_future: Any, index: _layout.Index) -> Callable[[], Any]:
-    return lambda: _storage.read_into(dest, store_future.result(), index)
+def _corrupt(loc: Location, op: _Op, e: BaseException) -> CorruptCheckpointError:
+    names = ", ".join(f"'{p}'" for p in op.leaves[:5]) + (" ..." if len(op.leaves) > 5 else "")
+    return CorruptCheckpointError(f"Checkpoint '{loc}': leaf {names} could not be read: {e}")
 
 
-def _pool_read(pool: concurrent.futures.ThreadPoolExecutor, dest: np.ndarray, path: str) -> Callable[[], Any]:
-    return lambda: pool.submit(_storage.read_chunk_file, dest, path)
+def _direct_task(op: _Op, loc: Location) -> Callable[[], None]:
+    def task() -> None:
+        buf = op.buffer()
+        try:
+            _storage.read_chunk_file(buf, op.path)
+        except ValueError as e:
+            raise _corrupt(loc, op, e) from e
+        op.finish(buf)
+
+    return task
 
 
 def _execute(ops: list[_Op], loc: Location) -> None:
+    """Run tensorstore reads within the byte budget, then direct chunk reads on a few
+    threads (each holding at most one temporary chunk buffer at a time)."""
+    _execute_tensorstore([op for op in ops if op.path is None], loc)
+    _storage.run_tasks([_direct_task(op, loc) for op in ops if op.path is not None], DIRECT_READ_THREADS)
+
+
+def _execute_tensorstore(ops: list[_Op], loc: Location) -> None:
     in_flight: collections.deque = collections.deque()
     budget = 0
 
-    def finish(op: _Op, future: Any) -> None:
+    def finish(op: _Op, buf: np.ndarray, future: Any) -> None:
         try:
             future.result()
         except Exception as e:  # noqa: BLE001 - tensorstore reports corruption as ValueError
-            names = ", ".join(f"'{p}'" for p in op.leaves[:5]) + (" ..." if len(op.leaves) > 5 else "")
-            raise CorruptCheckpointError(
-                f"Checkpoint '{loc}': leaf {names} could not be read: {e}"
-            ) from e
-        if op.done is not None:
-            op.done()
+            raise _corrupt(loc, op, e) from e
+        op.finish(buf)
 
     try:
         for op in ops:
             while in_flight and budget + op.nbytes > READ_BUDGET_BYTES:
-                done_op, future = in_flight.popleft()
-                budget -= done_op.nbytes
-                finish(done_op, future)
-            in_flight.append((op, op.start()))
+                done = in_flight.popleft()
+                budget -= done[0].nbytes
+                finish(*done)
+            buf = op.buffer()
+            in_flight.append((op, buf, _storage.read_into(buf, op.store.result(), op.region)))
             budget += op.nbytes
         while in_flight:
             finish(*in_flight.popleft())
     finally:
-        for _, future in in_flight:  # after an error: let started reads settle
+        for _, _, future in in_flight:  # after an error: let started reads settle
             try:
                 future.result()
             except Exception:  # noqa: BLE001, S110

@@ -257,6 +257,40 @@ def write_region(store: ts.TensorStore, index: Sequence[tuple[int, int]], data: 
     return store[_region(index)].write(data) if index else store.write(data)
 
 
+def run_tasks(tasks: Sequence[Any], n_threads: int) -> None:
+    """Run callables on up to ``n_threads`` threads; raise the first error once all stopped.
+
+    Plain threads, not ``concurrent.futures``: that refuses new work once the
+    interpreter starts exiting, and a pending async save must still finish then.
+    """
+    if not tasks:
+        return
+    todo = iter(tasks)
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        while True:
+            with lock:
+                task = None if errors else next(todo, None)
+            if task is None:
+                return
+            try:
+                task()
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                with lock:
+                    errors.append(e)
+
+    threads = [threading.Thread(target=worker, name="jaxckpt-io", daemon=True)
+               for _ in range(min(n_threads, len(tasks)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 def chunk_file(root: Location, key: str, cell: Sequence[int]) -> str | None:
     """The local file holding chunk ``cell`` of big leaf ``key`` (zarr3 default key
     encoding), or ``None`` when the checkpoint is not on a local file system."""
@@ -294,6 +328,29 @@ def read_chunk_file(dest: np.ndarray, path: str) -> None:
     if stored != computed:
         raise ValueError(f"DATA_LOSS: chunk file {path}: digest mismatch, stored digest is "
                          f"0x{stored:08x} but computed digest is 0x{computed:08x}")
+
+
+def write_chunk_file(path: str, data: np.ndarray, key: str) -> None:
+    """Write one whole zarr3 chunk (``bytes`` + ``crc32c`` codecs) to a local file:
+    the C-contiguous little-endian ``data`` straight from its buffer, then its crc32c,
+    then fsync. The same bytes tensorstore would write, without its encode copy.
+
+    Only for a staging directory nobody else reads yet: the file is written in place.
+    """
+    if fault_hook is not None:
+        fault_hook("write", key)
+    _count(bytes_written=data.nbytes, writes=1)
+    view = memoryview(data.reshape(-1).view(np.uint8))
+    trailer = crc32c.crc32c(view).to_bytes(4, "little")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        done = 0
+        while done < len(view):
+            done += os.write(fd, view[done:done + (1 << 30)])
+        os.write(fd, trailer)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_into(dest: np.ndarray, store: ts.TensorStore, index: Sequence[tuple[int, int]]) -> ts.Future:

@@ -42,3 +42,29 @@ def test_prng_keys_and_scalars():
     k, s = snap.records
     assert (k.kind, k.impl, k.key_ndim, k.dtype, k.shape) == ("prng_key", "rbg", 0, "uint32", (4,))
     assert s.scalar and s.shape == () and s.dtype == "float16"
+
+
+def test_direct_chunk_writes_match_tensorstore_byte_for_byte(tmp_path, monkeypatch):
+    import os
+
+    import jaxckpt
+
+    tree = {"w": sharded(np.arange(1 << 19, dtype=np.float32).reshape(512, 1024), (4,), ("x",), ("x", None)),
+            "b": np.arange(1 << 20, dtype=np.int8).reshape(1024, 1024) % 7,
+            "z": sharded(np.zeros((1 << 18,), np.float16), (2,), ("y",), ("y",))}
+    jaxckpt.save(tmp_path / "direct", tree)
+    monkeypatch.setattr(_snapshot, "DIRECT_WRITES", False)
+    jaxckpt.save(tmp_path / "ts", tree)
+
+    def chunks(root):
+        out = {}
+        for dirpath, _, files in os.walk(root / "arrays"):
+            for f in files:
+                if f != "zarr.json":
+                    path = os.path.join(dirpath, f)
+                    out[os.path.relpath(path, root)] = open(path, "rb").read()
+        return out
+
+    direct, ts = chunks(tmp_path / "direct"), chunks(tmp_path / "ts")
+    assert sorted(direct) == sorted(ts) and len(direct) == 4 + 1 + 2
+    assert all(direct[k] == ts[k] for k in direct)
