@@ -51,7 +51,7 @@ def test_direct_chunk_writes_match_tensorstore_byte_for_byte(tmp_path, monkeypat
 
     tree = {"w": sharded(np.arange(1 << 19, dtype=np.float32).reshape(512, 1024), (4,), ("x",), ("x", None)),
             "b": np.arange(1 << 20, dtype=np.int8).reshape(1024, 1024) % 7,
-            "z": sharded(np.zeros((1 << 18,), np.float16), (2,), ("y",), ("y",))}
+            "z": sharded(np.zeros((1 << 20,), np.float16), (2,), ("y",), ("y",))}
     jaxckpt.save(tmp_path / "direct", tree)
     monkeypatch.setattr(_snapshot, "DIRECT_WRITES", False)
     jaxckpt.save(tmp_path / "ts", tree)
