@@ -300,9 +300,10 @@ def _restore_leaves(loc: Location, man: Manifest, requests: list[_Request]) -> l
     reader.run()
 
     out: list[Any] = [None] * len(requests)
-    # Device placement, batched: the first device of each host buffer adopts it (no copy
-    # on CPU when aligned); further devices holding the same slice get their own copy.
-    placements: dict[bool, tuple[list, list, list]] = {True: ([], [], []), False: ([], [], [])}
+    # Device placement, batched. On CPU jax adopts our 64-byte-aligned host buffers
+    # without a copy (devices holding the same slice share it; jax arrays are
+    # immutable and a donated external buffer is not written in place).
+    xs, ds, slots = [], [], []
     for i, (req, plan) in enumerate(zip(requests, plans)):
         rec = req.rec
         if req.mode == "value":
@@ -317,8 +318,8 @@ def _restore_leaves(loc: Location, man: Manifest, requests: list[_Request]) -> l
                 arr = arr.astype(req.dtype)
             out[i] = arr[()] if rec.scalar else arr
             continue
-        _, per_device = plan
-        adopted: set[_layout.Index] = set()
+        sharding, per_device = plan
+        single = len(per_device) == 1 and len(sharding.device_set) == 1
         host: dict[_layout.Index, np.ndarray] = {}
         for device, index in per_device.items():
             if index not in host:
@@ -326,18 +327,13 @@ def _restore_leaves(loc: Location, man: Manifest, requests: list[_Request]) -> l
                 if req.dtype is not None and arr.dtype != req.dtype:
                     arr = arr.astype(req.dtype)
                 host[index] = arr
-            alias = index not in adopted
-            adopted.add(index)
-            xs, ds, slots = placements[alias]
             xs.append(host[index])
             # one device: place with the sharding itself, no assembly needed
-            ds.append(plan[0] if len(per_device) == 1 and len(plan[0].device_set) == 1 else device)
+            ds.append(sharding if single else device)
             slots.append((i, device))
     per_leaf: dict[int, dict[Any, Any]] = {}
-    for alias, (xs, ds, slots) in placements.items():
-        if xs:
-            for (i, device), arr in zip(slots, jax.device_put(xs, ds, may_alias=alias)):
-                per_leaf.setdefault(i, {})[device] = arr
+    for (i, device), arr in zip(slots, jax.device_put(xs, ds) if xs else []):
+        per_leaf.setdefault(i, {})[device] = arr
     for i, arrays in per_leaf.items():
         rec = requests[i].rec
         sharding, per_device = plans[i]

@@ -475,3 +475,22 @@ def test_memory_kvstore_round_trip():
     back = jaxckpt.restore("memory://unit/ckpt")
     assert_bit_equal(back["x"], x)
     assert back["s"] == "hi"
+
+
+def test_restored_arrays_can_be_donated(ckpt):
+    """Restored buffers may be adopted from host memory and shared between devices
+    holding the same slice; donating them must still compute the right values."""
+    host = np.arange(64 * 1024, dtype=np.float32).reshape(256, 256)
+    jaxckpt.save(ckpt, {"w": host, "v": np.ones(3000, np.float32) * 2})
+    m = mesh((2,), ("x",))
+    repl = NamedSharding(m, P())
+    back = jaxckpt.restore(ckpt, shardings={"w": repl, "v": repl})
+    per_device = jax.jit(
+        jax.shard_map(lambda w: w + jax.lax.axis_index("x").astype(jnp.float32) * 1000, mesh=m,
+                      in_specs=P(), out_specs=P("x")),
+        donate_argnums=0)
+    out = per_device(back["w"])
+    assert_bit_equal(out, np.concatenate([host, host + 1000]))
+    again = jaxckpt.restore(ckpt, shardings={"w": repl, "v": repl})
+    assert_bit_equal(again["w"], host)
+    assert_bit_equal(jax.jit(lambda v: v * 3, donate_argnums=0)(again["v"]), np.ones(3000, np.float32) * 6)
