@@ -37,7 +37,7 @@ READ_BUDGET_BYTES = 256 << 20  # bytes of reads in flight (bounds transient buff
 DIRECT_READ_THREADS = 4
 # Whole chunks of big leaves on a local disk are read without tensorstore (see
 # _storage.read_chunk_file); False forces every read through tensorstore.
-_DIRECT_OK = True
+DIRECT_READS = True
 
 
 class Reader:
@@ -133,7 +133,7 @@ class Reader:
         storage = _storage.DTYPES[rec.storage_dtype]
         spec = _storage.array_spec(self.loc, rec.key, rec.shape, rec.chunk_shape, rec.storage_dtype)
         store = self._store(spec, f"a{rec.key}")
-        direct = _DIRECT_OK and (storage.itemsize == 1 or sys.byteorder == "little")
+        direct = DIRECT_READS and (storage.itemsize == 1 or sys.byteorder == "little")
         users: dict[tuple[int, ...], list[tuple[_layout.Index, _layout.Index]]] = collections.defaultdict(list)
         for index in indices:
             for cell, overlap in _layout.chunks_overlapping(index, rec.chunk_shape):

@@ -235,7 +235,7 @@ def _file_bytes_read():
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "tensorstore"])
 def test_restore_reads_each_distinct_slice_once(ckpt, monkeypatch, direct):
-    monkeypatch.setattr(_reader, "_DIRECT_OK", direct)
+    monkeypatch.setattr(_reader, "DIRECT_READS", direct)
     small = np.arange(64 * 1024, dtype=np.float32).reshape(256, 256)  # 256 KiB: packed store
     big = np.arange(8 * 512 * 1024, dtype=np.float32).reshape(8 * 512, 1024)  # 16 MiB, 8 chunks
     jaxckpt.save(ckpt, {"big": sharded(big, (8,), ("x",), ("x", None)),
@@ -297,7 +297,7 @@ def test_restore_reads_only_the_slices_of_addressable_devices(ckpt, monkeypatch)
 def test_reshard_reads_each_saved_chunk_once(ckpt, monkeypatch, direct):
     """Rows saved in 4 blocks, restored as 2 column halves: every saved chunk is needed by
     both halves, yet read (and checksummed) once."""
-    monkeypatch.setattr(_reader, "_DIRECT_OK", direct)
+    monkeypatch.setattr(_reader, "DIRECT_READS", direct)
     host = np.arange(8 * 65536, dtype=np.float32).reshape(512, 1024)
     jaxckpt.save(ckpt, {"w": sharded(host, (4,), ("x",), ("x", None))})
     before = _file_bytes_read()
@@ -378,7 +378,7 @@ def test_metadata_reads_no_array_data(ckpt):
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "tensorstore"])
 def test_corrupted_chunk_is_detected(ckpt, monkeypatch, direct):
-    monkeypatch.setattr(_reader, "_DIRECT_OK", direct)
+    monkeypatch.setattr(_reader, "DIRECT_READS", direct)
     big = np.arange(1 << 19, dtype=np.float32)  # 2 MiB: a file-store leaf
     small = np.arange(64, dtype=np.float32)  # packed leaf
     jaxckpt.save(ckpt, {"big": sharded(big, (4,), ("x",), ("x",)), "small": small})
