@@ -193,8 +193,9 @@ def metadata(path: Any) -> CheckpointInfo:
       (1024, 1024)
     """
     loc = _storage.resolve(path)
-    man = _commit.read_manifest(loc)
-    tree = _tree.build(man.structure, lambda i: _leaf_info(man.leaves[i]))
+    with _tree.gc_paused():
+        man = _commit.read_manifest(loc)
+        tree = _tree.build(man.structure, lambda i: _leaf_info(man.leaves[i]))
     return CheckpointInfo(tree, man.metadata, man.format_version, man.info, str(loc))
 
 
@@ -400,6 +401,11 @@ def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bo
     Example:
       >>> state = jaxckpt.restore("/tmp/ckpt", target=abstract_state)
     """
+    with _tree.gc_paused():
+        return _restore(path, target, shardings, partial)
+
+
+def _restore(path: Any, target: Any, shardings: Any, partial: bool) -> Any:
     loc = _storage.resolve(path)
     man = _commit.read_manifest(loc)
     single_sharding = isinstance(shardings, jax.sharding.Sharding)

@@ -68,6 +68,11 @@ def snapshot(tree: Any, *, copy_host_arrays: bool) -> Snapshot:
     With ``copy_host_arrays`` numpy leaves are copied, so the caller may mutate them
     once this returns.
     """
+    with _tree.gc_paused():
+        return _snapshot(tree, copy_host_arrays)
+
+
+def _snapshot(tree: Any, copy_host_arrays: bool) -> Snapshot:
     flat, _ = _tree.flatten(tree)
     structure = _tree.describe(tree)
     me = _distributed.process_index()

@@ -8,6 +8,8 @@ tree and its target flatten to the same paths.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,6 +18,24 @@ import jax
 from ._errors import CheckpointError
 
 _tu = jax.tree_util
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while building many small objects.
+
+    Flattening a big tree or parsing a big manifest allocates enough to trigger full
+    collections, each a walk of every object of the (jax-sized) heap: ~70 ms apiece
+    in a fresh process, half the time of a 1,000-leaf restore. Nothing made here forms
+    cycles, so there is nothing for the collector to find.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _is_none(x: Any) -> bool:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _commit, _layout, _reader, _storage
+from . import _commit, _layout, _reader, _storage, _tree
 from ._manifest import LeafRecord, Manifest
 
 
@@ -238,4 +238,5 @@ def open(path: Any) -> CheckpointView:  # noqa: A001 - the public name is jaxckp
       >>> view["params/dense/kernel"][0, :8]
     """
     loc = _storage.resolve(path)
-    return CheckpointView(loc, _commit.read_manifest(loc))
+    with _tree.gc_paused():
+        return CheckpointView(loc, _commit.read_manifest(loc))
