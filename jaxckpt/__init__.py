@@ -5,9 +5,6 @@ tensorstore, restore them onto any mesh, and manage steps with retention and asy
 commits.
 """
 
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as _version
-
 from ._checkpoint import CheckpointInfo as CheckpointInfo
 from ._checkpoint import LeafInfo as LeafInfo
 from ._checkpoint import metadata as metadata
@@ -22,11 +19,7 @@ from .inspect import CheckpointView as CheckpointView
 from .inspect import LazyArray as LazyArray
 from .inspect import open as open  # noqa: A004
 from ._manager import CheckpointManager as CheckpointManager
-
-try:
-    __version__ = _version("jaxckpt")
-except PackageNotFoundError:  # running from a source tree without installing
-    __version__ = "0.0.0+unknown"
+from ._version import __version__ as __version__
 
 __all__ = [
     "CheckpointError",

@@ -171,13 +171,17 @@ fault_hook = None
 
 # --- arrays -------------------------------------------------------------------------
 
-# The memory kvstore lives in a context: everything in memory:// shares this one.
-_MEMORY_CONTEXT = ts.Context()
+_memory_context: ts.Context | None = None
 
 
 def new_context(root: Location) -> ts.Context:
+    """A fresh tensorstore context, except for ``memory://``: the memory kvstore lives
+    in its context, so everything there shares one (made on first use)."""
+    global _memory_context
     if root.kvstore["driver"] == "memory":
-        return _MEMORY_CONTEXT
+        if _memory_context is None:
+            _memory_context = ts.Context()
+        return _memory_context
     return ts.Context()
 
 
