@@ -48,6 +48,7 @@ class Reader:
         self._packed = {p.process: p for p in man.packed}
         self._wanted: dict[tuple[str, _layout.Index], LeafRecord] = {}
         self._out: dict[tuple[str, _layout.Index], np.ndarray] = {}
+        self._parts: dict[tuple[str, _layout.Index], list] = {}
 
     def add(self, rec: LeafRecord, index: _layout.Index) -> None:
         self._wanted[(rec.path, index)] = rec
@@ -87,7 +88,8 @@ class Reader:
         needed: dict[int, set[tuple[int, int]]] = collections.defaultdict(set)
         owners: dict[int, list[tuple[int, int, str]]] = collections.defaultdict(list)
         for rec, index in requests:
-            for proc, offset, nbytes, _ in _packed_chunks(rec, index):
+            self._parts[(rec.path, index)] = parts = _packed_chunks(rec, index)
+            for proc, offset, nbytes, _ in parts:
                 needed[proc].add((offset, nbytes))
                 owners[proc].append((offset, offset + nbytes, rec.path))
         ranges: dict[int, list[tuple[int, int, np.ndarray]]] = {}
@@ -113,7 +115,7 @@ class Reader:
 
     def _assemble_packed(self, rec: LeafRecord, index: _layout.Index, ranges) -> np.ndarray:
         storage = _storage.DTYPES[rec.storage_dtype]
-        parts = list(_packed_chunks(rec, index))
+        parts = self._parts[(rec.path, index)]
         views = []
         for proc, offset, nbytes, region in parts:
             for a, b, buf in ranges[proc]:
@@ -240,14 +242,20 @@ def _execute_tensorstore(ops: list[_Op], loc: Location) -> None:
                 pass
 
 
-def _packed_chunks(rec: LeafRecord, index: _layout.Index):
+def _packed_chunks(rec: LeafRecord, index: _layout.Index) -> list[tuple[int, int, int, _layout.Index]]:
     """(process, offset, nbytes, chunk region) of each saved chunk ``index`` touches."""
     itemsize = _storage.DTYPES[rec.dtype].itemsize
+    if rec.chunk_shape == rec.shape or len(rec.chunks) == 1:  # one chunk: the whole leaf
+        proc, offset = rec.chunks[0]
+        full = tuple((0, d) for d in rec.shape)
+        return [(proc, offset, rec.nbytes, full)]
     grid = _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
+    out = []
     for cell, _ in _layout.chunks_overlapping(index, rec.chunk_shape):
         region = _layout.chunk_region(cell, rec.chunk_shape, rec.shape)
         proc, offset = rec.chunks[_layout.chunk_flat_index(cell, grid)]
-        yield proc, offset, _layout.index_size(region) * itemsize, region
+        out.append((proc, offset, _layout.index_size(region) * itemsize, region))
+    return out
 
 
 def _rel(inner: _layout.Index, outer: _layout.Index) -> tuple[slice, ...]:
