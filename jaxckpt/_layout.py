@@ -123,20 +123,6 @@ def chunk_shape_for(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> tu
     return tuple(max(1, int(c)) for c in sharding.shard_shape(tuple(shape)))
 
 
-def writer_processes(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> dict[Index, int]:
-    """For each distinct shard index: the process of its replica-0 device.
-
-    Replica ids follow jax's own rule: the first device (in ``devices_indices_map``
-    order) holding an index is replica 0.
-    """
-    out: dict[Index, int] = {}
-    for device, index in sharding.devices_indices_map(tuple(shape)).items():
-        key = normalize_index(index, shape)
-        if key not in out:
-            out[key] = device.process_index
-    return out
-
-
 @functools.lru_cache(maxsize=4096)
 def needed_indices(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> dict[jax.Device, Index]:
     """For each addressable device of ``sharding``: the index of the global array it holds."""

@@ -1,4 +1,4 @@
-"""jaxckpt.open: a lazy view that reads only what is indexed."""
+"""jaxckpt.open (jaxckpt/inspect.py): a lazy view that reads only what is indexed."""
 
 import jax
 import numpy as np

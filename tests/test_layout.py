@@ -9,14 +9,13 @@ from jax.sharding import PartitionSpec as P
 from jaxckpt import _layout
 
 
-def test_writer_processes_match_jax_replica_ids():
+def test_replica0_devices_match_jax_replica_ids():
     m = mesh((4, 2), ("a", "b"))
     for spec in [P("a"), P(None, "b"), P(), P(("a", "b"))]:
         x = jax.device_put(np.zeros((8, 8)), NamedSharding(m, spec))
-        writers = _layout.writer_processes(x.sharding, x.shape)
-        replica0 = {_layout.normalize_index(s.index, x.shape) for s in x.addressable_shards if s.replica_id == 0}
-        assert set(writers) == replica0
-        assert set(writers.values()) == {0}
+        replica0 = {s.device: _layout.normalize_index(s.index, x.shape)
+                    for s in x.addressable_shards if s.replica_id == 0}
+        assert _layout.replica0_devices(x.sharding, x.shape) == replica0
 
 
 def test_chunk_shape_is_shard_shape():
