@@ -223,10 +223,13 @@ def _target_kind(path: str, leaf: Any, rec: LeafRecord, sharding: Any, where: st
         raise mismatch(f"saved an inline value {rec.value!r}, target is {type(leaf).__name__}")
     if leaf is None and sharding is None:
         raise mismatch("saved an array, target is None")
-    if _is_inline(leaf):
-        if rec.kind == "array" and rec.shape == () and leaf is not None:
+    if leaf is not None and _is_inline(leaf):
+        if rec.kind == "array" and rec.shape == ():
             return _Request(rec, "scalar", None, None, leaf)
         raise mismatch(f"saved an array of shape {rec.shape}, target is {type(leaf).__name__}")
+    if leaf is not None and not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+        raise mismatch(f"target leaf of type {type(leaf).__name__} is neither an array, a "
+                       "jax.ShapeDtypeStruct nor a Python value")
     saved_key = rec.kind == "prng_key"
     if leaf is None:
         shape, dtype = None, None
@@ -254,7 +257,9 @@ def _target_kind(path: str, leaf: Any, rec: LeafRecord, sharding: Any, where: st
         return _Request(rec, "numpy", np.dtype(dtype), None, leaf)
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return _Request(rec, "jax", None if saved_key else np.dtype(dtype or _storage.DTYPES[rec.dtype]),
+    if saved_key:
+        return _Request(rec, "jax", None, sharding, leaf)
+    return _Request(rec, "jax", np.dtype(dtype) if dtype is not None else _storage.DTYPES[rec.dtype],
                     sharding, leaf)
 
 

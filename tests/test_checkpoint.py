@@ -494,3 +494,16 @@ def test_restored_arrays_can_be_donated(ckpt):
     again = jaxckpt.restore(ckpt, shardings={"w": repl, "v": repl})
     assert_bit_equal(again["w"], host)
     assert_bit_equal(jax.jit(lambda v: v * 3, donate_argnums=0)(again["v"]), np.ones(3000, np.float32) * 6)
+
+
+def test_target_none_with_a_sharding_and_odd_target_leaves(ckpt):
+    host = np.arange(16, dtype=np.float32)
+    jaxckpt.save(ckpt, {"w": host, "n": 3})
+    s = NamedSharding(mesh((2,), ("x",)), P("x"))
+    back = jaxckpt.restore(ckpt, {"w": None, "n": None}, shardings={"w": s, "n": None})
+    assert back["w"].sharding == s and back["n"] == 3
+    assert_bit_equal(back["w"], host)
+    with pytest.raises(jaxckpt.TreeMismatchError, match="leaf 'w': target leaf of type object is neither"):
+        jaxckpt.restore(ckpt, {"w": object(), "n": 0})
+    with pytest.raises(jaxckpt.TreeMismatchError, match="leaf 'w': saved an array, target is None"):
+        jaxckpt.restore(ckpt, {"w": None, "n": 0})
