@@ -15,11 +15,11 @@ from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ._errors import CorruptCheckpointError as CorruptCheckpointError
 from ._errors import TreeMismatchError as TreeMismatchError
 from ._layout import SavedSharding as SavedSharding
+from ._manager import CheckpointManager as CheckpointManager
+from ._version import __version__ as __version__
 from .inspect import CheckpointView as CheckpointView
 from .inspect import LazyArray as LazyArray
 from .inspect import open as open  # noqa: A004
-from ._manager import CheckpointManager as CheckpointManager
-from ._version import __version__ as __version__
 
 __all__ = [
     "CheckpointError",

@@ -74,10 +74,10 @@ def save_snapshot(path: Any, snap: Snapshot, *, metadata: Any = None, overwrite:
     ``total_since`` (a ``time.perf_counter()`` value) and ``clock`` (returns the commit
     time in seconds) add ``total_seconds`` and ``commit_time`` to the manifest; ``op_id``
     is the collective sequence number (taken in program order by the caller).
-    Returns the committed manifest.
+    ``metadata`` must already have passed ``_check_metadata`` (``save`` checks it
+    before taking the snapshot). Returns the committed manifest.
     """
     final = _storage.resolve(path)
-    metadata = _check_metadata(metadata)
     timeout = timeout_s or _distributed.DEFAULT_TIMEOUT_S
     name = f"save{_distributed.next_id() if op_id is None else op_id}"
     me = _distributed.process_index()

@@ -28,6 +28,7 @@ import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
+from . import _layout
 from ._errors import CheckpointError
 
 # --- dtypes -------------------------------------------------------------------------
@@ -248,17 +249,13 @@ def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def _region(index: Sequence[tuple[int, int]]) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in index)
-
-
 def write_region(store: ts.TensorStore, index: Sequence[tuple[int, int]], data: np.ndarray,
                  key: str) -> ts.WriteFutures:
     """Start writing ``data`` (already in the storage dtype) to ``store[index]``."""
     if fault_hook is not None:
         fault_hook("write", key)
     _count(bytes_written=data.nbytes, writes=1)
-    return store[_region(index)].write(data) if index else store.write(data)
+    return store[_layout.index_to_slices(index)].write(data) if index else store.write(data)
 
 
 def run_tasks(tasks: Sequence[Any], n_threads: int) -> None:
@@ -361,7 +358,7 @@ def read_into(dest: np.ndarray, store: ts.TensorStore, index: Sequence[tuple[int
     """Start reading ``store[index]`` straight into ``dest`` (a numpy array or view)."""
     _count(bytes_read=dest.nbytes, reads=1)
     target = ts.array(dest, copy=False, write=True)
-    return target.write(store[_region(index)] if index else store)
+    return target.write(store[_layout.index_to_slices(index)] if index else store)
 
 
 # --- small blobs (the manifest) -----------------------------------------------------
