@@ -12,16 +12,17 @@ import datetime
 import functools
 import json
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from . import _commit, _distributed, _layout, _manifest, _reader, _storage, _tree
 from ._errors import CheckpointError, TreeMismatchError
 from ._manifest import LeafRecord, Manifest
 from ._snapshot import Snapshot, snapshot, write_data
-from ._snapshot import is_inline as _is_inline
 from ._storage import Location
 
 
@@ -51,87 +52,103 @@ def build_manifest(snap: Snapshot, metadata: dict[str, Any] | None,
     )
 
 
-def _check_metadata(metadata: Any) -> dict[str, Any]:
+def _check_metadata(metadata: Any, name: str = "metadata") -> dict[str, Any]:
+    """A JSON copy of the user's dict; the error names the offending key path.
+
+    Checked up front because json.dumps names no key, silently turns int keys into
+    strings, and writes ints the manifest reader refuses (over 40 digits).
+    """
     if metadata is None:
         return {}
     if not isinstance(metadata, dict):
-        raise CheckpointError(f"metadata must be a dict, got {type(metadata).__name__}")
+        raise CheckpointError(f"{name} must be a dict, got {type(metadata).__name__}")
+    reason = _manifest.unsaveable(metadata, name)
+    if reason is not None:
+        raise CheckpointError(reason)
     try:
         return json.loads(json.dumps(metadata))
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"metadata must be JSON-serialisable: {e}") from None
+    except (TypeError, ValueError) as e:  # not expected after the walk above
+        raise CheckpointError(f"{name} must be JSON-serialisable: {e}") from None
 
 
 def save_snapshot(path: Any, snap: Snapshot, *, metadata: Any = None, overwrite: bool = False,
-                  extra_info: dict[str, Any] | None = None, timeout_s: float | None = None,
-                  total_since: float | None = None, clock: Any = None, op_id: int | None = None) -> Manifest:
+                  info: Callable[[], dict[str, Any]] | None = None, timeout_s: float | None = None,
+                  op_id: int | None = None) -> Manifest:
     """The writing half of ``save``: stage, write every shard, manifest last, commit.
 
-    In a multi-process job every process calls this with its own snapshot; the phases
-    (staged, written, committed) are agreed through jax's key-value store, so a failure
-    in any process fails the save in all of them and nothing is committed.
+    In a multi-process job every process calls this with its own snapshot. Process 0
+    decides the outcome and every process learns that one outcome:
 
-    ``total_since`` (a ``time.perf_counter()`` value) and ``clock`` (returns the commit
-    time in seconds) add ``total_seconds`` and ``commit_time`` to the manifest; ``op_id``
-    is the collective sequence number (taken in program order by the caller).
-    ``metadata`` must already have passed ``_check_metadata`` (``save`` checks it
-    before taking the snapshot). Returns the committed manifest.
+    1. process 0 prepares the staging location and broadcasts its token (or its error);
+    2. every process writes its shards and posts whether that worked;
+    3. process 0 waits for all of them (a slow writer is waited for as long as it is
+       alive; see ``_distributed``), commits, and broadcasts the manifest bytes, or the
+       error. The others take the manifest from that message, never by re-reading the
+       file process 0 just renamed (on NFS a cached negative lookup fails that read).
+
+    ``info`` is called on process 0 just before the commit; what it returns is added to
+    the manifest's info (the manager's timings). ``op_id`` is the collective sequence
+    number (taken in program order by the caller). ``metadata`` must already have
+    passed ``_check_metadata``. Returns the committed manifest.
     """
     final = _storage.resolve(path)
-    timeout = timeout_s or _distributed.DEFAULT_TIMEOUT_S
-    name = f"save{_distributed.next_id() if op_id is None else op_id}"
-    me = _distributed.process_index()
-    staging = token = None
-    manifest = None
+    op_id = _distributed.next_id() if op_id is None else op_id
+    with _distributed.Operation(f"save{op_id}", str(final), timeout_s) as op:
+        if _distributed.process_index() == 0:
+            return _save_as_coordinator(op, final, snap, metadata, overwrite, info)
+        return _save_as_follower(op, final, snap)
+
+
+def _save_as_coordinator(op: _distributed.Operation, final: Location, snap: Snapshot, metadata: Any,
+                         overwrite: bool, info: Callable[[], dict[str, Any]] | None) -> Manifest:
+    staging = None
     try:
-        if me == 0:
-            error = None
-            try:
-                token = _commit.new_token()
-                staging = _commit.prepare(final, token, overwrite)
-                _distributed.broadcast(f"{name}/token", token, timeout)
-            except BaseException as e:  # noqa: BLE001 - reported to every process
-                error = e
-            _distributed.agree(f"{name}/staged '{final}'", error, timeout)
-        else:
-            _distributed.agree(f"{name}/staged '{final}'", None, timeout)
-            token = _distributed.broadcast(f"{name}/token", None, timeout)
-            staging = _commit.staging_location(final, token)
-
+        token = _commit.new_token()
+        staging = _commit.prepare(final, token, overwrite)
+    except BaseException as e:  # noqa: BLE001 - reported to every process, then re-raised
+        op.broadcast("staged", e)
+    op.broadcast("staged", token.encode())
+    committed = False
+    try:
         t0 = time.perf_counter()
-        error = None
-        try:
-            write_data(staging, snap)
-        except BaseException as e:  # noqa: BLE001
-            error = e
-        _distributed.agree(f"{name}/written '{final}'", error, timeout)
-
-        error = None
-        if me == 0:
-            try:
-                info = {"write_seconds": round(time.perf_counter() - t0, 6), **(extra_info or {})}
-                if total_since is not None:
-                    info["total_seconds"] = round(time.perf_counter() - total_since, 6)
-                if clock is not None:
-                    info["commit_time"] = clock()
-                manifest = build_manifest(snap, metadata, info)
-                _commit.commit(final, staging, manifest.to_bytes(), token)
-            except BaseException as e:  # noqa: BLE001
-                error = e
-        _distributed.agree(f"{name}/committed '{final}'", error, timeout)
-    except BaseException:
-        if me == 0 and staging is not None and manifest is None:
+        write_data(staging, snap)
+        write_seconds = time.perf_counter() - t0
+        op.wait_for("written", list(range(1, _distributed.process_count())))
+        extra = {"write_seconds": round(write_seconds, 6), **(info() if info is not None else {})}
+        manifest = build_manifest(snap, metadata, extra)
+        data = manifest.to_bytes()
+        _commit.commit(final, staging, data, token)
+        committed = True
+    except BaseException as e:
+        if not committed:
             _commit.abort(final, staging)
+        op.post("outcome", e)
         raise
-    return manifest if manifest is not None else _commit.read_manifest(final)
+    op.post("outcome", data)
+    return manifest
+
+
+def _save_as_follower(op: _distributed.Operation, final: Location, snap: Snapshot) -> Manifest:
+    token = op.broadcast("staged", None).decode()
+    staging = _commit.staging_location(final, token)
+    try:
+        write_data(staging, snap)
+    except BaseException as e:
+        op.post("written", e)
+        raise
+    op.post("written")
+    data = op.wait_for("outcome", [0])[0]
+    return _manifest.parse(data, str(final))
 
 
 def save(path: Any, tree: Any, *, metadata: dict[str, Any] | None = None,
          overwrite: bool = False, timeout_s: float | None = None) -> None:
     """Save ``tree`` to ``path``, blocking until it is committed.
 
-    Each process writes only the shards of its own devices with ``replica_id == 0``.
-    The checkpoint becomes visible atomically: ``manifest.json`` is written last.
+    Each distinct shard is written once, by one of the processes holding it; the
+    chunks of replicated data are spread over the processes that hold them, balanced
+    by bytes. The checkpoint becomes visible atomically: ``manifest.json`` is written
+    last.
 
     Args:
       path: a local directory, an ``s3://``/``gs://``/``memory://`` URL, or a
@@ -140,8 +157,10 @@ def save(path: Any, tree: Any, *, metadata: dict[str, Any] | None = None,
         ``int/float/bool/str/None``.
       metadata: a JSON-serialisable dict stored in the manifest.
       overwrite: replace an existing checkpoint at ``path`` (otherwise it raises).
-      timeout_s: multi-process only: how long processes wait for each other at each
-        phase before the save fails in all of them (default 30 s).
+      timeout_s: multi-process only: how long a process waits for a peer that has
+        not started this save before it fails in all of them (default 30 s). A peer
+        that is still writing is waited for as long as it is alive; one that stops
+        heartbeating fails the save within ``_distributed.STALE_S`` (10 s).
 
     Example:
       >>> jaxckpt.save("/tmp/ckpt", {"params": params, "step": 100})
@@ -209,22 +228,26 @@ class _Request(NamedTuple):
     dtype: Any  # target element dtype (numpy) for arrays
     sharding: Any  # jax sharding for mode == "jax"
     target: Any  # the target leaf (for value casting)
+    value: Any = None  # mode == "value": the saved value, converted to the target's type
+    check_range: bool = False  # integer narrowing: every value read must fit ``dtype``
 
 
-def _target_kind(path: str, leaf: Any, rec: LeafRecord, sharding: Any, where: str) -> _Request:
+def _target_kind(path: str, leaf: Any, rec: LeafRecord, sharding: Any, where: str,
+                 allow_narrowing: bool = False) -> _Request:
     """How to restore saved ``rec`` as target ``leaf``; raise on mismatch."""
 
     def mismatch(msg: str) -> TreeMismatchError:
         return TreeMismatchError(f"Checkpoint '{where}': leaf '{path}': {msg}", [path])
 
     if rec.kind == "value":
-        if _is_inline(leaf):
-            return _Request(rec, "value", None, None, leaf)
-        raise mismatch(f"saved an inline value {rec.value!r}, target is {type(leaf).__name__}")
+        return _value_request(rec, leaf, mismatch, allow_narrowing)
     if leaf is None and sharding is None:
         raise mismatch("saved an array, target is None")
-    if leaf is not None and _is_inline(leaf):
+    if leaf is not None and _is_python_scalar(leaf):
         if rec.kind == "array" and rec.shape == ():
+            if not _kind_castable(_dtype_kind(_storage.DTYPES[rec.dtype]), _scalar_kind(leaf)):
+                raise mismatch(f"target of type {type(leaf).__name__} cannot hold a {rec.dtype} "
+                               "scalar from disk")
             return _Request(rec, "scalar", None, None, leaf)
         raise mismatch(f"saved an array of shape {rec.shape}, target is {type(leaf).__name__}")
     if leaf is not None and not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
@@ -240,6 +263,7 @@ def _target_kind(path: str, leaf: Any, rec: LeafRecord, sharding: Any, where: st
         if shape != want:
             raise mismatch(f"shape {shape} in target, {want} on disk")
     target_key = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    check_range = False
     if saved_key or target_key:
         if not (saved_key and (target_key or dtype is None)):
             raise mismatch("PRNG key and non-key array do not mix")
@@ -249,18 +273,92 @@ def _target_kind(path: str, leaf: Any, rec: LeafRecord, sharding: Any, where: st
         saved = _storage.DTYPES[rec.dtype]
         if dtype is not None and not _castable(saved, np.dtype(dtype)):
             raise mismatch(f"dtype {np.dtype(dtype).name} in target cannot hold {rec.dtype} from disk")
+        check_range = dtype is not None and not allow_narrowing and _may_narrow(saved, np.dtype(dtype))
     if sharding is None and isinstance(leaf, jax.Array):
         sharding = leaf.sharding
     if sharding is None and isinstance(leaf, jax.ShapeDtypeStruct):
         sharding = leaf.sharding
     if isinstance(leaf, (np.ndarray, np.generic)) and sharding is None:
-        return _Request(rec, "numpy", np.dtype(dtype), None, leaf)
+        return _Request(rec, "numpy", np.dtype(dtype), None, leaf, check_range=check_range)
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    sharding = _concrete_sharding(sharding, path, where)
     if saved_key:
         return _Request(rec, "jax", None, sharding, leaf)
     return _Request(rec, "jax", np.dtype(dtype) if dtype is not None else _storage.DTYPES[rec.dtype],
-                    sharding, leaf)
+                    sharding, leaf, check_range=check_range)
+
+
+def _concrete_sharding(sharding: Any, path: str, where: str) -> Any:
+    """``sharding`` placed on the concrete mesh in context when it names an ``AbstractMesh``.
+
+    ``nnx.eval_shape`` under ``jax.set_mesh`` gives such shardings; jax cannot place
+    data with them, and the concrete mesh inside ``jax.set_mesh`` is the one meant.
+    """
+    if not (isinstance(sharding, jax.sharding.NamedSharding)
+            and isinstance(sharding.mesh, jax.sharding.AbstractMesh)):
+        return sharding
+    abstract = sharding.mesh
+    mesh = jax.sharding.get_mesh()
+    axes = ", ".join(f"{n}={s}" for n, s in abstract.shape.items())
+    if mesh.empty or isinstance(mesh, jax.sharding.AbstractMesh):
+        raise CheckpointError(
+            f"Checkpoint '{where}': leaf '{path}': the target's sharding is on an abstract mesh "
+            f"({axes}) and no concrete mesh is set; restore inside `with jax.set_mesh(mesh):` "
+            "or pass shardings= with concrete shardings")
+    if dict(mesh.shape) != dict(abstract.shape):
+        have = ", ".join(f"{n}={s}" for n, s in mesh.shape.items())
+        raise CheckpointError(
+            f"Checkpoint '{where}': leaf '{path}': the target's sharding is on an abstract mesh "
+            f"({axes}) but the mesh set in context has axes ({have})")
+    return jax.sharding.NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
+
+
+def _value_request(rec: LeafRecord, leaf: Any, mismatch: Any, allow_narrowing: bool) -> _Request:
+    """An inline saved value restored as target ``leaf``: the same kind rules as arrays."""
+    value = rec.value
+    if leaf is None:  # a None target takes whatever was saved
+        return _Request(rec, "value", None, None, leaf, value)
+    saved, wanted = _scalar_kind(value), _scalar_kind(leaf)
+    if wanted is None or value is None:
+        raise mismatch(f"saved an inline value {value!r}, target is {type(leaf).__name__}")
+    if not _kind_castable(saved, wanted):
+        raise mismatch(f"saved {type(value).__name__} {value!r} cannot be restored into a target "
+                       f"of type {type(leaf).__name__}")
+    if isinstance(leaf, np.generic) and wanted in "iu" and saved != "b":
+        info = ml_dtypes.iinfo(leaf.dtype)
+        if not info.min <= value <= info.max:
+            if not allow_narrowing:
+                raise mismatch(f"saved {value!r} does not fit target dtype {leaf.dtype.name} "
+                               f"[{info.min}, {info.max}]; pass allow_narrowing=True to wrap it")
+            value = _wrap_int(value, info)
+    try:
+        return _Request(rec, "value", None, None, leaf, type(leaf)(value))
+    except (TypeError, ValueError, OverflowError) as e:  # e.g. an IntEnum target without that member
+        raise mismatch(f"saved {value!r} cannot be restored into a target of type "
+                       f"{type(leaf).__name__}: {e}") from None
+
+
+def _wrap_int(value: int, info: Any) -> int:
+    """``value`` wrapped into ``info``'s range in two's complement, as numpy's astype does."""
+    span = 1 << info.bits
+    value %= span
+    return value - span if value > info.max else value
+
+
+def _is_python_scalar(x: Any) -> bool:
+    # numpy scalars have a dtype and restore like (0-d) arrays instead
+    return not isinstance(x, np.generic) and _scalar_kind(x) is not None
+
+
+def _scalar_kind(x: Any) -> str | None:
+    """numpy's kind letter for a scalar (numpy or Python: b, i, f, c, U, S); None otherwise."""
+    if isinstance(x, np.generic):
+        return _dtype_kind(x.dtype)
+    for t, kind in ((bool, "b"), (int, "i"), (float, "f"), (complex, "c"), (str, "U"), (bytes, "S")):
+        if isinstance(x, t):
+            return kind
+    return None
 
 
 @functools.cache
@@ -276,17 +374,49 @@ def _dtype_kind(dt: np.dtype) -> str:
 
 
 # Casts allowed on restore: within a kind and towards "bigger" kinds (bool < int < float < complex).
+# Strings (U) and bytes (S) only to their own kind.
 _KIND_ORDER = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
 
 
-def _castable(src: np.dtype, dst: np.dtype) -> bool:
-    a, b = _KIND_ORDER.get(_dtype_kind(src)), _KIND_ORDER.get(_dtype_kind(dst))
+def _kind_castable(src: str | None, dst: str | None) -> bool:
+    if src in ("U", "S") or dst in ("U", "S"):
+        return src == dst
+    a, b = _KIND_ORDER.get(src or ""), _KIND_ORDER.get(dst or "")
     return a is not None and b is not None and a <= b
+
+
+def _castable(src: np.dtype, dst: np.dtype) -> bool:
+    return _kind_castable(_dtype_kind(src), _dtype_kind(dst))
+
+
+def _may_narrow(src: np.dtype, dst: np.dtype) -> bool:
+    """True when some value of integer dtype ``src`` falls outside integer dtype ``dst``."""
+    if _dtype_kind(src) not in "iu" or _dtype_kind(dst) not in "iu":
+        return False
+    have, want = ml_dtypes.iinfo(src), ml_dtypes.iinfo(dst)
+    return have.min < want.min or have.max > want.max
+
+
+def _cast(arr: np.ndarray, req: _Request, where: str) -> np.ndarray:
+    """``arr`` (one slice as read) in the target dtype; integer narrowing only when every value fits."""
+    if req.dtype is None or arr.dtype == req.dtype:
+        return arr
+    if req.check_range and arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        info = ml_dtypes.iinfo(req.dtype)
+        if lo < info.min or hi > info.max:
+            path = req.rec.path
+            raise TreeMismatchError(
+                f"Checkpoint '{where}': leaf '{path}': saved {req.rec.dtype} values in [{lo}, {hi}] "
+                f"do not fit target dtype {req.dtype.name} [{info.min}, {info.max}]; pass "
+                "allow_narrowing=True to wrap them as numpy's astype does", [path])
+    return arr.astype(req.dtype)
 
 
 def _restore_leaves(loc: Location, man: Manifest, requests: list[_Request]) -> list[Any]:
     """Read what every request needs (each distinct slice once), then place it."""
     reader = _reader.Reader(loc, man)
+    where = str(loc)
     plans: list[Any] = []
     for req in requests:
         rec = req.rec
@@ -314,15 +444,14 @@ def _restore_leaves(loc: Location, man: Manifest, requests: list[_Request]) -> l
     for i, (req, plan) in enumerate(zip(requests, plans)):
         rec = req.rec
         if req.mode == "value":
-            out[i] = rec.value
+            out[i] = req.value
             continue
         if req.mode in ("numpy", "scalar"):
             arr = reader.get(rec, plan)
             if req.mode == "scalar":
-                out[i] = type(req.target)(arr.item())
+                out[i] = _python_scalar(arr, req, where)
                 continue
-            if req.dtype is not None and arr.dtype != req.dtype:
-                arr = arr.astype(req.dtype)
+            arr = _cast(arr, req, where)
             out[i] = arr[()] if rec.scalar else arr
             continue
         sharding, per_device = plan
@@ -330,10 +459,7 @@ def _restore_leaves(loc: Location, man: Manifest, requests: list[_Request]) -> l
         host: dict[_layout.Index, np.ndarray] = {}
         for device, index in per_device.items():
             if index not in host:
-                arr = reader.get(rec, index)
-                if req.dtype is not None and arr.dtype != req.dtype:
-                    arr = arr.astype(req.dtype)
-                host[index] = arr
+                host[index] = _cast(reader.get(rec, index), req, where)
             xs.append(host[index])
             # one device: place with the sharding itself, no assembly needed
             ds.append(sharding if single else device)
@@ -355,6 +481,17 @@ def _restore_leaves(loc: Location, man: Manifest, requests: list[_Request]) -> l
     return out
 
 
+def _python_scalar(arr: np.ndarray, req: _Request, where: str) -> Any:
+    """A saved 0-d array as the Python scalar type of the target (kinds checked before)."""
+    try:
+        return type(req.target)(arr.item())
+    except (TypeError, ValueError, OverflowError) as e:  # e.g. an IntEnum target without that member
+        path = req.rec.path
+        raise TreeMismatchError(f"Checkpoint '{where}': leaf '{path}': saved {arr.item()!r} cannot be "
+                                f"restored into a target of type {type(req.target).__name__}: {e}",
+                                [path]) from None
+
+
 def _key_data_sharding(sharding: Any, extra: int, path: str) -> Any:
     if isinstance(sharding, jax.sharding.NamedSharding):
         spec = tuple(sharding.spec) + (None,) * extra
@@ -369,7 +506,8 @@ def _key_data_sharding(sharding: Any, extra: int, path: str) -> Any:
 
 def _restore_all_numpy(loc: Location, man: Manifest) -> Any:
     requests = [
-        _Request(r, "value" if r.kind == "value" else "numpy", None, None, None) for r in man.leaves
+        _Request(r, "value" if r.kind == "value" else "numpy", None, None, None, r.value)
+        for r in man.leaves
     ]
     # PRNG keys come back as typed keys on the default device; everything else as numpy.
     for i, r in enumerate(man.leaves):
@@ -379,7 +517,8 @@ def _restore_all_numpy(loc: Location, man: Manifest) -> Any:
     return _tree.build(man.structure, lambda i: values[i])
 
 
-def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bool = False) -> Any:
+def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bool = False,
+            allow_narrowing: bool = False) -> Any:
     """Restore a checkpoint, optionally onto a target structure and shardings.
 
     Each process reads only the slices its devices hold (equal slices once).
@@ -388,12 +527,20 @@ def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bo
       path: the checkpoint (as for ``save``).
       target: a PyTree of ``jax.ShapeDtypeStruct`` (with ``.sharding``), ``jax.Array``,
         ``numpy.ndarray`` or Python values. Its structure is the structure returned and
-        its dtypes are cast to on the host.
+        its dtypes (and Python scalar types) are cast to on the host. Shardings on an
+        ``AbstractMesh`` (``nnx.eval_shape`` under ``jax.set_mesh``) resolve against
+        the mesh set with ``jax.set_mesh``.
       shardings: a PyTree of ``jax.sharding.Sharding`` (``None`` for non-array leaves)
         matching ``target`` (or used alone as the target), or one ``Sharding`` for all
         array leaves.
       partial: restore the subset of the saved tree that ``target`` names; otherwise
         every saved leaf must appear in the target.
+      allow_narrowing: cast integers to a narrower or differently signed target dtype
+        even when values do not fit, wrapping them as ``numpy.ndarray.astype`` does.
+        By default such a cast happens only when every value read fits the target dtype
+        (checked on the host); otherwise ``TreeMismatchError``. Float precision casts
+        (float32 -> bfloat16), int -> float and bool -> number are always allowed;
+        float -> int, complex -> float and non-bool -> bool never are.
 
     Returns:
       The restored PyTree. Without ``target`` and ``shardings``: numpy arrays (typed
@@ -401,17 +548,18 @@ def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bo
 
     Raises:
       CheckpointNotFoundError: no committed checkpoint at ``path``.
-      TreeMismatchError: missing/unexpected key paths, shape or dtype mismatches.
+      TreeMismatchError: missing/unexpected key paths, shape or dtype mismatches,
+        integers that do not fit the target dtype.
       CorruptCheckpointError: the manifest or a chunk fails validation.
 
     Example:
       >>> state = jaxckpt.restore("/tmp/ckpt", target=abstract_state)
     """
     with _tree.gc_paused():
-        return _restore(path, target, shardings, partial)
+        return _restore(path, target, shardings, partial, allow_narrowing)
 
 
-def _restore(path: Any, target: Any, shardings: Any, partial: bool) -> Any:
+def _restore(path: Any, target: Any, shardings: Any, partial: bool, allow_narrowing: bool = False) -> Any:
     loc = _storage.resolve(path)
     man = _commit.read_manifest(loc)
     single_sharding = isinstance(shardings, jax.sharding.Sharding)
@@ -458,7 +606,7 @@ def _restore(path: Any, target: Any, shardings: Any, partial: bool) -> Any:
         if by_path[p].kind == "value":
             sharding = None
         try:
-            requests.append(_target_kind(p, leaf, by_path[p], sharding, str(loc)))
+            requests.append(_target_kind(p, leaf, by_path[p], sharding, str(loc), allow_narrowing))
         except TreeMismatchError as e:
             errors.append(e)
     if errors:

@@ -9,16 +9,19 @@ the manifest, written last, is the commit marker.
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
 import uuid
 
 from . import _manifest, _storage
-from ._errors import CheckpointError, CheckpointNotFoundError
+from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ._storage import Location
 
 TMP_MARK = ".jaxckpt-tmp-"
 DATA_DIRS = {"arrays", "packed"}  # what a checkpoint holds besides its manifest
 OLD_MARK = ".jaxckpt-old-"
+_log = logging.getLogger("jaxckpt")
 
 
 def new_token() -> str:
@@ -94,12 +97,38 @@ def abort(final: Location, staging: Location) -> None:
 
 
 def read_manifest(loc: Location) -> _manifest.Manifest:
-    data = _storage.read_blob(loc, _manifest.MANIFEST)
+    data = _read_manifest_bytes(loc)
     if data is None:
         raise CheckpointNotFoundError(
             f"No checkpoint at '{loc}': {_manifest.MANIFEST} is missing (not committed, or not a checkpoint)"
         )
     return _manifest.parse(data, str(loc))
+
+
+def _read_manifest_bytes(loc: Location) -> bytes | None:
+    """The manifest's bytes (``None`` when there is none), never more than the cap.
+
+    A local manifest is checked before it is read: a hostile checkpoint could hold a
+    huge (or sparse) file, or a FIFO that would block ``open`` forever.
+    """
+    if loc.local is None:
+        return _storage.read_blob(loc, _manifest.MANIFEST)  # parse() checks the size
+    path = os.path.join(loc.local, _manifest.MANIFEST)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except IsADirectoryError:
+        raise CorruptCheckpointError(f"Checkpoint '{loc}': {_manifest.MANIFEST} is not a file") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"Checkpoint '{loc}': {_manifest.MANIFEST} is not a regular file")
+        if st.st_size > _manifest.MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(
+                f"Checkpoint '{loc}': invalid manifest: {st.st_size} bytes is more than the "
+                f"{_manifest.MAX_MANIFEST_BYTES} a manifest may have")
+        return f.read(_manifest.MAX_MANIFEST_BYTES + 1)  # it may grow after the fstat
 
 
 # --- step directories (the manager's layout) -----------------------------------------
@@ -116,26 +145,43 @@ def parse_step_name(name: str) -> int | None:
     return int(name)
 
 
-def discover_steps(directory: Location) -> dict[int, _manifest.Manifest | None]:
-    """Committed steps under ``directory`` with their manifests.
+def discover_steps(directory: Location) -> dict[int, _manifest.Manifest]:
+    """Committed steps under ``directory`` with their manifests (see ``discover``)."""
+    return discover(directory)[0]
 
-    A step directory counts only when its manifest exists and validates; anything else
-    (temporary attempts, an empty ``7/``, a missing or truncated manifest) is ignored.
+
+def discover(directory: Location) -> tuple[dict[int, _manifest.Manifest], dict[int, str]]:
+    """Committed steps under ``directory``, and the steps skipped with the reason why.
+
+    A step directory counts only when its manifest exists and validates. One without a
+    manifest (an empty ``7/``, a save that never committed) is silently not a step; one
+    whose manifest fails in any way is skipped and reported (a warning on the
+    ``jaxckpt`` logger), so that one bad step never stops a manager from starting.
     """
-    found: dict[int, _manifest.Manifest | None] = {}
+    found: dict[int, _manifest.Manifest] = {}
+    skipped: dict[int, str] = {}
     for name in _storage.list_children(directory):
-        step = parse_step_name(name)
+        step = _step_of(name)
         if step is None:
             continue
         loc = directory.child(name)
-        data = _storage.read_blob(loc, _manifest.MANIFEST)
-        if data is None:
-            continue
         try:
+            data = _read_manifest_bytes(loc)
+            if data is None:
+                continue
             found[step] = _manifest.parse(data, str(loc))
-        except CheckpointError:
-            continue
-    return found
+        except Exception as e:  # noqa: BLE001 - a bad step is skipped, whatever is wrong with it
+            skipped[step] = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+            _log.warning("Skipping step %d at '%s': %s", step, loc, skipped[step])
+    return found, skipped
+
+
+def _step_of(name: str) -> int | None:
+    # str.isdigit() accepts '²' and int() refuses it, or a name of 5,000 digits: a
+    # hostile directory name must not stop discovery.
+    if not name.isascii() or len(name) > 40:
+        return None
+    return parse_step_name(name)
 
 
 def stale_attempts(directory: Location) -> list[str]:

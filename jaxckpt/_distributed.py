@@ -5,10 +5,29 @@ store) lives here, so a change there touches one file. With one process every fu
 is a cheap no-op.
 
 Processes agree through the key-value store rather than XLA collectives, so a save's
-background thread never competes with the training loop's collectives. Each phase of
-a save is an ``agree``: every process posts ``ok`` or its error under the phase's key,
-then waits for all posts; one error, or a process that never posts within the timeout,
-fails the phase in every process, naming the culprit.
+background thread never competes with the training loop's collectives.
+
+A collective operation (one save, one manager start) is an ``Operation``. Inside it,
+processes ``post`` their outcome of a phase (``ok`` with a payload, or an error) and
+``wait_for`` the posts of the peers they depend on. Waiting tells three kinds of peer
+apart, so that a slow process is never mistaken for a dead one:
+
+* a peer that is *in* the operation and alive: its heartbeat key (``jaxckpt/hb/<p>``,
+  rewritten every ``HEARTBEAT_S`` by a thread of that process while it is inside any
+  operation) keeps changing. It is waited for as long as it takes: writing tens of GB
+  is slow, not broken.
+* a peer in the operation whose heartbeat stopped moving for ``STALE_S``: dead (or
+  wedged). The wait fails, naming it, well before JAX's coordination service kills the
+  survivors (~40 s after a death).
+* a peer that has not started the operation: waited for ``timeout_s`` (counted from
+  when the waiting process started waiting), then the wait fails.
+
+Staleness is judged on the observer's own clock from changes of the peer's counter, so
+clocks of different hosts never need to agree.
+
+Keys of an operation are deleted once they can no longer be read: process 0 deletes
+them when every process has posted in a later operation (each process runs its
+collective operations one after another, so by then everyone is done with the old one).
 """
 
 from __future__ import annotations
@@ -16,13 +35,18 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from typing import Any
 
 import jax
 
 from ._errors import CheckpointError
 
-DEFAULT_TIMEOUT_S = 30.0
-_POLL_S = 0.005
+DEFAULT_TIMEOUT_S = 30.0  # waiting for a peer that has not started the operation
+HEARTBEAT_S = 1.0  # how often a process inside an operation proves it is alive
+STALE_S = 10.0  # a peer in the operation whose heartbeat did not move for this long is dead
+_WAIT_MS = 500  # one blocking wait on the key-value store, between liveness checks
+_PART_BYTES = 1 << 20  # large payloads are split into parts of this size
+_ROOT = "jaxckpt"
 
 _seq_lock = threading.Lock()
 _seq = itertools.count()
@@ -58,60 +82,229 @@ def _client():
     return client
 
 
-def broadcast(name: str, value: str | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
-    """Process 0's ``value`` in every process (``name`` must be unique per use)."""
-    if process_count() == 1:
-        assert value is not None
-        return value
-    client = _client()
-    key = f"jaxckpt/{name}/value"
-    if process_index() == 0:
-        assert value is not None
-        client.key_value_set(key, value)
-        return value
+# --- heartbeat ----------------------------------------------------------------------
+
+
+class _Heartbeat:
+    """While this process is inside any operation, rewrite ``jaxckpt/hb/<me>`` with a
+    counter and the names of the operations it is in."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active: dict[str, int] = {}
+        self._counter = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+
+    def enter(self, name: str) -> None:
+        with self._lock:
+            self._active[name] = self._active.get(name, 0) + 1
+            self._beat_locked()
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="jaxckpt-heartbeat", daemon=True)
+                self._thread.start()
+
+    def exit(self, name: str) -> None:
+        with self._lock:
+            self._active[name] -= 1
+            if not self._active[name]:
+                del self._active[name]
+            self._beat_locked()
+        self._wake.set()
+
+    def _beat_locked(self) -> None:
+        value = f"{next(self._counter)} {' '.join(sorted(self._active))}"
+        _client().key_value_set(f"{_ROOT}/hb/{process_index()}", value, allow_overwrite=True)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(HEARTBEAT_S)
+            self._wake.clear()
+            with self._lock:
+                if not self._active:
+                    self._thread = None
+                    return
+                try:
+                    self._beat_locked()
+                except Exception:  # noqa: BLE001 - the runtime is shutting down; stop beating
+                    self._thread = None
+                    return
+
+
+_heartbeat = _Heartbeat()
+
+
+class _Peer:
+    """What a waiting process has seen of one peer's heartbeat."""
+
+    def __init__(self) -> None:
+        self.value: str | None = None
+        self.changed = time.monotonic()
+
+
+def _read_heartbeat(client: Any, p: int) -> str | None:
     try:
-        return client.blocking_key_value_get(key, int(timeout_s * 1000))
-    except Exception as e:
-        raise CheckpointError(
-            f"{name}: process 0 did not answer within {timeout_s:g}s (failed or dead?)"
-        ) from e
+        return client.key_value_try_get(f"{_ROOT}/hb/{p}")
+    except Exception:  # noqa: BLE001 - not found: never beat yet
+        return None
 
 
-def agree(name: str, error: BaseException | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Post this process's outcome of phase ``name`` and wait for everyone's.
+# --- operations ---------------------------------------------------------------------
 
-    Raises ``CheckpointError`` in every process if any process posted an error (naming
-    it and its message) or did not post within ``timeout_s`` (naming the missing ones).
-    Re-raises this process's own ``error`` unchanged if it had one.
+_cleanup_lock = threading.Lock()
+_finished_ops: list[str] = []  # process 0: operations whose keys may still be read
+
+
+class Operation:
+    """One collective operation. Use as a context manager around its phases.
+
+    ``name`` must be the same in every process and unique per operation (take it from
+    ``next_id()``); ``what`` is for messages (e.g. the checkpoint path).
     """
-    if process_count() == 1:
+
+    def __init__(self, name: str, what: str = "", timeout_s: float | None = None):
+        self.name, self.what = name, what
+        self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+        self.multi = process_count() > 1
+        self._prefix = f"{_ROOT}/op/{name}/"
+
+    def __enter__(self) -> Operation:
+        if self.multi:
+            _heartbeat.enter(self.name)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.multi:
+            _heartbeat.exit(self.name)
+            if process_index() == 0:
+                with _cleanup_lock:
+                    _finished_ops.append(self.name)
+
+    def _label(self, phase: str) -> str:
+        return f"{self.name}/{phase}" + (f" '{self.what}'" if self.what else "")
+
+    # --- posting ---------------------------------------------------------------
+
+    def post(self, phase: str, payload: bytes | BaseException = b"") -> None:
+        """Publish this process's outcome of ``phase``: a payload, or an error."""
+        if not self.multi:
+            return
+        if isinstance(payload, BaseException):
+            text = f"{type(payload).__name__}: {payload}"[:4000]
+            data = b"E" + text.encode()
+        else:
+            data = b"K" + payload
+        _put(_client(), f"{self._prefix}{phase}/{process_index()}", data)
+
+    def wait_for(self, phase: str, peers: list[int]) -> dict[int, bytes]:
+        """The payloads ``peers`` posted for ``phase``.
+
+        Raises ``CheckpointError`` naming the peer if one posted an error, stopped
+        heartbeating inside this operation for ``STALE_S``, or did not start the
+        operation within ``timeout_s``.
+        """
+        if not self.multi:
+            return {}
+        client = _client()
+        prefix = f"{self._prefix}{phase}/"
+        start = time.monotonic()
+        seen = {p: _Peer() for p in peers}
+        got: dict[int, bytes] = {}
+        while True:
+            for p in peers:
+                if p not in got:
+                    data = _try_get(client, prefix + str(p))
+                    if data is not None:
+                        got[p] = data
+            failed = sorted(p for p, d in got.items() if d[:1] == b"E")
+            if failed:
+                detail = "; ".join(f"process {p}: {got[p][1:].decode(errors='replace')}" for p in failed)
+                raise CheckpointError(
+                    f"{self._label(phase)}: failed in process {', '.join(map(str, failed))} ({detail})")
+            missing = [p for p in peers if p not in got]
+            if not missing:
+                if process_index() == 0 and set(peers) | {0} == set(range(process_count())):
+                    _delete_finished_ops(client, self.name)
+                return {p: d[1:] for p, d in got.items()}
+            self._check_alive(client, phase, missing, seen, start)
+            try:  # sleep on the server until the first missing peer posts (or a short timeout)
+                client.blocking_key_value_get_bytes(prefix + str(missing[0]) + "/n", _WAIT_MS)
+            except Exception:  # noqa: BLE001, S110 - a timeout: check liveness again
+                pass
+
+    def _check_alive(self, client: Any, phase: str, missing: list[int], seen: dict[int, _Peer],
+                     start: float) -> None:
+        now = time.monotonic()
+        for p in missing:
+            value = _read_heartbeat(client, p)
+            peer = seen[p]
+            if value != peer.value:
+                peer.value, peer.changed = value, now
+            in_op = value is not None and self.name in value.split()[1:]
+            if in_op and now - peer.changed > STALE_S:
+                raise CheckpointError(
+                    f"{self._label(phase)}: process {p} stopped responding (no heartbeat for "
+                    f"{now - peer.changed:.0f}s; dead or hung)")
+            if not in_op and now - start > self.timeout_s:
+                raise CheckpointError(
+                    f"{self._label(phase)}: process {p} did not report within {self.timeout_s:g}s "
+                    "(failed, dead, or not running the same collective operations in the same order)")
+
+    # --- the shapes of agreement --------------------------------------------------
+
+    def broadcast(self, phase: str, payload: bytes | BaseException | None) -> bytes:
+        """Process 0's payload in every process (process 0 passes it; the others ``None``).
+
+        An error passed by process 0 is re-raised there and raised as a
+        ``CheckpointError`` in the others.
+        """
+        if process_index() == 0:
+            assert payload is not None
+            self.post(phase, payload)
+            if isinstance(payload, BaseException):
+                raise payload
+            return payload
+        return self.wait_for(phase, [0])[0]
+
+    def agree(self, phase: str, error: BaseException | None = None) -> None:
+        """Every process posts its outcome and waits for everyone's."""
+        self.post(phase, b"" if error is None else error)
         if error is not None:
             raise error
-        return
-    client = _client()
-    me, n = process_index(), process_count()
-    prefix = f"jaxckpt/{name}/"
-    outcome = "ok" if error is None else "error:" + f"{type(error).__name__}: {error}"[:2000]
-    client.key_value_set(prefix + str(me), outcome)
-    if error is not None:
-        raise error
-    deadline = time.monotonic() + timeout_s
-    while True:
-        posted = {}
-        for key, value in client.key_value_dir_get(prefix):
-            tail = key.rsplit("/", 1)[-1]
-            if tail.isdigit():
-                posted[int(tail)] = value
-        failed = sorted(p for p, v in posted.items() if v.startswith("error:"))
-        if failed:
-            detail = "; ".join(f"process {p}: {posted[p][6:]}" for p in failed)
-            raise CheckpointError(f"{name}: failed in process {', '.join(map(str, failed))} ({detail})")
-        if len(posted) == n:
-            return
-        if time.monotonic() > deadline:
-            missing = sorted(set(range(n)) - set(posted))
-            raise CheckpointError(
-                f"{name}: process {', '.join(map(str, missing))} did not report within "
-                f"{timeout_s:g}s (failed or dead?)"
-            )
-        time.sleep(_POLL_S)
+        self.wait_for(phase, [p for p in range(process_count()) if p != process_index()])
+
+
+def _put(client: Any, key: str, data: bytes) -> None:
+    """Write ``data`` under ``key``; big payloads go in parts, the count last (it is
+    what readers wait for)."""
+    parts = [data[i:i + _PART_BYTES] for i in range(0, len(data), _PART_BYTES)] or [b""]
+    for i, part in enumerate(parts):
+        client.key_value_set_bytes(f"{key}/{i}", part)
+    client.key_value_set(f"{key}/n", str(len(parts)))
+
+
+def _try_get(client: Any, key: str) -> bytes | None:
+    try:
+        n = int(client.key_value_try_get(f"{key}/n"))
+    except Exception:  # noqa: BLE001 - not posted yet
+        return None
+    return b"".join(client.blocking_key_value_get_bytes(f"{key}/{i}", 10_000) for i in range(n))
+
+
+def _delete_finished_ops(client: Any, current: str) -> None:
+    """Process 0, once every process posted in ``current``: drop older operations' keys."""
+    with _cleanup_lock:
+        doomed = [n for n in _finished_ops if n != current]
+        _finished_ops[:] = [n for n in _finished_ops if n == current]
+    for name in doomed:
+        try:
+            client.key_value_delete(f"{_ROOT}/op/{name}/")
+        except Exception:  # noqa: BLE001, S110 - cleanup is best effort
+            pass
+
+
+def op_keys() -> list[str]:
+    """Every key this library holds in the key-value store (tests check they do not pile up)."""
+    if process_count() == 1:
+        return []
+    return [k for k, _ in _client().key_value_dir_get(f"{_ROOT}/op/")]

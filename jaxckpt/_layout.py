@@ -44,6 +44,11 @@ def index_size(index: Index) -> int:
     return math.prod(index_shape(index))
 
 
+def relative(inner: Index, outer: Index) -> tuple[slice, ...]:
+    """``inner`` (global coordinates) as slices relative to ``outer``'s origin."""
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer))
+
+
 # --- shardings as JSON --------------------------------------------------------------
 
 
@@ -115,15 +120,6 @@ def sharding_from_json(obj: dict[str, Any] | None) -> SavedSharding | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def chunk_shape_for(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> tuple[int, ...]:
-    """Chunk shape = shard shape, so every chunk has exactly one writer.
-
-    zarr needs chunk extents ≥ 1, so zero-length dimensions get extent 1.
-    """
-    return tuple(max(1, int(c)) for c in sharding.shard_shape(tuple(shape)))
-
-
-@functools.lru_cache(maxsize=4096)
 def needed_indices(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> dict[jax.Device, Index]:
     """For each addressable device of ``sharding``: the index of the global array it holds."""
     return {
@@ -161,16 +157,87 @@ def chunk_flat_index(cell: Sequence[int], grid: Sequence[int]) -> int:
     return flat
 
 
+class Shard(NamedTuple):
+    """One distinct slice of a global array and who holds a copy of it."""
+
+    index: Index
+    processes: tuple[int, ...]  # sorted, distinct
+    devices: tuple[Any, ...]  # every device holding it, in jax's device-map order
+
+
 @functools.lru_cache(maxsize=4096)
-def replica0_devices(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> dict[Any, Index]:
-    """Device -> index for the devices holding replica 0 of each distinct index."""
-    out: dict[Any, Index] = {}
-    seen: set[Index] = set()
+def shards_of(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> tuple[Shard, ...]:
+    """The distinct slices of an array with ``sharding``, from the global sharding alone
+    (the same answer in every process)."""
+    holders: dict[Index, list[Any]] = {}
     for device, index in sharding.devices_indices_map(tuple(shape)).items():
-        key = normalize_index(index, shape)
-        if key not in seen:
-            seen.add(key)
-            out[device] = key
+        holders.setdefault(normalize_index(index, shape), []).append(device)
+    return tuple(
+        Shard(index, tuple(sorted({d.process_index for d in devices})), tuple(devices))
+        for index, devices in holders.items()
+    )
+
+
+MIN_PIECE_BYTES = 4 << 20  # replicated shards are split into pieces no smaller than this
+_MAX_SPLIT = 64
+
+
+def split_chunk_shape(shard_shape: Sequence[int], replicas: int, itemsize: int) -> tuple[int, ...]:
+    """The chunk shape for shards of ``shard_shape`` held by ``replicas`` processes.
+
+    A shard held by several processes is split along its first dimension longer than 1
+    into pieces (a divisor of that dimension, so chunks never straddle shards: one
+    writer per chunk) that its holders can share: preferably a multiple of
+    ``replicas``, each piece at least ``MIN_PIECE_BYTES``. Otherwise chunk = shard.
+    zarr needs chunk extents ≥ 1, so zero-length dimensions get extent 1.
+    """
+    chunk = [max(1, int(c)) for c in shard_shape]
+    if replicas <= 1:
+        return tuple(chunk)
+    dim = next((d for d, n in enumerate(chunk) if n > 1), None)
+    if dim is None:
+        return tuple(chunk)
+    n = chunk[dim]
+    row_bytes = math.prod(chunk) // n * itemsize
+
+    def fits(k: int) -> bool:
+        return n % k == 0 and (n // k) * row_bytes >= MIN_PIECE_BYTES
+
+    limit = min(n, _MAX_SPLIT * replicas)
+    k = next((k for k in range(replicas, limit + 1, replicas) if fits(k)), None)
+    if k is None:
+        k = next((k for k in range(replicas, limit + 1) if fits(k)), None)
+    if k is None:
+        k = next((k for k in range(min(replicas, n), 1, -1) if fits(k)), 1)
+    chunk[dim] = n // k
+    return tuple(chunk)
+
+
+@functools.lru_cache(maxsize=4096)
+def chunk_shape_for(sharding: jax.sharding.Sharding, shape: Sequence[int], itemsize: int = 1) -> tuple[int, ...]:
+    """Chunks follow the saved shards, split finer where several processes hold a shard
+    (see ``split_chunk_shape``), so every chunk has exactly one writer."""
+    shards = shards_of(sharding, shape)
+    replicas = min((len(s.processes) for s in shards), default=1)
+    return split_chunk_shape(sharding.shard_shape(tuple(shape)), replicas, itemsize)
+
+
+def assign_writers(chunks: Sequence[tuple[int, Sequence[int]]]) -> list[int]:
+    """Pick one writer per chunk, balancing bytes over processes.
+
+    ``chunks[i]`` is ``(nbytes, processes holding chunk i)``. Largest chunks first, each
+    to the holder that has the fewest bytes so far (ties: the lowest process). A pure
+    function of the global layout, so every process computes the same plan without
+    talking (the way PyTorch DCP's deduplicating planner and orbax's replica-parallel
+    save spread replicated data).
+    """
+    load: dict[int, int] = {}
+    out = [0] * len(chunks)
+    for i in sorted(range(len(chunks)), key=lambda i: -chunks[i][0]):
+        nbytes, holders = chunks[i]
+        best = min(holders, key=lambda p: (load.get(p, 0), p))
+        load[best] = load.get(best, 0) + nbytes
+        out[i] = best
     return out
 
 

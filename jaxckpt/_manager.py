@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import logging
+import os
 import sys
 import threading
 import time
@@ -13,9 +15,14 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from . import _checkpoint, _commit, _distributed, _retention, _snapshot, _storage
+import jax
+import numpy as np
+
+from . import _checkpoint, _commit, _distributed, _lease, _retention, _snapshot, _storage
 from ._errors import CheckpointError, CheckpointNotFoundError
 from ._manifest import Manifest
+
+_log = logging.getLogger("jaxckpt")
 
 
 class _Pending:
@@ -44,11 +51,24 @@ class CheckpointManager:
       save_interval_steps: ``save`` skips steps not divisible by this (unless ``force``).
       async_save: write in the background (``False``: ``save`` blocks until committed).
       max_pending: saves in flight at once; a further ``save`` waits for the oldest.
-      timeout_s: how long processes wait for each other at a commit (multi-process).
+      timeout_s: multi-process: how long processes wait for a peer that has not
+        started the same save (a peer still writing is waited for while it is alive).
       clock: returns the time in seconds; inject a fake one in tests.
+      read_only: list, restore and inspect only: never write, delete or clean. Any
+        number of read-only managers (notebooks, evaluators) may watch a directory that
+        a training run is writing.
+
+    One writing manager per directory: it holds a lease (``.jaxckpt-writer.json``,
+    renewed in the background) and a second writer is refused with an error naming the
+    first. Attempts left by a writer that is provably gone (its pid no longer exists on
+    this host, or its lease expired) are cleaned when the next writer starts.
 
     The latest committed step is always kept. Deletion happens only after a newer step
     committed, in the background, and never touches a step being restored.
+
+    A background failure is raised by a later call at a point that is the same in every
+    process (when the failed save is the oldest one a ``save`` must wait for, or by
+    ``wait_until_finished``), so the processes of a job never drift apart.
 
     Example:
       >>> with jaxckpt.CheckpointManager("/ckpts", max_to_keep=3) as mgr:
@@ -73,6 +93,7 @@ class CheckpointManager:
         max_pending: int = 1,
         timeout_s: float = _distributed.DEFAULT_TIMEOUT_S,
         clock: Callable[[], float] = time.time,
+        read_only: bool = False,
     ):
         self._policy = _retention.RetentionPolicy.make(
             max_to_keep=max_to_keep, keep_period=keep_period, keep_time_interval=keep_time_interval,
@@ -87,25 +108,55 @@ class CheckpointManager:
         self._max_pending = max_pending
         self._timeout = timeout_s
         self._clock = clock
+        self._read_only = read_only
         self._lock = threading.RLock()
-        self._pending: list[_Pending] = []
-        self._error: tuple[int, BaseException] | None = None
+        self._pending: list[_Pending] = []  # in submission order; popped in that order only
+        self._submitted: set[int] = set()  # steps saved by this manager and not known to have failed
         self._reading: dict[int, int] = {}  # step -> restores in progress
         self._deferred_delete: set[int] = set()
+        self._scanning: set[int] | None = None  # steps committed while reload() scans
         self._closed = False
+        self._lease: _lease.Lease | None = None
+        self._check_directory()
+        if read_only:
+            self._steps: dict[int, Manifest] = dict(_commit.discover_steps(self._dir))
+        else:
+            self._start_writer()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
-        if self._dir.local is not None and _distributed.process_index() == 0:
-            import os
-
-            os.makedirs(self._dir.local, exist_ok=True)
-        if _distributed.process_index() == 0:
-            for name in _commit.stale_attempts(self._dir):
-                _storage.delete_tree(self._dir.child(name))
-        self._steps: dict[int, Manifest] = dict(_commit.discover_steps(self._dir))
-        _distributed.agree(f"manager{_distributed.next_id()}/start '{self._dir}'", None, self._timeout)
         ref = weakref.ref(self)
         self._atexit = lambda: (m := ref()) is not None and m._finish_at_exit()
         atexit.register(self._atexit)
+
+    def _check_directory(self) -> None:
+        local = self._dir.local
+        if local is not None and os.path.exists(local) and not os.path.isdir(local):
+            raise CheckpointError(f"CheckpointManager directory '{self._dir}' is a file, not a directory")
+
+    def _start_writer(self) -> None:
+        """Process 0 takes the lease and cleans dead attempts; every process learns the outcome."""
+        name = f"manager{_distributed.next_id()}"
+        with _distributed.Operation(name, str(self._dir), self._timeout) as op:
+            if _distributed.process_index() == 0:
+                try:
+                    if self._dir.local is not None:
+                        try:
+                            os.makedirs(self._dir.local, exist_ok=True)
+                        except OSError as e:
+                            raise CheckpointError(f"Cannot create manager directory '{self._dir}': {e}") from e
+                    self._lease = _lease.Lease.acquire(self._dir)
+                    weakref.finalize(self, self._lease.release)  # a manager dropped unclosed
+                    # Every attempt left here belongs to a writer that is gone: ours to clean.
+                    for attempt in _commit.stale_attempts(self._dir):
+                        _log.info("jaxckpt: removing attempt %s left by a writer that is gone", attempt)
+                        _storage.delete_tree(self._dir.child(attempt))
+                except BaseException as e:
+                    if self._lease is not None:
+                        self._lease.release()
+                    op.broadcast("started", e)
+                op.broadcast("started", b"")
+            else:
+                op.broadcast("started", None)
+        self._steps = dict(_commit.discover_steps(self._dir))
 
     # --- queries ---------------------------------------------------------------------
 
@@ -153,8 +204,18 @@ class CheckpointManager:
 
     def reload(self) -> None:
         """Rescan the directory (steps written by another manager)."""
-        found = _commit.discover_steps(self._dir)
         with self._lock:
+            self._scanning = set()
+        try:
+            found = _commit.discover_steps(self._dir)
+        finally:
+            with self._lock:
+                ours, self._scanning = self._scanning, None
+        with self._lock:
+            # a step this manager committed while the scan ran may be missing from it
+            for s in ours or ():
+                if s in self._steps and s not in found:
+                    found[s] = self._steps[s]
             self._steps = dict(found)
 
     def _manifest(self, step: int) -> Manifest:
@@ -181,71 +242,118 @@ class CheckpointManager:
         arrays right away. With ``async_save`` the write and commit continue in the
         background.
 
+        Args:
+          step: a non-negative int, newer than every step saved or committed so far
+            (``force=True`` allows an older one, and ignores the interval).
+          metrics: a dict of str to numbers or strings; jax and numpy scalars are
+            accepted and read on the background thread (no device sync in the loop).
+
         Raises:
-          CheckpointError: ``step`` is already committed or in flight, or an earlier
-            background save failed (chained to the original exception).
+          CheckpointError: ``step`` is already committed or in flight, is older than the
+            latest one, the manager is read-only or closed, or an earlier background
+            save failed (chained to the original exception).
         """
         t_start = time.perf_counter()
         self._check_open()
-        self._raise_background_error()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        if self._read_only:
+            raise CheckpointError(f"CheckpointManager for '{self._dir}' is read-only: save() is not allowed")
+        if self._lease is not None and self._lease.lost:
+            raise CheckpointError(f"CheckpointManager for '{self._dir}' cannot save: {self._lease.lost}")
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+        step = int(step)
         with self._lock:
             if step in self._steps:
                 raise CheckpointError(f"Step {step} is already committed in '{self._dir}'")
-            if any(p.step == step for p in self._pending if not p.future.done()):
+            if step in self._submitted:
                 raise CheckpointError(f"Step {step} is already being saved to '{self._dir}'")
+            # Known steps: discovered ones and this manager's own saves; both are the same
+            # in every process (a background commit landing early does not change it).
+            newest = max(set(self._steps) | self._submitted, default=None)
+        if not force and newest is not None and step < newest:
+            raise CheckpointError(
+                f"Step {step} is older than step {newest} in '{self._dir}': it could never be "
+                "restored as the latest; pass force=True to save it anyway")
         if not force and step % self._interval != 0:
             return False
-        metrics = dict(metrics) if metrics is not None else None
-        if metrics is not None:
-            metrics = _checkpoint._check_metadata(metrics)
+        metrics = _check_metrics(metrics)
         self._wait_for_slot()
-        snap = _snapshot.snapshot(state, copy_host_arrays=self._async)
         op_id = _distributed.next_id()  # in program order, the same in every process
+        snap = _snapshot.snapshot(state, copy_host_arrays=self._async)
         blocking = time.perf_counter() - t_start
         job = lambda: self._write(step, snap, metrics, t_start, blocking, op_id)
+        with self._lock:
+            self._submitted.add(step)
         if not self._async:
-            job()
+            try:
+                job()
+            except BaseException as e:
+                raise self._failure(step, e) from e
+            finally:
+                with self._lock:
+                    self._submitted.discard(step)
             return True
-        future = self._executor.submit(job)
+        try:
+            future = self._executor.submit(job)
+        except RuntimeError as e:  # the executor was shut down by a concurrent close()
+            with self._lock:
+                self._submitted.discard(step)
+            raise CheckpointError(f"CheckpointManager for '{self._dir}' was closed during save({step})") from e
         with self._lock:
             self._pending.append(_Pending(step, future, snap.nbytes_local))
         return True
 
     def _wait_for_slot(self) -> None:
+        """Settle the oldest saves until fewer than ``max_pending`` are in flight.
+
+        Which saves are settled depends only on how many were submitted, never on which
+        happen to be done already, so every process raises a failure at the same call.
+        """
         while True:
             with self._lock:
-                live = [p for p in self._pending if not p.future.done()]
-                self._pending = live
-                if len(live) < self._max_pending:
+                if len(self._pending) < self._max_pending:
                     return
-                oldest = live[0]
-            concurrent.futures.wait([oldest.future])
-            self._raise_background_error()
+                oldest = self._pending.pop(0)
+            self._settle(oldest)
+
+    def _settle(self, pending: _Pending) -> None:
+        """Wait for one save; raise its failure as a ``CheckpointError``."""
+        concurrent.futures.wait([pending.future])
+        error = pending.future.exception()
+        with self._lock:  # committed (now in _steps) or failed (may be retried)
+            self._submitted.discard(pending.step)
+        if error is not None:
+            raise self._failure(pending.step, error) from error
+
+    def _failure(self, step: int, error: BaseException) -> CheckpointError:
+        return CheckpointError(f"Saving step {step} to '{self._dir}' failed: {error}")
 
     def _write(self, step: int, snap: _snapshot.Snapshot, metrics: dict | None, t_start: float,
                blocking: float, op_id: int) -> None:
-        try:
-            final = self._dir.child(_commit.step_name(step))
-            info = {
+        final = self._dir.child(_commit.step_name(step))
+        metrics = _metrics_to_json(metrics)
+
+        def info() -> dict[str, Any]:  # process 0, right before the commit
+            if self._lease is not None and self._lease.lost:
+                raise CheckpointError(self._lease.lost)
+            return {
                 "step": step,
                 "metrics": metrics,
                 "blocking_seconds": round(blocking, 6),
                 "staging_bytes": snap.nbytes_local,
+                "total_seconds": round(time.perf_counter() - t_start, 6),
+                "commit_time": self._clock(),
             }
-            manifest = _checkpoint.save_snapshot(final, snap, extra_info=info, timeout_s=self._timeout,
-                                                 total_since=t_start, clock=self._clock, op_id=op_id)
-            with self._lock:
-                self._steps[step] = manifest
+
+        manifest = _checkpoint.save_snapshot(final, snap, info=info, timeout_s=self._timeout, op_id=op_id)
+        with self._lock:
+            self._steps[step] = manifest
+            if self._scanning is not None:
+                self._scanning.add(step)
+        try:
             self._apply_retention()
-        except BaseException as e:
-            with self._lock:
-                if self._error is None:
-                    self._error = (step, e)
-            if not self._async:
-                self._raise_background_error()
-            raise
+        except Exception as e:  # noqa: BLE001 - the step is committed; a failed delete is retried next time
+            _log.warning("jaxckpt: retention in '%s' after step %d failed: %s", self._dir, step, e)
 
     def _apply_retention(self) -> None:
         doomed = _retention.steps_to_delete(self._step_infos(), self._policy)
@@ -259,13 +367,6 @@ class CheckpointManager:
         if _distributed.process_index() == 0:
             for s in sorted(doomed):
                 _commit.delete_step(self._dir, s, _commit.new_token())
-
-    def _raise_background_error(self) -> None:
-        with self._lock:
-            err, self._error = self._error, None
-        if err is not None:
-            step, exc = err
-            raise CheckpointError(f"Saving step {step} to '{self._dir}' failed: {exc}") from exc
 
     # --- restore ---------------------------------------------------------------------
 
@@ -295,19 +396,22 @@ class CheckpointManager:
     # --- lifecycle -------------------------------------------------------------------
 
     def wait_until_finished(self) -> None:
-        """Block until every pending save committed; raise the first background error."""
+        """Block until every pending save settled; raise the first failure among them."""
+        first: BaseException | None = None
         while True:
             with self._lock:
-                futures = [p.future for p in self._pending]
-            if not futures:
-                break
-            concurrent.futures.wait(futures)
-            with self._lock:
-                self._pending = [p for p in self._pending if not p.future.done()]
-        self._raise_background_error()
+                if not self._pending:
+                    break
+                oldest = self._pending.pop(0)
+            try:
+                self._settle(oldest)
+            except CheckpointError as e:
+                first = first or e
+        if first is not None:
+            raise first
 
     def close(self) -> None:
-        """Wait for pending saves, then release the background thread."""
+        """Wait for pending saves, then release the background thread and the lease."""
         if self._closed:
             return
         try:
@@ -315,6 +419,8 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._executor.shutdown(wait=True)
+            if self._lease is not None:
+                self._lease.release()
             atexit.unregister(self._atexit)
 
     def _check_open(self) -> None:
@@ -334,4 +440,34 @@ class CheckpointManager:
         self.close()
 
     def __repr__(self) -> str:
-        return f"CheckpointManager({str(self._dir)!r}, steps={self.all_steps()})"
+        mode = ", read_only=True" if self._read_only else ""
+        return f"CheckpointManager({str(self._dir)!r}{mode}, steps={self.all_steps()})"
+
+
+def _check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Check metrics cheaply (types and shapes only: no device sync in the loop)."""
+    if metrics is None:
+        return None
+    if not isinstance(metrics, Mapping):
+        raise CheckpointError(f"metrics must be a dict of str to numbers, got {type(metrics).__name__}")
+    out = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str):
+            raise CheckpointError(f"metrics key {key!r} is a {type(key).__name__}; metric names must be str")
+        if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+            if value.size != 1:
+                raise CheckpointError(f"metrics['{key}'] has shape {value.shape}; a metric must be a scalar")
+            if not (jax.dtypes.issubdtype(value.dtype, np.number) or value.dtype == np.bool_):
+                raise CheckpointError(f"metrics['{key}'] has dtype {value.dtype}; a metric must be a number")
+        elif value is not None and not isinstance(value, (bool, int, float, str)):
+            raise CheckpointError(
+                f"metrics['{key}'] is a {type(value).__name__}; a metric must be a number, a str or None")
+        out[key] = value
+    return out
+
+
+def _metrics_to_json(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Plain Python numbers for the manifest (runs on the background thread)."""
+    if metrics is None:
+        return None
+    return {k: np.asarray(v).reshape(()).item() if hasattr(v, "dtype") else v for k, v in metrics.items()}

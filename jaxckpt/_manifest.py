@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from . import _layout, _storage
+import numpy as np
+
+from . import _layout, _storage, _tree
 from ._errors import CorruptCheckpointError
 
 MANIFEST = "manifest.json"
@@ -23,9 +26,32 @@ FORMAT_VERSION = 1
 KINDS = ("array", "prng_key", "value")
 STORES = ("file", "packed")
 _MAX_RANK = 64
-_MAX_DIM = 1 << 62
+_MAX_NBYTES = 1 << 44  # 16 TiB per leaf (and per packed array)
+# Every itemsize is at least one byte, so no dimension of a non-empty array can be
+# longer; the same bound keeps zero-size arrays' other dimensions sane.
+_MAX_DIM = _MAX_NBYTES
 _MAX_CHUNKS = 1 << 20
-_MAX_NBYTES = 1 << 56
+
+# Limits on untrusted input (docs/format.md, "Limits on untrusted input").
+MAX_MANIFEST_BYTES = 256 << 20
+# int() is quadratic in the digit count; no field we write needs more than 40 digits
+# (uint128 has 39), so longer integers are refused by the reader and at save.
+MAX_INT_DIGITS = 40
+_INT_BOUND = 10**MAX_INT_DIGITS
+# Containers in ``structure`` (the tree) and in ``metadata``/extra fields nest at most
+# this deep: the reader and restore walk them recursively, and json's decoder itself
+# gives up near Python's recursion limit (three JSON levels per tree level).
+MAX_DEPTH = _tree.MAX_DEPTH
+_MAX_MESSAGE = 500  # characters of a validation message (a hostile repr may be huge)
+
+
+# Inline values whose type JSON does not keep, by the manifest's "type" name:
+# (type, to its JSON string, back from it). Bytes travel as latin-1 (one char per byte).
+INLINE_TYPES: dict[str, tuple[type, Callable[[Any], str], Callable[[str], Any]]] = {
+    "numpy.str_": (np.str_, str, np.str_),
+    "numpy.bytes_": (np.bytes_, lambda b: bytes(b).decode("latin-1"),
+                     lambda s: np.bytes_(s.encode("latin-1"))),
+}
 
 
 @dataclass(frozen=True)
@@ -50,6 +76,9 @@ class LeafRecord:
 
     def to_json(self) -> dict[str, Any]:
         if self.kind == "value":
+            for name, (cls, encode, _) in INLINE_TYPES.items():
+                if type(self.value) is cls:
+                    return {"path": self.path, "kind": "value", "value": encode(self.value), "type": name}
             return {"path": self.path, "kind": "value", "value": self.value}
         out: dict[str, Any] = {
             "path": self.path,
@@ -107,19 +136,127 @@ class Manifest:
 
 
 def parse(data: bytes, where: str) -> Manifest:
-    """Parse and validate a manifest; raise ``CorruptCheckpointError`` naming ``where``."""
+    """Parse and validate a manifest; raise ``CorruptCheckpointError`` naming ``where``.
+
+    The bytes come from disk and may be hostile, so whatever goes wrong (deep nesting,
+    huge numbers, wrong types in well-formed JSON) ends as ``CorruptCheckpointError``.
+    """
 
     def bad(msg: str) -> CorruptCheckpointError:
+        if len(msg) > _MAX_MESSAGE:
+            msg = msg[:_MAX_MESSAGE] + "…"
         return CorruptCheckpointError(f"Checkpoint '{where}': invalid manifest: {msg}")
 
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise bad(f"{len(data)} bytes is more than the {MAX_MANIFEST_BYTES} a manifest may have")
     try:
-        doc = json.loads(data)
+        return _parse_document(data, bad)
+    except CorruptCheckpointError:
+        raise
+    except RecursionError:
+        raise bad("nested too deeply") from None
+    except Exception as e:  # noqa: BLE001 - nothing but CorruptCheckpointError may escape
+        raise bad(f"{type(e).__name__}: {e}") from e
+
+
+class _Refused(ValueError):
+    """Raised by the JSON decoder hooks for input the manifest never holds."""
+
+
+def _parse_int(text: str) -> int:
+    if len(text) - text.startswith("-") > MAX_INT_DIGITS:  # refuse before the quadratic int()
+        raise _Refused(f"an integer of {len(text)} characters (at most {MAX_INT_DIGITS} digits)")
+    return int(text)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json keeps the last of repeated keys silently; two readers could then disagree.
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise _Refused(f"key {dup[:100]!r} appears twice in one object")
+    return obj
+
+
+# Saved with allow_nan (metadata and inline floats may be NaN or ±inf); no other constant exists.
+_CONSTANTS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _load_json(data: bytes, bad) -> Any:
+    try:
+        return json.loads(data, parse_int=_parse_int, parse_constant=_CONSTANTS.__getitem__,
+                          object_pairs_hook=_unique_keys)
+    except _Refused as e:
+        raise bad(str(e)) from None
+    except RecursionError:
+        raise bad(f"JSON nested too deeply (containers may nest {MAX_DEPTH} levels)") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad(f"not JSON ({e})") from None
+
+
+def nesting_exceeds(value: Any, limit: int) -> bool:
+    """Whether JSON-like ``value`` has containers nested more than ``limit`` deep.
+
+    Iterative, so it is safe on hostile input; a cycle counts as too deep.
+    """
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, (list, tuple)):
+            children = node
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children)
+    return False
+
+
+def int_fits(x: int) -> bool:
+    """Whether the reader accepts ``x`` back (at most ``MAX_INT_DIGITS`` digits); O(1)."""
+    return -_INT_BOUND < x < _INT_BOUND
+
+
+def unsaveable(value: Any, where: str) -> str | None:
+    """Why JSON-like ``value`` (metadata) could not be saved and read back, or ``None``.
+
+    ``where`` names ``value``; the reason names the key path inside it, e.g.
+    ``metadata['opt']['lr']: value of type ndarray is not JSON-serialisable``.
+    """
+    return _unsaveable(value, where, 1)
+
+
+def _unsaveable(value: Any, where: str, depth: int) -> str | None:
+    if value is None or isinstance(value, (str, float)):
+        return None
+    if isinstance(value, int):
+        return None if int_fits(value) else f"{where}: int has more than {MAX_INT_DIGITS} digits"
+    if not isinstance(value, (dict, list, tuple)):
+        return f"{where}: value of type {type(value).__name__} is not JSON-serialisable"
+    if depth > MAX_DEPTH:  # also ends a cycle
+        return f"{where}: nested deeper than {MAX_DEPTH} levels (or contains itself)"
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):  # json would silently turn 1 into "1"
+                return f"{where}: key {k!r} of type {type(k).__name__} is not a str"
+            if (reason := _unsaveable(v, f"{where}[{k!r}]", depth + 1)) is not None:
+                return reason
+        return None
+    for i, v in enumerate(value):
+        if (reason := _unsaveable(v, f"{where}[{i}]", depth + 1)) is not None:
+            return reason
+    return None
+
+
+def _parse_document(data: bytes, bad) -> Manifest:
+    doc = _load_json(data, bad)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise bad("not a jaxckpt manifest (field 'format' is missing or wrong)")
     version = doc.get("format_version")
-    if version != FORMAT_VERSION:
+    if not _is_int(version) or version != FORMAT_VERSION:  # 1.0 and true equal 1 in Python
         raise bad(f"format_version {version!r} is not supported (this jaxckpt reads {FORMAT_VERSION})")
     process_count = doc.get("process_count")
     if not _is_int(process_count) or not 1 <= process_count <= 1 << 20:
@@ -151,6 +288,10 @@ def parse(data: bytes, where: str) -> Manifest:
     info = {k: v for k, v in doc.items()
             if k not in ("format", "format_version", "process_count", "packed", "metadata", "structure",
                          "leaves")}
+    # Handed to users and to code that walks them recursively (inspect, the CLI).
+    for name, value in (("metadata", metadata), *info.items()):
+        if nesting_exceeds(value, MAX_DEPTH):
+            raise bad(f"field '{name[:100]}' is nested deeper than {MAX_DEPTH} levels")
     return Manifest(version, structure, tuple(leaves), metadata, process_count, info,
                     tuple(packed[k] for k in sorted(packed)))
 
@@ -191,6 +332,14 @@ def _parse_leaf(raw: Any, i: int, packed: dict[int, PackedArray], bad) -> LeafRe
         value = raw.get("value")
         if value is not None and not isinstance(value, (bool, int, float, str)):
             raise bad(f"leaf '{path}': inline value of type {type(value).__name__}")
+        type_name = raw.get("type")
+        if type_name is not None:
+            if type_name not in INLINE_TYPES or not isinstance(value, str):
+                raise bad(f"leaf '{path}': inline value type {type_name!r}")
+            try:
+                value = INLINE_TYPES[type_name][2](value)
+            except UnicodeEncodeError:
+                raise bad(f"leaf '{path}': inline {type_name} value is not latin-1") from None
         return LeafRecord(path=path, kind="value", value=value)
     dtype = raw.get("dtype")
     if dtype not in _storage.DTYPES:
@@ -201,7 +350,10 @@ def _parse_leaf(raw: Any, i: int, packed: dict[int, PackedArray], bad) -> LeafRe
     shape, chunk_shape = raw.get("shape"), raw.get("chunk_shape")
     if not _int_list(shape, 0, _MAX_DIM):
         raise bad(f"leaf '{path}': shape {shape!r}")
-    if not _int_list(chunk_shape, 1, _MAX_DIM) or len(chunk_shape) != len(shape):
+    # A chunk never extends past its array (nor past 1 on an empty axis), so one chunk is
+    # never more bytes than the leaf: a hostile chunk_shape cannot make a read allocate more.
+    if (not _int_list(chunk_shape, 1, _MAX_DIM) or len(chunk_shape) != len(shape)
+            or any(c > max(s, 1) for c, s in zip(chunk_shape, shape))):
         raise bad(f"leaf '{path}': chunk_shape {chunk_shape!r} does not fit shape {shape!r}")
     itemsize = _storage.DTYPES[dtype].itemsize
     nbytes = raw.get("nbytes")
@@ -252,7 +404,9 @@ def _check_structure(structure: Any, n_leaves: int, bad) -> None:
     stack = [(structure, 0)]
     while stack:
         node, depth = stack.pop()
-        if depth > 1000 or not isinstance(node, dict) or len(node) not in (1, 2):
+        if depth > MAX_DEPTH:  # the tree is rebuilt recursively; save refuses deeper trees too
+            raise bad(f"structure is nested deeper than {MAX_DEPTH} levels")
+        if not isinstance(node, dict) or len(node) not in (1, 2):
             raise bad("structure is malformed")
         if "leaf" in node:
             i = node["leaf"]
@@ -268,6 +422,7 @@ def _check_structure(structure: Any, n_leaves: int, bad) -> None:
                         (isinstance(item[0], str) or _is_int(item[0]))):
                     raise bad("structure has a bad dict key")
                 stack.append((item[1], depth + 1))
+            _check_dict_keys([item[0] for item in items], bad)
         elif "list" in node or "tuple" in node:
             items = node.get("list", node.get("tuple"))
             if not isinstance(items, list):
@@ -285,3 +440,9 @@ def _check_structure(structure: Any, n_leaves: int, bad) -> None:
             raise bad("structure is malformed")
     if not all(seen):
         raise bad("structure does not reference every leaf")
+
+
+def _check_dict_keys(keys: list[str | int], bad) -> None:
+    # No saved dict repeats a key; rebuilding one that did would drop a leaf silently.
+    if len(set(keys)) != len(keys):
+        raise bad("structure has a repeated dict key")

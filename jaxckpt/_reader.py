@@ -43,7 +43,7 @@ DIRECT_READS = True
 class Reader:
     def __init__(self, loc: Location, man: Manifest):
         self.loc, self.man = loc, man
-        self.ctx = _storage.new_context(loc)
+        self.ctx = _storage.context(loc)  # shared by every reader of this store
         self._stores: dict[str, Any] = {}
         self._packed = {p.process: p for p in man.packed}
         self._wanted: dict[tuple[str, _layout.Index], LeafRecord] = {}

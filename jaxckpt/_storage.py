@@ -10,12 +10,15 @@ Two stores hold array data inside a checkpoint:
   few files and one read, not thousands.
 
 This module also counts what it reads and writes (``io_stats``), so tests can check
-that a restore reads only what it needs.
+that a restore reads only what it needs. It keeps one tensorstore context per store
+(``context``) and reports a failed storage call as a ``CheckpointError`` naming the URL.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import json
 import os
 import re
 import threading
@@ -172,22 +175,90 @@ fault_hook = None
 
 # --- arrays -------------------------------------------------------------------------
 
-_memory_context: ts.Context | None = None
+# One tensorstore context per store (a bucket on an endpoint, the local file system, the
+# memory kvstore): connections, credentials and thread pools are made once and reused by
+# every save, restore and lazy read there. KvStore handles are reused per location.
+# Both caches are bounded (least recently used goes first) and thread-safe; the memory
+# kvstore's context is never dropped, since its data lives in it.
+
+_MAX_CONTEXTS = 16
+_MAX_KVSTORES = 64
+_handles_lock = threading.RLock()
+_contexts: collections.OrderedDict[str, ts.Context] = collections.OrderedDict()
+_kvstores: collections.OrderedDict[str, ts.KvStore] = collections.OrderedDict()
 
 
-def new_context(root: Location) -> ts.Context:
-    """A fresh tensorstore context, except for ``memory://``: the memory kvstore lives
-    in its context, so everything there shares one (made on first use)."""
-    global _memory_context
-    if root.kvstore["driver"] == "memory":
-        if _memory_context is None:
-            _memory_context = ts.Context()
-        return _memory_context
-    return ts.Context()
+def _store_identity(root: Location) -> str:
+    """The kvstore spec without its ``path``: what decides which context a location uses."""
+    spec = root.kvstore
+    spec.pop("path", None)
+    return json.dumps(spec, sort_keys=True, default=str)
+
+
+def _cached(cache: collections.OrderedDict, key: str, make: Any, limit: int,
+            keep: Any = lambda key: False) -> Any:
+    # Made under the lock, so two threads never open two handles for one key. (Opening
+    # sends no request to the store; an RLock, since a KvStore open takes its context.)
+    with _handles_lock:
+        if key in cache:
+            cache.move_to_end(key)
+            return cache[key]
+        cache[key] = value = make()
+        for old in [k for k in cache if not keep(k)][:max(0, len(cache) - limit)]:
+            del cache[old]
+        return value
+
+
+def context(root: Location) -> ts.Context:
+    """The tensorstore context of ``root``'s store, shared by every location there."""
+    return _cached(_contexts, _store_identity(root), ts.Context, _MAX_CONTEXTS,
+                   keep=lambda key: json.loads(key).get("driver") == "memory")
+
+
+new_context = context  # the name callers used when every call made a fresh context
 
 
 def _kvstore(root: Location) -> ts.KvStore:
-    return ts.KvStore.open(root.kvstore, context=new_context(root)).result()
+    return _cached(_kvstores, json.dumps(root.kvstore, sort_keys=True, default=str),
+                   lambda: _call(root, "opening", "", lambda: ts.KvStore.open(
+                       root.kvstore, context=context(root)).result()),
+                   _MAX_KVSTORES)
+
+
+# --- storage errors -------------------------------------------------------------------
+
+_XML_FIELD = re.compile(r"<(Code|Message)>(.*?)</\1>", re.S)
+# tensorstore appends payloads like [http_response_body='<?xml ...'] [http_response_code='404']
+_PAYLOAD = re.compile(r"\s*(\[[A-Za-z0-9_. -]+='|<\?xml|<Error>)")
+
+
+def storage_cause(error: BaseException) -> str:
+    """A short cause from a tensorstore error: the S3 ``Code: Message`` of an XML error
+    body when there is one, else tensorstore's message without its attached payloads."""
+    text = str(error)
+    fields = dict(_XML_FIELD.findall(text))
+    head = _PAYLOAD.split(text, maxsplit=1)[0].strip().rstrip(":").strip()
+    if "Code" in fields:
+        cause = fields["Code"] + (f": {fields['Message']}" if fields.get("Message") else "")
+        if cause in head:  # tensorstore summarised the body itself
+            return head
+        return f"{head}: {cause}" if head else cause
+    return head[:500] or type(error).__name__
+
+
+def storage_error(root: Location, doing: str, key: str, error: BaseException) -> CheckpointError:
+    what = f"'{key}' in '{root.url}'" if key else f"'{root.url}'"
+    return CheckpointError(f"{doing.capitalize()} {what} failed: {storage_cause(error)}")
+
+
+def _call(root: Location, doing: str, key: str, fn: Any) -> Any:
+    """``fn()``, with a tensorstore error turned into a ``CheckpointError`` naming the URL."""
+    try:
+        return fn()
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - tensorstore reports I/O errors as ValueError and others
+        raise storage_error(root, doing, key, e) from None
 
 
 def _zarr3(kvstore: dict[str, Any], shape: Sequence[int], chunk_shape: Sequence[int],
@@ -231,10 +302,26 @@ def _fill_value(storage_dtype: str) -> Any:
     return 0
 
 
-def open_array(spec: dict[str, Any], ctx: ts.Context, *, create: bool) -> ts.Future:
+class _Opening:
+    """A pending ``ts.open``: ``result()`` gives the ``ts.TensorStore`` or raises a
+    ``CheckpointError`` naming the array's URL."""
+
+    __slots__ = ("_future", "_kvstore")
+
+    def __init__(self, future: ts.Future, kvstore: dict[str, Any]):
+        self._future, self._kvstore = future, kvstore
+
+    def result(self, timeout: float | None = None) -> ts.TensorStore:
+        return _call(resolve(self._kvstore), "opening array", "", lambda: self._future.result(timeout=timeout))
+
+    def done(self) -> bool:
+        return self._future.done()
+
+
+def open_array(spec: dict[str, Any], ctx: ts.Context, *, create: bool) -> _Opening:
     if create:
-        return ts.open(spec, create=True, context=ctx)
-    return ts.open(spec, assume_metadata=True, context=ctx)
+        return _Opening(ts.open(spec, create=True, context=ctx), spec["kvstore"])
+    return _Opening(ts.open(spec, assume_metadata=True, context=ctx), spec["kvstore"])
 
 
 def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
@@ -381,7 +468,7 @@ def write_blob(root: Location, key: str, data: bytes) -> None:
         fsync_dir(root.local)
         return
     kv = _kvstore(root)
-    kv.write(key, data).result()
+    _call(root, "writing", key, lambda: kv.write(key, data).result())
 
 
 def read_blob(root: Location, key: str) -> bytes | None:
@@ -393,10 +480,15 @@ def read_blob(root: Location, key: str) -> bytes | None:
         except (FileNotFoundError, NotADirectoryError):
             return None
     kv = _kvstore(root)
-    result = kv.read(key).result()
-    if result.state != "value":
-        return None
-    return bytes(result.value)
+    result = _call(root, "reading", key, lambda: kv.read(key).result())
+    if result.state == "value":
+        return bytes(result.value)
+    if root.kvstore["driver"] in ("s3", "gcs"):
+        # Object stores answer a read from a missing bucket like one of a missing object
+        # (404, which tensorstore reports as "no value"). A listing of just this key tells
+        # them apart: it fails for a missing bucket. One request, on a miss only.
+        _call(root, "reading", key, lambda: kv.list(ts.KvStore.KeyRange(key, key + "\x00")).result())
+    return None
 
 
 def delete_blob(root: Location, key: str) -> None:
@@ -407,11 +499,18 @@ def delete_blob(root: Location, key: str) -> None:
             pass
         return
     kv = _kvstore(root)
-    kv.delete_range(ts.KvStore.KeyRange(key, key + "\x00")).result()
+    _call(root, "deleting", key, lambda: kv.delete_range(ts.KvStore.KeyRange(key, key + "\x00")).result())
 
 
 def list_children(root: Location) -> list[str]:
-    """Names directly below ``root`` (directories or key prefixes)."""
+    """Names directly below ``root`` (directories or key prefixes).
+
+    On a kvstore this lists every key below ``root``: tensorstore's ``KvStore.list``
+    has no delimiter (its S3 driver sends ListObjectsV2 with only a ``prefix``, the
+    longest common prefix of the range, and filters the range's lower bound on the
+    client), so skipping past a child with a narrower range still fetches every key
+    under ``root`` again, once per child. One full listing is the cheapest it offers.
+    """
     if root.local is not None:
         try:
             return sorted(os.listdir(root.local))
@@ -419,7 +518,7 @@ def list_children(root: Location) -> list[str]:
             return []
     kv = _kvstore(root)
     names = set()
-    for key in kv.list().result():
+    for key in _call(root, "listing", "", lambda: kv.list().result()):
         k = key.decode() if isinstance(key, bytes) else key
         names.add(k.split("/", 1)[0])
     return sorted(names)
@@ -433,7 +532,7 @@ def delete_tree(root: Location) -> None:
         shutil.rmtree(root.local, ignore_errors=True)
         return
     kv = _kvstore(root)
-    kv.delete_range(ts.KvStore.KeyRange()).result()
+    _call(root, "deleting", "", lambda: kv.delete_range(ts.KvStore.KeyRange()).result())
 
 
 def fsync_dir(path: str) -> None:

@@ -8,6 +8,7 @@ tree and its target flatten to the same paths.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 from collections.abc import Callable, Iterator
@@ -18,6 +19,11 @@ import jax
 from ._errors import CheckpointError
 
 _tu = jax.tree_util
+
+# Containers nest at most this deep in a saved tree: restore rebuilds trees
+# recursively and a manifest of a deeper tree would near json's own nesting limit.
+# The manifest reader enforces the same cap.
+MAX_DEPTH = 100
 
 
 @contextlib.contextmanager
@@ -80,7 +86,13 @@ def keypath_to_str(path: tuple[Any, ...]) -> str:
 
 def flatten(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
     """Flatten ``tree`` into ``[(path, leaf)]`` and a treedef (``None`` is a leaf)."""
-    with_paths, treedef = _tu.tree_flatten_with_path(tree, is_leaf=_is_none)
+    try:
+        with_paths, treedef = _tu.tree_flatten_with_path(tree, is_leaf=_is_none)
+    except Exception as e:  # noqa: BLE001 - e.g. jax cannot sort {"1": .., 1: ..}
+        ours = _flatten_error(tree)
+        if ours is None:
+            raise
+        raise ours from e
     out = [(keypath_to_str(p), leaf) for p, leaf in with_paths]
     seen: set[str] = set()
     for path, _ in out:
@@ -95,6 +107,57 @@ def flatten(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
 
 def unflatten(treedef: Any, leaves: list[Any]) -> Any:
     return _tu.tree_unflatten(treedef, leaves)
+
+
+def _flatten_error(tree: Any) -> CheckpointError | None:
+    """A ``CheckpointError`` naming the container jax failed to flatten, and why.
+
+    jax reports only "Comparator raised exception while sorting pytree dictionary keys";
+    find the node whose own flattening fails, shallowest first (``None``: none does).
+    """
+    found = _unflattenable_node(tree)
+    if found is None:
+        return None
+    path, node, own_error = found
+    where = f"'{path}'" if path else "the root of the tree"
+    keys = _unsortable_keys(node) if isinstance(node, dict) else None
+    if keys is not None:
+        return CheckpointError(
+            f"The dict at {where} has keys {keys[0]!r} and {keys[1]!r}, which jax cannot sort "
+            "against each other (it orders dict keys); use keys of one type, str or int.")
+    return CheckpointError(f"Cannot flatten the {type(node).__name__} at {where}: {own_error}")
+
+
+def _unflattenable_node(tree: Any) -> tuple[str, Any, Exception] | None:
+    queue: collections.deque[tuple[str, Any]] = collections.deque([("", tree)])
+    while queue:
+        path, node = queue.popleft()
+        if node is None:
+            continue
+        try:
+            children = _one_level(node)
+        except Exception as e:  # noqa: BLE001 - this is the node we are looking for
+            return path, node, e
+        for entry, child in children or ():
+            part = entry_to_str(entry, path)
+            queue.append((f"{path}/{part}" if path else part, child))
+    return None
+
+
+def _unsortable_keys(d: dict[Any, Any]) -> tuple[Any, Any] | None:
+    """Two keys of ``d`` that ``<`` cannot compare, preferring a pair like ``"1"``/``1``."""
+    strs = {k for k in d if isinstance(k, str)}
+    for k in d:
+        if isinstance(k, int) and str(k) in strs:
+            return str(k), k
+    one_per_type = list({type(k): k for k in d}.values())
+    for i, a in enumerate(one_per_type):
+        for b in one_per_type[i + 1:]:
+            try:
+                _ = a < b, b < a
+            except Exception:  # noqa: BLE001 - TypeError, or whatever a key's __lt__ raises
+                return a, b
+    return None
 
 
 # --- container description -------------------------------------------------------
@@ -120,24 +183,44 @@ def describe(tree: Any) -> dict[str, Any]:
     """The JSON description of ``tree``'s containers; leaves get indices in flatten order."""
     counter = iter(range(1 << 62))
 
-    def walk(node: Any) -> dict[str, Any]:
+    def walk(node: Any, depth: int, trail: Any) -> dict[str, Any]:
+        # ``trail`` is (key entry, parent's trail): the key path, joined only for an error.
         if node is None:
             return {"leaf": next(counter)}
         children = _one_level(node)
         if children is None:
             return {"leaf": next(counter)}
+        if depth >= MAX_DEPTH and children:
+            raise CheckpointError(f"The tree nests containers deeper than {MAX_DEPTH} levels at "
+                                  f"'{_trail_to_str(trail)}'; a checkpoint holds at most {MAX_DEPTH}.")
         if type(node) is dict or (isinstance(node, dict) and type(node).__module__ == "collections"):
-            return {"dict": [[e.key, walk(c)] for e, c in children]}
+            return {"dict": [[e.key, walk(c, depth + 1, (e, trail))] for e, c in children]}
         if type(node) is list:
-            return {"list": [walk(c) for _, c in children]}
+            return {"list": [walk(c, depth + 1, (e, trail)) for e, c in children]}
         if type(node) is tuple:
-            return {"tuple": [walk(c) for _, c in children]}
+            return {"tuple": [walk(c, depth + 1, (e, trail)) for e, c in children]}
         items = []
         for e, c in children:
-            items.append([entry_to_str(e, type(node).__name__), walk(c)])
+            items.append([entry_to_str(e, type(node).__name__), walk(c, depth + 1, (e, trail))])
         return {"node": type(node).__name__, "items": items}
 
-    return walk(tree)
+    try:
+        return walk(tree, 0, None)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - see flatten
+        ours = _flatten_error(tree)
+        if ours is None:
+            raise
+        raise ours from e
+
+
+def _trail_to_str(trail: Any) -> str:
+    entries = []
+    while trail is not None:
+        entry, trail = trail
+        entries.append(entry)
+    return keypath_to_str(tuple(reversed(entries)))
 
 
 def build(structure: dict[str, Any], leaf_fn: Callable[[int], Any]) -> Any:

@@ -98,6 +98,9 @@ def main():
         result["chunk_bytes"] = chunk_bytes + 3  # the saved chunks those slices touch
         result["ok"] = True
     elif scenario in ("fail_write", "die"):
+        from jaxckpt import _distributed
+
+        _distributed.STALE_S = args.get("stale", _distributed.STALE_S)
         tree = global_tree(mesh, spec)
         if pid == args["bad"]:
             def hook(op, key):
@@ -115,7 +118,107 @@ def main():
         result["committed"] = os.path.exists(os.path.join(path, "manifest.json"))
     elif scenario == "manager":
         result.update(run_manager(mesh, spec, path))
+    elif scenario == "slow_write":
+        result.update(run_slow_write(mesh, spec, path, args))
+    elif scenario == "one_sided":
+        result.update(run_one_sided(mesh, spec, path))
+    elif scenario == "replicated":
+        result.update(run_replicated(mesh, path, args))
+    elif scenario == "no_manifest_reread":
+        result.update(run_no_manifest_reread(mesh, spec, path))
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_slow_write(mesh, spec, path, args):
+    """Process `slow` takes longer than the timeout to write; it stays alive and heartbeats."""
+    tree = global_tree(mesh, spec)
+    if pid == args["slow"]:
+        slept = []
+
+        def hook(op, key):
+            if not slept:
+                slept.append(True)
+                time.sleep(args["sleep"])
+        _storage.fault_hook = hook
+    t0 = time.monotonic()
+    try:
+        jaxckpt.save(path, tree, timeout_s=args["timeout"])
+        error = None
+    except jaxckpt.CheckpointError as e:
+        error = str(e)
+    return {"error": error, "seconds": time.monotonic() - t0,
+            "committed": os.path.exists(os.path.join(path, "manifest.json"))}
+
+
+def run_one_sided(mesh, spec, path):
+    """Step 1 fails in process 1 only; both processes raise it at the same call, then step 2
+    and step 3 succeed in both (the collective sequence stayed aligned)."""
+    from jaxckpt import _distributed
+
+    state = {"w": jax.make_array_from_callback((16, 32), NamedSharding(mesh, spec),
+                                               lambda idx: np.ones((16, 32), np.float32)[idx])}
+    fail = {"on": pid == 1}
+
+    def hook(op, key):
+        if fail["on"]:
+            raise OSError(f"injected one-sided failure in process {pid}")
+    _storage.fault_hook = hook
+    errors = []
+    with jaxckpt.CheckpointManager(path, timeout_s=20) as mgr:
+        mgr.save(1, state)
+        try:
+            mgr.save(2, state)  # settles step 1 first (max_pending=1): raises here, in both
+            errors.append("save(2) returned")
+        except jaxckpt.CheckpointError as e:
+            errors.append(str(e))
+        fail["on"] = False
+        mgr.save(2, state)
+        mgr.save(3, state)
+        mgr.wait_until_finished()
+        steps = mgr.all_steps()
+        keys = _distributed.op_keys()
+    return {"errors": errors, "steps": steps, "keys": keys}
+
+
+def run_replicated(mesh, path, args):
+    """A fully replicated state: every process holds everything; writes must be balanced."""
+    rng = np.random.default_rng(0)
+    host = {f"big{i}": rng.standard_normal(n, dtype=np.float32) for i, n in enumerate(args["big"])}
+    host.update({f"small{i}": np.full(1024, i, np.float32) for i in range(args["small"])})
+    replicated = NamedSharding(mesh, P())
+    tree = {k: jax.device_put(v, replicated) for k, v in host.items()}
+    tree["host"] = rng.standard_normal(args["host"], dtype=np.float32)
+    _storage.reset_io_stats()
+    jaxckpt.save(path, tree, timeout_s=60)
+    written = _storage.io_stats()["bytes_written"]
+    back = jaxckpt.restore(path)
+    same = all(np.asarray(back[k]).tobytes() == np.asarray(v).tobytes() for k, v in {**host, "host": tree["host"]}.items())
+    return {"written": written, "same": same}
+
+
+def run_no_manifest_reread(mesh, spec, path):
+    """Processes other than 0 must not read manifest.json after the commit (NFS)."""
+    from jaxckpt import _commit
+
+    if pid != 0:
+        def refuse(*a, **k):
+            raise AssertionError("re-read the manifest")
+        _commit.read_manifest = refuse
+        original = _storage.read_blob
+
+        def read_blob(root, key, *a, **k):
+            if key == "manifest.json":
+                raise AssertionError("re-read manifest.json")
+            return original(root, key, *a, **k)
+        _storage.read_blob = read_blob
+    steps = []
+    with jaxckpt.CheckpointManager(path, timeout_s=20) as mgr:
+        for i in range(1, 4):
+            mgr.save(i, global_tree(mesh, spec))
+        mgr.wait_until_finished()
+        steps = mgr.all_steps()
+        info = mgr.info(3)
+    return {"steps": steps, "bytes": info["bytes"]}
 
 
 def run_manager(mesh, spec, path):

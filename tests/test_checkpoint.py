@@ -507,3 +507,28 @@ def test_target_none_with_a_sharding_and_odd_target_leaves(ckpt):
         jaxckpt.restore(ckpt, {"w": object(), "n": 0})
     with pytest.raises(jaxckpt.TreeMismatchError, match="leaf 'w': saved an array, target is None"):
         jaxckpt.restore(ckpt, {"w": None, "n": 0})
+
+
+def test_metadata_errors_name_the_key_path(ckpt):
+    cyclic = {"a": []}
+    cyclic["a"].append(cyclic)
+    cases = [
+        ({"opt": {"lr": np.ones(2)}},
+         "metadata['opt']['lr']: value of type ndarray is not JSON-serialisable"),
+        ({"opt": [1, {"x": object()}]},
+         "metadata['opt'][1]['x']: value of type object is not JSON-serialisable"),
+        ({"opt": {(1, 2): 3}}, "metadata['opt']: key (1, 2) of type tuple is not a str"),
+        ({1: "a"}, "metadata: key 1 of type int is not a str"),  # json would make it "1" silently
+        ({"big": [10**40]}, "metadata['big'][0]: int has more than 40 digits"),
+        (cyclic, "metadata['a'][0]['a'][0]"),
+        (cyclic, "nested deeper than 100 levels (or contains itself)"),
+    ]
+    for metadata, message in cases:
+        with pytest.raises(jaxckpt.CheckpointError) as err:
+            jaxckpt.save(ckpt, {"a": 1}, metadata=metadata)
+        assert type(err.value) is jaxckpt.CheckpointError
+        assert message in str(err.value)
+        assert not ckpt.exists()
+    jaxckpt.save(ckpt, {"a": 1}, metadata={"loss": float("nan"), "t": (1, 10**40 - 1)})
+    saved = jaxckpt.metadata(ckpt).metadata
+    assert np.isnan(saved["loss"]) and saved["t"] == [1, 10**40 - 1]

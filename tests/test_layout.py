@@ -9,13 +9,45 @@ from jax.sharding import PartitionSpec as P
 from jaxckpt import _layout
 
 
-def test_replica0_devices_match_jax_replica_ids():
+def test_shards_of_lists_each_distinct_slice_with_its_holders():
     m = mesh((4, 2), ("a", "b"))
     for spec in [P("a"), P(None, "b"), P(), P(("a", "b"))]:
         x = jax.device_put(np.zeros((8, 8)), NamedSharding(m, spec))
-        replica0 = {s.device: _layout.normalize_index(s.index, x.shape)
-                    for s in x.addressable_shards if s.replica_id == 0}
-        assert _layout.replica0_devices(x.sharding, x.shape) == replica0
+        shards = _layout.shards_of(x.sharding, x.shape)
+        # the distinct slices are exactly jax's replica-0 shards
+        replica0 = sorted(_layout.normalize_index(s.index, x.shape) for s in x.addressable_shards if s.replica_id == 0)
+        assert sorted(s.index for s in shards) == replica0
+        for s in shards:
+            holders = {d for d in x.sharding.device_set
+                       if _layout.normalize_index(x.sharding.devices_indices_map(x.shape)[d], x.shape) == s.index}
+            assert set(s.devices) == holders and s.processes == (0,)
+
+
+def test_assign_writers_balances_bytes_largest_first():
+    # (nbytes, holders): hand-computed greedy, largest first to the least-loaded holder
+    chunks = [(10, (0, 1)), (40, (0, 1)), (30, (0, 1)), (20, (1,)), (25, (0, 1, 2))]
+    # 40 -> 0 (tie, lowest); 30 -> 1; 25 -> 2; 20 -> 1 (only holder); 10 -> 0 (0 has 40, 1 has 50)
+    assert _layout.assign_writers(chunks) == [0, 0, 1, 1, 2]
+    # fully replicated: 8 equal chunks over 4 processes, 2 each
+    got = _layout.assign_writers([(128, (0, 1, 2, 3))] * 8)
+    assert sorted(got) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert _layout.assign_writers([]) == []
+
+
+def test_split_chunk_shape_for_replicas():
+    mib = 1 << 20
+    # not replicated: chunk = shard (zero-length dims get extent 1)
+    assert _layout.split_chunk_shape((256, 1024), 1, 4) == (256, 1024)
+    assert _layout.split_chunk_shape((0, 6), 1, 4) == (1, 6)
+    # 1 MiB rows x 256 held by 4 processes: 4 pieces of 64 MiB (a multiple of 4)
+    assert _layout.split_chunk_shape((256, mib // 4), 4, 4) == (64, mib // 4)
+    # 3 holders, 12 rows of 4 MiB: 3 pieces; 10 rows of 4 MiB: no multiple of 3 divides 10 -> 5
+    assert _layout.split_chunk_shape((12, mib), 3, 4) == (4, mib)
+    assert _layout.split_chunk_shape((10, mib), 3, 4) == (2, mib)
+    # pieces would be under MIN_PIECE_BYTES: no split
+    assert _layout.split_chunk_shape((8, 1024), 4, 4) == (8, 1024)
+    # first dimension of length 1 is skipped
+    assert _layout.split_chunk_shape((1, 64, mib // 4), 2, 4) == (1, 32, mib // 4)
 
 
 def test_chunk_shape_is_shard_shape():

@@ -104,9 +104,12 @@ def test_interval_force_and_duplicates(tmp_path):
         assert mgr.should_save(10) and not mgr.should_save(11)
         assert mgr.save(11, {"a": 1}) is False
         assert mgr.save(11, {"a": 1}, force=True) is True
-        assert mgr.save(10, {"a": 2}) is True
+        with pytest.raises(jaxckpt.CheckpointError, match=r"Step 10 is older than step 11 in '.*': it could "
+                           r"never be restored as the latest; pass force=True to save it anyway"):
+            mgr.save(10, {"a": 2})
+        assert mgr.save(10, {"a": 2}, force=True) is True
         with pytest.raises(jaxckpt.CheckpointError, match="Step 10 is already (being saved|committed)"):
-            mgr.save(10, {"a": 3})
+            mgr.save(10, {"a": 3}, force=True)
         mgr.wait_until_finished()
         assert not mgr.should_save(10)
         with pytest.raises(jaxckpt.CheckpointError, match=r"Step 10 is already committed in '.*'"):

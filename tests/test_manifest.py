@@ -1,6 +1,7 @@
 """The manifest is untrusted input: every bad field is refused with a clear error."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -85,3 +86,172 @@ def test_round_trip_of_a_record():
     assert back.leaves == (rec,)
     assert back.packed == man.packed
     assert back.metadata == {"m": 1}
+
+
+# --- limits on untrusted input (issue 8) ----------------------------------------------
+
+BIG_INT = "9" * 5000
+
+
+def _nest(depth, inner=1):
+    for _ in range(depth):
+        inner = [inner]
+    return inner
+
+
+def _with_big_int(doc_fn):
+    """Put a 5,000-digit integer where ``doc_fn`` puts the marker (json cannot dump one)."""
+    def edit(text):
+        doc = json.loads(text)
+        doc_fn(doc)
+        return json.dumps(doc).replace('"@BIG@"', BIG_INT)
+    return edit
+
+
+def _edit_json(fn):
+    def edit(text):
+        doc = json.loads(text)
+        fn(doc)
+        return json.dumps(doc, allow_nan=True)
+    return edit
+
+
+HOSTILE = {
+    # nesting
+    "deep_lists": (lambda t: "[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    "deep_objects": (lambda t: '{"a":' * 100_000 + "1" + "}" * 100_000, "nested too deeply"),
+    "deep_metadata": (_edit_json(lambda d: d.update(metadata={"m": _nest(150)})),
+                      "field 'metadata' is nested deeper than 100 levels"),
+    "deep_extra_field": (_edit_json(lambda d: d.update(notes=_nest(150))),
+                         "field 'notes' is nested deeper than 100 levels"),
+    "deep_structure": (_edit_json(lambda d: d.update(structure=_nest_structure(d["structure"], 150))),
+                       "structure is nested deeper than 100 levels"),
+    # huge integers
+    "big_process_count": (_with_big_int(lambda d: d.update(process_count="@BIG@")), "integer of 5000"),
+    "big_version": (_with_big_int(lambda d: d.update(format_version="@BIG@")), "integer of 5000"),
+    "big_shape": (_with_big_int(lambda d: _leaf(d, "w").update(shape=["@BIG@", 4])), "integer of 5000"),
+    "big_nbytes": (_with_big_int(lambda d: _leaf(d, "w").update(nbytes="@BIG@")), "integer of 5000"),
+    "big_metadata": (_with_big_int(lambda d: d.update(metadata={"x": "@BIG@"})), "integer of 5000"),
+    "big_inline_value": (_with_big_int(lambda d: _leaf(d, "step").update(value="@BIG@")), "integer of 5000"),
+    "41_digits": (_edit_json(lambda d: d.update(metadata={"x": 10**41})), "integer of 42 characters"),
+    # duplicate keys: json would keep the last one silently
+    "duplicate_key": (lambda t: t.replace('"format_version":1,', '"format_version":9,"format_version":1,', 1),
+                      "key 'format_version' appears twice"),
+    # versions that equal 1 in Python
+    "version_float": (_edit_json(lambda d: d.update(format_version=1.0)), "format_version 1.0 is not"),
+    "version_true": (_edit_json(lambda d: d.update(format_version=True)), "format_version True is not"),
+    "version_str": (_edit_json(lambda d: d.update(format_version="1")), "format_version '1' is not"),
+    # NaN / Infinity where integers belong
+    "nan_shape": (_edit_json(lambda d: _leaf(d, "w").update(shape=[float("nan"), 4])), "shape [nan, 4]"),
+    "inf_chunk_shape": (_edit_json(lambda d: _leaf(d, "w").update(chunk_shape=[float("inf"), 4])),
+                        "chunk_shape [inf, 4]"),
+    "nan_nbytes": (_edit_json(lambda d: _leaf(d, "w").update(nbytes=float("nan"))), "nbytes nan"),
+    "inf_process_count": (_edit_json(lambda d: d.update(process_count=float("-inf"))), "process_count -inf"),
+    # well-formed JSON of the wrong types must not escape as TypeError
+    "list_dtype": (_edit_json(lambda d: _leaf(d, "w").update(dtype=["float32"])), "TypeError"),
+    # per-leaf caps
+    "over_16_tib": (_edit_json(lambda d: _leaf(d, "big").update(
+        shape=[(1 << 42) + 1], chunk_shape=[1 << 19], nbytes=(1 << 44) + 4)), "nbytes 17592186044420"),
+    "chunk_past_its_array": (_edit_json(lambda d: _leaf(d, "big").update(chunk_shape=[1 << 20])),
+                             "chunk_shape [1048576] does not fit"),
+}
+
+
+def _nest_structure(structure, depth):
+    for _ in range(depth):
+        structure = {"list": [structure]}
+    return structure
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_manifest_fails_only_with_corrupt_checkpoint_error(saved, name):
+    edit, message = HOSTILE[name]
+    path = saved / "manifest.json"
+    path.write_text(edit(path.read_text()))
+    for read in (jaxckpt.restore, jaxckpt.metadata):
+        with pytest.raises(jaxckpt.CorruptCheckpointError) as err:
+            read(saved)
+        assert type(err.value) is jaxckpt.CorruptCheckpointError
+        assert f"Checkpoint '{saved}': invalid manifest" in str(err.value)
+        assert message in str(err.value)
+        assert len(str(err.value)) < 1000  # hostile fields are not echoed whole
+
+
+def test_manifest_over_the_size_cap_is_not_read(saved, monkeypatch):
+    with open(saved / "manifest.json", "r+b") as f:
+        f.truncate(_manifest.MAX_MANIFEST_BYTES + 1)  # sparse: no bytes are written
+
+    def no_read(*args):
+        raise AssertionError("the manifest was read")
+
+    monkeypatch.setattr("jaxckpt._storage.read_blob", no_read)
+    with pytest.raises(jaxckpt.CorruptCheckpointError) as err:
+        jaxckpt.restore(saved)
+    assert type(err.value) is jaxckpt.CorruptCheckpointError
+    assert f"Checkpoint '{saved}': invalid manifest: {_manifest.MAX_MANIFEST_BYTES + 1} bytes is more than" \
+        in str(err.value)
+    monkeypatch.setattr(_manifest, "MAX_MANIFEST_BYTES", 100)  # the same check in parse()
+    with pytest.raises(jaxckpt.CorruptCheckpointError, match="'x': invalid manifest: 101 bytes is more than"):
+        _manifest.parse(b" " * 101, "x")
+
+
+def test_manifest_that_is_not_a_regular_file(saved):
+    path = saved / "manifest.json"
+    path.unlink()
+    os.mkfifo(path)  # open() of a FIFO would block forever
+    with pytest.raises(jaxckpt.CorruptCheckpointError, match="manifest.json is not a regular file") as err:
+        jaxckpt.restore(saved)
+    assert str(saved) in str(err.value)
+
+
+def test_limits_still_accept_the_largest_allowed_values(saved):
+    path = saved / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc["metadata"] = {"x": 10**40 - 1, "deep": _nest(99), "nan": float("nan")}
+    doc["structure"] = _nest_structure(doc["structure"], 100 - 1)  # leaves end at depth 100
+    path.write_text(json.dumps(doc, allow_nan=True))
+    info = jaxckpt.metadata(saved)
+    assert info.metadata["x"] == 10**40 - 1 and np.isnan(info.metadata["nan"])
+    tree = jaxckpt.restore(saved)
+    for _ in range(99):
+        (tree,) = tree
+    assert tree["step"] == 4
+
+
+def test_inline_int_the_reader_would_refuse_fails_at_save(ckpt):
+    with pytest.raises(jaxckpt.CheckpointError) as err:
+        jaxckpt.save(ckpt, {"a": {"n": -(10**40)}})
+    assert type(err.value) is jaxckpt.CheckpointError
+    assert "Leaf 'a/n': an int of more than 40 digits cannot be saved" in str(err.value)
+    assert not ckpt.exists()
+    jaxckpt.save(ckpt, {"a": {"n": 10**40 - 1}})
+    assert jaxckpt.restore(ckpt) == {"a": {"n": 10**40 - 1}}
+
+
+def _bad_step(directory, step, text):
+    (directory / str(step)).mkdir()
+    (directory / str(step) / "manifest.json").write_text(text)
+
+
+def test_manager_skips_and_reports_steps_with_bad_manifests(tmp_path, caplog):
+    directory = tmp_path / "run"
+    jaxckpt.save(directory / "3", {"w": np.arange(4.0), "step": 3})
+    _bad_step(directory, 5, "[" * 100_000)
+    _bad_step(directory, 7, '{"format": "jaxckpt", "format_version": ' + BIG_INT + "}")
+    (directory / "²").mkdir()  # str.isdigit() says yes, int() says no
+    with caplog.at_level("WARNING", logger="jaxckpt"):
+        mgr = jaxckpt.CheckpointManager(directory, async_save=False)
+    try:
+        assert mgr.all_steps() == [3]
+        assert mgr.restore()["step"] == 3
+    finally:
+        mgr.close()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "jaxckpt" and r.levelname == "WARNING"]
+    assert any(f"Skipping step 5 at '{directory / '5'}'" in w and "nested too deeply" in w for w in warnings)
+    assert any(f"Skipping step 7 at '{directory / '7'}'" in w and "integer of 5000" in w for w in warnings)
+
+    from jaxckpt import _commit, _storage
+
+    found, skipped = _commit.discover(_storage.resolve(str(directory)))
+    assert sorted(found) == [3] and sorted(skipped) == [5, 7]
+    assert f"Checkpoint '{directory / '5'}': invalid manifest" in skipped[5]

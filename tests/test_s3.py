@@ -1,9 +1,16 @@
 """Checkpoints on an S3 API (a local moto server): manifest as the commit marker."""
 
+import os
+import socket
+import subprocess
+import sys
+import time
+
 import jax
 import numpy as np
 import pytest
 from conftest import assert_bit_equal, sharded
+from test_storage import count_handles, save_restore_and_read
 
 import jaxckpt
 
@@ -52,3 +59,59 @@ def test_manager_on_s3(s3_server):
     mgr = jaxckpt.CheckpointManager(spec)
     assert mgr.latest_step() == 3
     assert_bit_equal(mgr.restore()["x"], np.full(3, 3))
+
+
+def test_one_context_per_store_on_s3(s3_server, monkeypatch):
+    counts = count_handles(monkeypatch)
+    save_restore_and_read(s3_server("runs/d/ckpt"))
+    assert counts == {"contexts": 1, "kvstores": 1}
+    # another prefix of the same bucket: its own KvStore handle, the same context
+    jaxckpt.save(s3_server("runs/e/ckpt"), {"x": np.arange(3)})
+    assert counts == {"contexts": 1, "kvstores": 2}
+
+
+MISSING = "NOT_FOUND: NoSuchBucket: The specified bucket does not exist"
+
+
+def test_missing_bucket_is_a_checkpoint_error_naming_the_url(s3_server):
+    spec = dict(s3_server("runs/x/ckpt"), bucket="jaxckpt-no-such-bucket")
+    url = "s3://jaxckpt-no-such-bucket/runs/x/ckpt"
+    for call in (jaxckpt.restore, jaxckpt.metadata, jaxckpt.open):
+        with pytest.raises(jaxckpt.CheckpointError) as e:
+            call(spec)
+        assert type(e.value) is jaxckpt.CheckpointError
+        assert str(e.value) == f"Reading 'manifest.json' in '{url}' failed: {MISSING}"
+    with pytest.raises(jaxckpt.CheckpointError) as e:
+        jaxckpt.save(spec, {"x": 1})
+    assert str(e.value) == f"Listing '{url}' failed: {MISSING}"
+
+
+@pytest.fixture(scope="module")
+def s3_with_auth():
+    """A second moto server that checks credentials (none are valid there)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
+    server = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, env=dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="0"))
+    try:
+        for _ in range(200):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def test_rejected_credentials_are_a_checkpoint_error(s3_server, s3_with_auth):
+    spec = dict(s3_server("runs/y/ckpt"), endpoint=s3_with_auth)
+    with pytest.raises(jaxckpt.CheckpointError) as e:
+        jaxckpt.restore(spec)
+    assert str(e.value) == (
+        "Reading 'manifest.json' in 's3://jaxckpt-test/runs/y/ckpt' failed: PERMISSION_DENIED: "
+        "InvalidAccessKeyId: The AWS Access Key Id you provided does not exist in our records.")

@@ -1,7 +1,14 @@
 """Locations and key safety."""
 
-import pytest
+import collections
+import concurrent.futures
 
+import numpy as np
+import pytest
+import tensorstore as ts
+from conftest import assert_bit_equal, sharded
+
+import jaxckpt
 from jaxckpt import CheckpointError, _storage
 
 
@@ -28,3 +35,92 @@ def test_unsupported_zarr_dtypes_are_stored_as_unsigned():
     assert _storage.storage_dtype_name("uint4") == "uint8"
     assert _storage.storage_dtype_name("float8_e4m3") == "uint8"
     assert _storage.storage_dtype_name("bfloat16") == "bfloat16"
+
+
+# --- one tensorstore context per store, KvStore handles reused ----------------------
+
+
+def count_handles(monkeypatch):
+    """Count ``ts.Context`` and ``ts.KvStore.open`` calls from now on, with jaxckpt's
+    handle caches emptied first."""
+    counts = {"contexts": 0, "kvstores": 0}
+    real_context, real_open = ts.Context, ts.KvStore.open
+
+    def context(*args, **kwargs):
+        counts["contexts"] += 1
+        return real_context(*args, **kwargs)
+
+    def kv_open(*args, **kwargs):
+        counts["kvstores"] += 1
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(ts, "Context", context)
+    monkeypatch.setattr(ts.KvStore, "open", staticmethod(kv_open))
+    monkeypatch.setattr(_storage, "_contexts", collections.OrderedDict(), raising=False)
+    monkeypatch.setattr(_storage, "_kvstores", collections.OrderedDict(), raising=False)
+    return counts
+
+
+def save_restore_and_read(path):
+    """A save, a restore, metadata and 10 lazy reads of one checkpoint."""
+    big = np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024)  # 2 MiB: its own zarr3 array
+    small = np.arange(6, dtype=np.int32)  # packed
+    tree = {"big": sharded(big, (4,), ("x",), ("x", None)), "small": small}
+    jaxckpt.save(path, tree)
+    back = jaxckpt.restore(path, tree)
+    assert_bit_equal(back["big"], big)
+    assert jaxckpt.metadata(path).tree["big"].shape == (512, 1024)
+    view = jaxckpt.open(path)
+    for i in range(5):
+        assert_bit_equal(view["big"][100 * i, 1:3], big[100 * i, 1:3])  # partial chunks: tensorstore
+        assert_bit_equal(view["small"][i], small[i])
+
+
+def test_one_context_per_location(tmp_path, monkeypatch):
+    counts = count_handles(monkeypatch)
+    save_restore_and_read(tmp_path / "c")
+    assert counts == {"contexts": 1, "kvstores": 0}  # local blobs and listings skip tensorstore
+    save_restore_and_read(tmp_path / "d")  # every local path is the same store
+    assert counts == {"contexts": 1, "kvstores": 0}
+
+
+def test_context_cache_is_thread_safe_and_bounded(monkeypatch):
+    counts = count_handles(monkeypatch)
+    loc = _storage.resolve("s3://some-bucket/a")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda _: _storage.context(loc), range(64)))
+    assert all(c is got[0] for c in got) and counts["contexts"] == 1
+    assert _storage.context(_storage.resolve("s3://some-bucket/b/c")) is got[0]  # path does not matter
+    assert _storage.context(_storage.resolve("s3://other-bucket/a")) is not got[0]
+
+    # the memory kvstore's data lives in its context: it outlives any eviction
+    monkeypatch.setattr(_storage, "_MAX_CONTEXTS", 2)
+    monkeypatch.setattr(_storage, "_MAX_KVSTORES", 2)
+    mem = _storage.resolve("memory://cache-test")
+    _storage.write_blob(mem, "k", b"kept")
+    for i in range(5):
+        _storage.context(_storage.resolve(f"s3://bucket-{i}/x"))
+        _storage.write_blob(mem.child(str(i)), "k", b"x")
+    assert len(_storage._contexts) == 2 and len(_storage._kvstores) == 2
+    assert _storage.read_blob(mem, "k") == b"kept"
+
+
+@pytest.mark.parametrize("message,cause", [
+    # tensorstore 0.1.86, a read from a bucket on a server that rejects the key (moto)
+    ("PERMISSION_DENIED: InvalidAccessKeyId: The AWS Access Key Id you provided does not exist in our "
+     "records. [http_response_code='403'] [x-amzn-requestid='MSDJ'] [http_response_body='<?xml "
+     "version=\\\"1.0\\\" encoding=\\\"utf-8\\\"?>\\n<Error><Code>InvalidAccessKeyId</Code><Message>The AWS "
+     "Access Key Id you provided does not exist in our records.</Message><RequestId>MSDJ</RequestId><HostId>9G']",
+     "PERMISSION_DENIED: InvalidAccessKeyId: The AWS Access Key Id you provided does not exist in our records."),
+    # an XML body tensorstore did not summarise
+    ("UNKNOWN: HTTP response code: 500 with body: <?xml version=\"1.0\"?><Error><Code>InternalError</Code>"
+     "<Message>We encountered an internal error.</Message></Error>",
+     "UNKNOWN: HTTP response code: 500 with body: InternalError: We encountered an internal error."),
+    ("DEADLINE_EXCEEDED: All 32 retry attempts failed [source locations='x.cc:1']",
+     "DEADLINE_EXCEEDED: All 32 retry attempts failed"),
+])
+def test_storage_errors_keep_a_short_cause(message, cause):
+    loc = _storage.resolve("s3://bucket/runs/a")
+    err = _storage.storage_error(loc, "reading", "manifest.json", ValueError(message))
+    assert isinstance(err, CheckpointError)
+    assert str(err) == f"Reading 'manifest.json' in 's3://bucket/runs/a' failed: {cause}"
