@@ -91,6 +91,8 @@ class Lease:
                     return cls(directory, owner)
                 continue  # someone else created it just now: look at theirs
             verdict = _judge(holder, lease_s)
+            if verdict == "unknown" and watched is not None and watched[0] != data:
+                verdict = "alive"  # renewed while we watched
             if verdict == "alive":
                 raise CheckpointError(
                     f"'{directory}' is being written by another CheckpointManager: "
@@ -98,8 +100,8 @@ class Lease:
                     "CheckpointManager(..., read_only=True) to list and restore without writing")
             if verdict == "unknown":
                 now = time.monotonic()
-                if watched is None or watched[0] != data:
-                    watched = (data, now)  # first look, or it was renewed: watch again
+                if watched is None:
+                    watched = (data, now)
                 if now - watched[1] <= lease_s:
                     time.sleep(min(0.5, lease_s / 10))
                     continue

@@ -371,7 +371,7 @@ class CheckpointManager:
     # --- restore ---------------------------------------------------------------------
 
     def restore(self, step: int | None = None, target: Any = None, *, shardings: Any = None,
-                partial: bool = False) -> Any:
+                partial: bool = False, allow_narrowing: bool = False) -> Any:
         """Restore ``step`` (default: the latest committed one); see ``jaxckpt.restore``.
 
         Raises:
@@ -388,7 +388,7 @@ class CheckpointManager:
             self._reading[step] = self._reading.get(step, 0) + 1
         try:
             return _checkpoint.restore(self._dir.child(_commit.step_name(step)), target,
-                                       shardings=shardings, partial=partial)
+                                       shardings=shardings, partial=partial, allow_narrowing=allow_narrowing)
         finally:
             with self._lock:
                 self._reading[step] -= 1

@@ -312,7 +312,8 @@ class _Opening:
         self._future, self._kvstore = future, kvstore
 
     def result(self, timeout: float | None = None) -> ts.TensorStore:
-        return _call(resolve(self._kvstore), "opening array", "", lambda: self._future.result(timeout=timeout))
+        return _call(resolve(self._kvstore), "opening array", "",
+                     lambda: self._future.result(timeout=timeout))
 
     def done(self) -> bool:
         return self._future.done()

@@ -21,6 +21,11 @@ from jaxckpt import _storage
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def visible(path):
+    """What a directory listing shows besides the writer's lease file."""
+    return sorted(n for n in os.listdir(path) if n != ".jaxckpt-writer.json")
+
+
 class FakeClock:
     def __init__(self, t=1000.0):
         self.t = t
@@ -135,7 +140,7 @@ def test_background_failure_surfaces_on_next_call(tmp_path, monkeypatch):
     assert isinstance(err.value.__cause__, jaxckpt.CheckpointError)
     assert "injected" in str(err.value.__cause__.__cause__)
     assert mgr.all_steps() == [1]
-    assert sorted(os.listdir(tmp_path)) == ["1"]  # nothing half-written is visible
+    assert visible(tmp_path) == ["1"]  # nothing half-written is visible
     # the same surfaces from save() and close()
     mgr.save(3, {"x": np.ones(3)})
     with pytest.raises(jaxckpt.CheckpointError, match="Saving step 3"):
@@ -233,8 +238,9 @@ def test_retention_spares_a_step_being_restored(tmp_path, monkeypatch):
     assert mgr.all_steps() == [1, 2]
     mgr.save(3, {"x": np.zeros(2)})  # now step 1 (deferred) and 2 go
     assert mgr.all_steps() == [3]
-    assert sorted(os.listdir(tmp_path)) == ["3"]
+    assert visible(tmp_path) == ["3"]
     mgr.close()
+    assert sorted(os.listdir(tmp_path)) == ["3"]  # the lease is released on close
 
 
 def test_restore_errors(tmp_path):
@@ -285,21 +291,26 @@ def test_sigkill_during_async_save_keeps_previous_step(tmp_path):
     """
     child = _run_child(code)
     lines = []
-    for line in child.stdout:
+    for line in child.stdout:  # save(2) returned (async) and its writes are half done
         lines.append(line.strip())
-        if line.strip() == "MIDWAY":
+        if {"MIDWAY", "RETURNED"} <= set(lines):
             break
-    assert "RETURNED" in lines or lines[-1] == "MIDWAY", child.stderr.read()
+    assert {"MIDWAY", "RETURNED"} <= set(lines), child.stderr.read()
     child.send_signal(signal.SIGKILL)
     child.wait(10)
+    child.stdout.close()
+    child.stderr.close()
     assert child.returncode == -signal.SIGKILL
     leftovers = os.listdir(tmp_path)
     assert "2" not in leftovers and any(n.startswith(".2.jaxckpt-tmp-") for n in leftovers)
+    # the killed writer's lease names a pid that no longer exists: provably gone
     mgr = jaxckpt.CheckpointManager(tmp_path)
     assert mgr.latest_step() == 1
     assert_bit_equal(mgr.restore()["w"], np.full(1024, 1.0, np.float32))
-    assert sorted(os.listdir(tmp_path)) == ["1"]  # the dead attempt was cleaned up
+    assert visible(tmp_path) == ["1"]  # the dead attempt was cleaned up
+    mgr.save(2, {"w": np.zeros(4, np.float32)})
     mgr.close()
+    assert sorted(os.listdir(tmp_path)) == ["1", "2"]
 
 
 def test_pending_save_completes_at_interpreter_exit(tmp_path):
@@ -315,3 +326,175 @@ def test_pending_save_completes_at_interpreter_exit(tmp_path):
     mgr = jaxckpt.CheckpointManager(tmp_path)
     assert mgr.all_steps() == [4]
     assert_bit_equal(mgr.restore()["x"], np.arange(1 << 20, dtype=np.float32))
+
+
+# --- one writer, many readers (issue 8, item 5) --------------------------------------
+
+
+def test_second_writer_is_refused_and_a_live_save_survives_readers(tmp_path, monkeypatch):
+    release = threading.Event()
+    holding = threading.Event()
+
+    def hold(op, key):  # the first writer's async save stays in flight
+        if threading.current_thread() is not threading.main_thread():
+            holding.set()
+            release.wait(20)
+
+    writer = jaxckpt.CheckpointManager(tmp_path)
+    writer.save(1, {"x": np.ones(3)})
+    writer.wait_until_finished()
+    monkeypatch.setattr(_storage, "fault_hook", hold)
+    writer.save(2, {"x": np.full(1 << 18, 2.0, np.float32)})
+    assert holding.wait(10)
+    staging = [n for n in os.listdir(tmp_path) if n.startswith(".2.jaxckpt-tmp-")]
+    assert len(staging) == 1
+    with pytest.raises(jaxckpt.CheckpointError,
+                       match=rf"'{tmp_path}' is being written by another CheckpointManager: pid {os.getpid()} "
+                             r"on host '.+' \(since .+\)\. Stop it first, or open this directory with "
+                             r"CheckpointManager\(\.\.\., read_only=True\)"):
+        jaxckpt.CheckpointManager(tmp_path)
+    # readers are always allowed, and never touch the attempt in flight
+    for _ in range(5):
+        reader = jaxckpt.CheckpointManager(tmp_path, read_only=True)
+        assert reader.all_steps() == [1]
+        assert_bit_equal(reader.restore()["x"], np.ones(3))
+        with pytest.raises(jaxckpt.CheckpointError, match="is read-only: save\\(\\) is not allowed"):
+            reader.save(3, {"x": np.ones(3)})
+        reader.close()
+    assert staging[0] in os.listdir(tmp_path)
+    release.set()
+    writer.wait_until_finished()
+    assert writer.all_steps() == [1, 2]
+    writer.close()
+    reader = jaxckpt.CheckpointManager(tmp_path, read_only=True)
+    assert reader.all_steps() == [1, 2]
+    assert_bit_equal(reader.restore(2)["x"], np.full(1 << 18, 2.0, np.float32))
+    reader.close()
+    # once the writer closed, a new writer may start
+    jaxckpt.CheckpointManager(tmp_path).close()
+
+
+def test_notebook_polling_a_training_run_never_breaks_it(tmp_path):
+    stop = threading.Event()
+    seen, errors = [], []
+
+    def notebook():  # a cell re-run every few ms: opens a read-only manager each time
+        while not stop.is_set():
+            try:
+                with jaxckpt.CheckpointManager(tmp_path, read_only=True) as m:
+                    seen.append(m.latest_step())
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+    t = threading.Thread(target=notebook)
+    with jaxckpt.CheckpointManager(tmp_path, max_to_keep=2) as mgr:
+        t.start()
+        for i in range(1, 16):
+            mgr.save(i, {"w": np.full(1 << 16, i, np.float32)})
+        mgr.wait_until_finished()
+        stop.set()
+        t.join()
+        assert mgr.all_steps() == [14, 15]
+    assert errors == [] and len(seen) > 5
+    assert all(s is None or 1 <= s <= 15 for s in seen)
+
+
+def test_lease_of_another_host_is_waited_out_only_if_it_stops_renewing(tmp_path, monkeypatch):
+    import json
+    import time
+
+    from jaxckpt import _lease
+
+    monkeypatch.setattr(_lease, "LEASE_S", 1.0)
+    lease = tmp_path / ".jaxckpt-writer.json"
+    owner = {"host": "other-host", "pid": 1, "token": "t", "started": time.time(), "renewed": time.time(),
+             "count": 0}
+    lease.write_text(json.dumps(owner))
+    (tmp_path / ".5.jaxckpt-tmp-deadbeef").mkdir()  # its attempt
+
+    stop = threading.Event()
+
+    def renew():  # the other host is alive: it keeps renewing
+        while not stop.wait(0.2):
+            owner["count"] += 1
+            lease.write_text(json.dumps(owner))
+
+    t = threading.Thread(target=renew)
+    t.start()
+    try:
+        with pytest.raises(jaxckpt.CheckpointError, match="pid 1 on host 'other-host'"):
+            jaxckpt.CheckpointManager(tmp_path)
+    finally:
+        stop.set()
+        t.join()
+    assert (tmp_path / ".5.jaxckpt-tmp-deadbeef").exists()
+    # now it stopped renewing: after a lease period the newcomer takes over and cleans up
+    start = time.monotonic()
+    mgr = jaxckpt.CheckpointManager(tmp_path)
+    assert time.monotonic() - start >= 1.0
+    assert not (tmp_path / ".5.jaxckpt-tmp-deadbeef").exists()
+    assert json.loads(lease.read_text())["pid"] == os.getpid()
+    mgr.close()
+    assert not lease.exists()
+
+
+# --- errors a user can cause (issue 8, items 10 and 11) -----------------------------
+
+
+def test_metrics_may_be_jax_and_numpy_scalars(tmp_path):
+    with jaxckpt.CheckpointManager(tmp_path, best_metric="loss") as mgr:
+        loss = jnp.float32(0.25) * 2
+        mgr.save(1, {"x": 1}, metrics={"loss": loss, "acc": np.float64(0.75), "n": np.int32(3),
+                                       "lr": jnp.bfloat16(0.5), "tag": "warmup", "none": None})
+        mgr.wait_until_finished()
+        m = mgr.metrics(1)
+        assert m == {"loss": 0.5, "acc": 0.75, "n": 3, "lr": 0.5, "tag": "warmup", "none": None}
+        assert type(m["loss"]) is float and type(m["n"]) is int
+        assert mgr.best_step() == 1
+        with pytest.raises(jaxckpt.CheckpointError, match=r"metrics\['hist'\] has shape \(3,\); a metric must be a scalar"):
+            mgr.save(2, {"x": 1}, metrics={"hist": np.ones(3)})
+        with pytest.raises(jaxckpt.CheckpointError, match=r"metrics\['cfg'\] is a dict; a metric must be a number"):
+            mgr.save(2, {"x": 1}, metrics={"cfg": {}})
+        with pytest.raises(jaxckpt.CheckpointError, match=r"metrics key 3 is a int; metric names must be str"):
+            mgr.save(2, {"x": 1}, metrics={3: 1.0})
+
+
+def test_manager_directory_that_is_a_file(tmp_path):
+    f = tmp_path / "runs"
+    f.write_text("not a directory")
+    for read_only in (False, True):
+        with pytest.raises(jaxckpt.CheckpointError, match=f"CheckpointManager directory '{f}' is a file, not a directory"):
+            jaxckpt.CheckpointManager(f, read_only=read_only)
+
+
+def test_close_racing_save_is_a_checkpoint_error(tmp_path, monkeypatch):
+    mgr = jaxckpt.CheckpointManager(tmp_path)
+    # close() wins the race right after save() checked that the manager is open
+    real_wait = mgr._wait_for_slot
+
+    def close_then_wait():
+        real_wait()
+        mgr.close()
+
+    monkeypatch.setattr(mgr, "_wait_for_slot", close_then_wait)
+    with pytest.raises(jaxckpt.CheckpointError, match=f"CheckpointManager for '{tmp_path}' was closed during save\\(1\\)"):
+        mgr.save(1, {"x": np.ones(2)})
+
+
+def test_reload_keeps_a_step_committed_during_the_scan(tmp_path, monkeypatch):
+    from jaxckpt import _commit
+
+    mgr = jaxckpt.CheckpointManager(tmp_path, async_save=False)
+    mgr.save(1, {"x": 1})
+    real = _commit.discover_steps
+
+    def slow_scan(directory):
+        found = real(directory)  # sees step 1 only
+        mgr.save(2, {"x": 2})  # commits while the scan's result is in flight
+        return found
+
+    monkeypatch.setattr(_commit, "discover_steps", slow_scan)
+    mgr.reload()
+    assert mgr.all_steps() == [1, 2]
+    monkeypatch.setattr(_commit, "discover_steps", real)
+    mgr.close()

@@ -93,8 +93,9 @@ def s3_with_auth():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
-    server = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, env=dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="0"))
+    server = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env=dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="0"))
     try:
         for _ in range(200):
             try:

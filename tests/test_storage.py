@@ -109,9 +109,11 @@ def test_context_cache_is_thread_safe_and_bounded(monkeypatch):
     # tensorstore 0.1.86, a read from a bucket on a server that rejects the key (moto)
     ("PERMISSION_DENIED: InvalidAccessKeyId: The AWS Access Key Id you provided does not exist in our "
      "records. [http_response_code='403'] [x-amzn-requestid='MSDJ'] [http_response_body='<?xml "
-     "version=\\\"1.0\\\" encoding=\\\"utf-8\\\"?>\\n<Error><Code>InvalidAccessKeyId</Code><Message>The AWS "
-     "Access Key Id you provided does not exist in our records.</Message><RequestId>MSDJ</RequestId><HostId>9G']",
-     "PERMISSION_DENIED: InvalidAccessKeyId: The AWS Access Key Id you provided does not exist in our records."),
+     "version=\\\"1.0\\\" encoding=\\\"utf-8\\\"?>\\n<Error><Code>InvalidAccessKeyId</Code>"
+     "<Message>The AWS Access Key Id you provided does not exist in our records.</Message>"
+     "<RequestId>MSDJ</RequestId><HostId>9G']",
+     "PERMISSION_DENIED: InvalidAccessKeyId: The AWS Access Key Id you provided does not exist in our "
+     "records."),
     # an XML body tensorstore did not summarise
     ("UNKNOWN: HTTP response code: 500 with body: <?xml version=\"1.0\"?><Error><Code>InternalError</Code>"
      "<Message>We encountered an internal error.</Message></Error>",
