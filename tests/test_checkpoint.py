@@ -408,7 +408,8 @@ def test_corrupted_packed_data_is_detected(ckpt):
     leaves = {f"p{i}": np.arange(1024, dtype=np.float32) + i for i in range(3)}
     jaxckpt.save(ckpt, leaves)
     chunk = os.path.join(ckpt, "packed", "p0", "c", "0")
-    data = bytearray(open(chunk, "rb").read())
+    with open(chunk, "rb") as f:
+        data = bytearray(f.read())
     data[5000] ^= 0xFF  # inside leaf p1 (each leaf is 4 KiB)
     with open(chunk, "wb") as f:
         f.write(bytes(data))

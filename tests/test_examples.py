@@ -18,7 +18,8 @@ def test_demo_restores_bit_exact_and_continues_identically():
 
 
 def test_notebook_cells_run():
-    nb = json.load(open(os.path.join(ROOT, "notebooks", "explore.ipynb")))
+    with open(os.path.join(ROOT, "notebooks", "explore.ipynb")) as f:
+        nb = json.load(f)
     code = "\n".join(c["source"] for c in nb["cells"] if c["cell_type"] == "code")
     code += "\nassert info.metadata == {'note': 'notebook'} and w.shape == (64, 32)\n"
     code += "assert arrays['params']['w'].sum() == 64 * 32 and arrays['step'] == 10\n"

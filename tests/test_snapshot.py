@@ -61,7 +61,8 @@ def test_direct_chunk_writes_match_tensorstore_byte_for_byte(tmp_path, monkeypat
             for f in files:
                 if f != "zarr.json":
                     path = os.path.join(dirpath, f)
-                    out[os.path.relpath(path, root)] = open(path, "rb").read()
+                    with open(path, "rb") as f:
+                        out[os.path.relpath(path, root)] = f.read()
         return out
 
     direct, ts = chunks(tmp_path / "direct"), chunks(tmp_path / "ts")
