@@ -19,11 +19,12 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from . import _commit, _distributed, _layout, _manifest, _reader, _storage, _tree
+from . import _commit, _distributed, _dtypes, _layout, _location, _manifest, _reader, _tree
 from ._errors import CheckpointError, TreeMismatchError
 from ._manifest import LeafRecord, Manifest
-from ._snapshot import Snapshot, snapshot, write_data
-from ._storage import Location
+from ._snapshot import Snapshot, snapshot
+from ._writer import write_data
+from ._location import Location
 
 
 def build_manifest(snap: Snapshot, metadata: dict[str, Any] | None,
@@ -91,7 +92,7 @@ def save_snapshot(path: Any, snap: Snapshot, *, metadata: Any = None, overwrite:
     number (taken in program order by the caller). ``metadata`` must already have
     passed ``_check_metadata``. Returns the committed manifest.
     """
-    final = _storage.resolve(path)
+    final = _location.resolve(path)
     op_id = _distributed.next_id() if op_id is None else op_id
     with _distributed.Operation(f"save{op_id}", str(final), timeout_s) as op:
         if _distributed.process_index() == 0:
@@ -200,7 +201,7 @@ def _leaf_info(rec: LeafRecord) -> Any:
         dtype = _key_dtype(rec.impl)
         shape = rec.shape[: rec.key_ndim]
     else:
-        dtype, shape = _storage.DTYPES[rec.dtype], rec.shape
+        dtype, shape = _dtypes.DTYPES[rec.dtype], rec.shape
     return LeafInfo(shape, dtype, _layout.sharding_from_json(rec.sharding), rec.path, rec.nbytes)
 
 
@@ -212,7 +213,7 @@ def metadata(path: Any) -> CheckpointInfo:
       >>> info.tree["params"]["w"].shape
       (1024, 1024)
     """
-    loc = _storage.resolve(path)
+    loc = _location.resolve(path)
     with _tree.gc_paused():
         man = _commit.read_manifest(loc)
         tree = _tree.build(man.structure, lambda i: _leaf_info(man.leaves[i]))
@@ -245,7 +246,7 @@ def _target_kind(path: str, leaf: Any, rec: LeafRecord, sharding: Any, where: st
         raise mismatch("saved an array, target is None")
     if leaf is not None and _is_python_scalar(leaf):
         if rec.kind == "array" and rec.shape == ():
-            if not _kind_castable(_dtype_kind(_storage.DTYPES[rec.dtype]), _scalar_kind(leaf)):
+            if not _kind_castable(_dtype_kind(_dtypes.DTYPES[rec.dtype]), _scalar_kind(leaf)):
                 raise mismatch(f"target of type {type(leaf).__name__} cannot hold a {rec.dtype} "
                                "scalar from disk")
             return _Request(rec, "scalar", None, None, leaf)
@@ -270,7 +271,7 @@ def _target_kind(path: str, leaf: Any, rec: LeafRecord, sharding: Any, where: st
         if target_key and dtype != _key_dtype(rec.impl):
             raise mismatch(f"PRNG key dtype {dtype} in target, impl {rec.impl} on disk")
     else:
-        saved = _storage.DTYPES[rec.dtype]
+        saved = _dtypes.DTYPES[rec.dtype]
         if dtype is not None and not _castable(saved, np.dtype(dtype)):
             raise mismatch(f"dtype {np.dtype(dtype).name} in target cannot hold {rec.dtype} from disk")
         check_range = dtype is not None and not allow_narrowing and _may_narrow(saved, np.dtype(dtype))
@@ -285,7 +286,7 @@ def _target_kind(path: str, leaf: Any, rec: LeafRecord, sharding: Any, where: st
     sharding = _concrete_sharding(sharding, path, where)
     if saved_key:
         return _Request(rec, "jax", None, sharding, leaf)
-    return _Request(rec, "jax", np.dtype(dtype) if dtype is not None else _storage.DTYPES[rec.dtype],
+    return _Request(rec, "jax", np.dtype(dtype) if dtype is not None else _dtypes.DTYPES[rec.dtype],
                     sharding, leaf, check_range=check_range)
 
 
@@ -560,7 +561,7 @@ def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bo
 
 
 def _restore(path: Any, target: Any, shardings: Any, partial: bool, allow_narrowing: bool = False) -> Any:
-    loc = _storage.resolve(path)
+    loc = _location.resolve(path)
     man = _commit.read_manifest(loc)
     single_sharding = isinstance(shardings, jax.sharding.Sharding)
     if target is None and (shardings is None or single_sharding):
@@ -623,4 +624,4 @@ def _abstract(rec: LeafRecord) -> Any:
     if rec.kind == "prng_key":
         dtype = _key_dtype(rec.impl)
         return jax.ShapeDtypeStruct(rec.shape[: rec.key_ndim], dtype)
-    return jax.ShapeDtypeStruct(rec.shape, _storage.DTYPES[rec.dtype])
+    return jax.ShapeDtypeStruct(rec.shape, _dtypes.DTYPES[rec.dtype])

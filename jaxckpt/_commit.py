@@ -14,9 +14,9 @@ import os
 import stat
 import uuid
 
-from . import _manifest, _storage
+from . import _location, _manifest, _storage
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ._storage import Location
+from ._location import Location
 
 TMP_MARK = ".jaxckpt-tmp-"
 DATA_DIRS = {"arrays", "packed"}  # what a checkpoint holds besides its manifest
@@ -37,7 +37,7 @@ def staging_location(final: Location, token: str) -> Location:
     if final.local is None:
         return final
     parent, name = os.path.split(final.local)
-    return _storage.resolve(os.path.join(parent, f".{name}{TMP_MARK}{token}"))
+    return _location.resolve(os.path.join(parent, f".{name}{TMP_MARK}{token}"))
 
 
 def has_manifest(loc: Location) -> bool:
@@ -87,7 +87,7 @@ def commit(final: Location, staging: Location, manifest_bytes: bytes, token: str
     os.rename(staging.local, final.local)
     _storage.fsync_dir(parent)
     if old is not None:
-        _storage.delete_tree(_storage.resolve(old))
+        _storage.delete_tree(_location.resolve(old))
 
 
 def abort(final: Location, staging: Location) -> None:
@@ -205,7 +205,7 @@ def delete_step(directory: Location, step: int, token: str) -> None:
         except FileNotFoundError:
             return
         _storage.fsync_dir(directory.local)
-        _storage.delete_tree(_storage.resolve(doomed))
+        _storage.delete_tree(_location.resolve(doomed))
         return
     _storage.delete_blob(loc, _manifest.MANIFEST)
     _storage.delete_tree(loc)

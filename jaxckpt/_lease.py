@@ -25,7 +25,7 @@ from typing import Any
 
 from . import _storage
 from ._errors import CheckpointError
-from ._storage import Location
+from ._location import Location
 
 LEASE_FILE = ".jaxckpt-writer.json"
 LEASE_S = 15.0  # a lease not renewed for this long has expired

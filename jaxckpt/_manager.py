@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _checkpoint, _commit, _distributed, _lease, _retention, _snapshot, _storage
+from . import _checkpoint, _commit, _distributed, _lease, _location, _retention, _snapshot, _storage
 from ._errors import CheckpointError, CheckpointNotFoundError
 from ._manifest import Manifest
 
@@ -102,7 +102,7 @@ class CheckpointManager:
             raise ValueError(f"save_interval_steps must be a positive int, got {save_interval_steps!r}")
         if not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"max_pending must be a positive int, got {max_pending!r}")
-        self._dir = _storage.resolve(directory)
+        self._dir = _location.resolve(directory)
         self._interval = save_interval_steps
         self._async = async_save
         self._max_pending = max_pending

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _layout, _storage, _tree
+from . import _dtypes, _layout, _location, _tree
 from ._errors import CorruptCheckpointError
 
 MANIFEST = "manifest.json"
@@ -342,10 +342,10 @@ def _parse_leaf(raw: Any, i: int, packed: dict[int, PackedArray], bad) -> LeafRe
                 raise bad(f"leaf '{path}': inline {type_name} value is not latin-1") from None
         return LeafRecord(path=path, kind="value", value=value)
     dtype = raw.get("dtype")
-    if dtype not in _storage.DTYPES:
+    if dtype not in _dtypes.DTYPES:
         raise bad(f"leaf '{path}': unknown dtype {dtype!r}")
     storage_dtype = raw.get("storage_dtype", dtype)
-    if storage_dtype != _storage.storage_dtype_name(dtype):
+    if storage_dtype != _dtypes.storage_dtype_name(dtype):
         raise bad(f"leaf '{path}': storage dtype {storage_dtype!r} does not fit dtype {dtype!r}")
     shape, chunk_shape = raw.get("shape"), raw.get("chunk_shape")
     if not _int_list(shape, 0, _MAX_DIM):
@@ -355,7 +355,7 @@ def _parse_leaf(raw: Any, i: int, packed: dict[int, PackedArray], bad) -> LeafRe
     if (not _int_list(chunk_shape, 1, _MAX_DIM) or len(chunk_shape) != len(shape)
             or any(c > max(s, 1) for c, s in zip(chunk_shape, shape))):
         raise bad(f"leaf '{path}': chunk_shape {chunk_shape!r} does not fit shape {shape!r}")
-    itemsize = _storage.DTYPES[dtype].itemsize
+    itemsize = _dtypes.DTYPES[dtype].itemsize
     nbytes = raw.get("nbytes")
     if not _is_int(nbytes) or nbytes != math.prod(shape) * itemsize or nbytes > _MAX_NBYTES:
         raise bad(f"leaf '{path}': nbytes {nbytes!r} does not equal shape × itemsize")
@@ -367,7 +367,7 @@ def _parse_leaf(raw: Any, i: int, packed: dict[int, PackedArray], bad) -> LeafRe
     if store not in STORES:
         raise bad(f"leaf '{path}': unknown store {store!r}")
     key = raw.get("key")
-    if not isinstance(key, str) or not _storage.is_safe_key(key):
+    if not isinstance(key, str) or not _location.is_safe_key(key):
         raise bad(f"leaf '{path}': data key {key!r} is not a relative path inside the checkpoint")
     chunks: tuple[tuple[int, int], ...] = ()
     if store == "packed":

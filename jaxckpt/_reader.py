@@ -9,7 +9,7 @@ host array with ``get``. ``run`` plans all I/O together:
   saved shard come back as views of those buffers, without a copy.
 * big leaves: each saved chunk a slice needs is read straight into its place in the
   slice's buffer. On a local disk a whole chunk is read with one ``readinto`` and a
-  hardware crc32c check (``_storage.read_chunk_file``), the fastest path; partial
+  hardware crc32c check (``_chunkfiles.read_chunk_file``), the fastest path; partial
   chunks and object stores go through tensorstore. A saved chunk that several slices
   need (a restore onto another layout) is read once into a temporary buffer and copied
   out, instead of being read and checksummed once per slice.
@@ -28,15 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from . import _layout, _storage
+from . import _chunkfiles, _dtypes, _layout, _storage, _tasks, _zarr
 from ._errors import CorruptCheckpointError
 from ._manifest import LeafRecord, Manifest
-from ._storage import Location
+from ._location import Location
 
 READ_BUDGET_BYTES = 256 << 20  # bytes of reads in flight (bounds transient buffers)
 DIRECT_READ_THREADS = 4
 # Whole chunks of big leaves on a local disk are read without tensorstore (see
-# _storage.read_chunk_file); False forces every read through tensorstore.
+# _chunkfiles.read_chunk_file); False forces every read through tensorstore.
 DIRECT_READS = True
 
 
@@ -56,7 +56,7 @@ class Reader:
     def get(self, rec: LeafRecord, index: _layout.Index) -> np.ndarray:
         """The slice as a host array of the saved dtype."""
         out = self._out[(rec.path, index)]
-        saved = _storage.DTYPES[rec.dtype]
+        saved = _dtypes.DTYPES[rec.dtype]
         return out if out.dtype == saved else out.view(saved)
 
     # --- planning and running ----------------------------------------------------
@@ -67,7 +67,7 @@ class Reader:
         by_leaf: dict[str, list[_layout.Index]] = collections.defaultdict(list)
         for (path, index), rec in self._wanted.items():
             if _layout.index_size(index) == 0:
-                self._out[(path, index)] = np.zeros(_layout.index_shape(index), _storage.DTYPES[rec.storage_dtype])
+                self._out[(path, index)] = np.zeros(_layout.index_shape(index), _dtypes.DTYPES[rec.storage_dtype])
             elif rec.store == "packed":
                 packed_requests.append((rec, index))
             else:
@@ -81,7 +81,7 @@ class Reader:
 
     def _store(self, spec: dict[str, Any], key: str) -> Any:
         if key not in self._stores:
-            self._stores[key] = _storage.open_array(spec, self.ctx, create=False)
+            self._stores[key] = _zarr.open_array(spec, self.ctx, create=False)
         return self._stores[key]
 
     def _plan_packed(self, requests, ops) -> dict[int, list[tuple[int, int, np.ndarray]]]:
@@ -95,7 +95,7 @@ class Reader:
         ranges: dict[int, list[tuple[int, int, np.ndarray]]] = {}
         for proc, spans in needed.items():
             info = self._packed[proc]
-            store = self._store(_storage.packed_spec(self.loc, proc, info.nbytes, info.chunk_bytes), f"p{proc}")
+            store = self._store(_zarr.packed_spec(self.loc, proc, info.nbytes, info.chunk_bytes), f"p{proc}")
             merged: list[list[int]] = []
             chunk = info.chunk_bytes
             for offset, nbytes in sorted(spans):
@@ -107,14 +107,14 @@ class Reader:
                     merged.append([offset, offset + nbytes])
             ranges[proc] = []
             for a, b in merged:
-                buf = _storage.aligned_empty((b - a,), np.uint8)
+                buf = _chunkfiles.aligned_empty((b - a,), np.uint8)
                 ranges[proc].append((a, b, buf))
                 leaves = sorted({p for s, e, p in owners[proc] if s < b and e > a})
                 ops.append(_Op(b - a, leaves, buf, None, store, ((a, b),)))
         return ranges
 
     def _assemble_packed(self, rec: LeafRecord, index: _layout.Index, ranges) -> np.ndarray:
-        storage = _storage.DTYPES[rec.storage_dtype]
+        storage = _dtypes.DTYPES[rec.storage_dtype]
         parts = self._parts[(rec.path, index)]
         views = []
         for proc, offset, nbytes, region in parts:
@@ -125,15 +125,15 @@ class Reader:
                     break
         if len(parts) == 1 and parts[0][3] == index:
             return views[0]  # exactly one saved chunk: no copy
-        out = _storage.aligned_empty(_layout.index_shape(index), storage)
+        out = _chunkfiles.aligned_empty(_layout.index_shape(index), storage)
         for (_, _, _, region), view in zip(parts, views):
             overlap = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(index, region))
             out[_rel(overlap, index)] = view[_rel(overlap, region)]
         return out
 
     def _plan_file_leaf(self, rec: LeafRecord, indices: list[_layout.Index], ops) -> None:
-        storage = _storage.DTYPES[rec.storage_dtype]
-        spec = _storage.array_spec(self.loc, rec.key, rec.shape, rec.chunk_shape, rec.storage_dtype)
+        storage = _dtypes.DTYPES[rec.storage_dtype]
+        spec = _zarr.array_spec(self.loc, rec.key, rec.shape, rec.chunk_shape, rec.storage_dtype)
         store = self._store(spec, f"a{rec.key}")
         direct = DIRECT_READS and (storage.itemsize == 1 or sys.byteorder == "little")
         users: dict[tuple[int, ...], list[tuple[_layout.Index, _layout.Index]]] = collections.defaultdict(list)
@@ -145,14 +145,14 @@ class Reader:
                  done: Callable[[np.ndarray], None] | None = None) -> _Op:
             # zarr stores an edge chunk at full size: only interior chunks map 1:1 to files
             whole = whole and _layout.index_shape(region) == tuple(rec.chunk_shape)
-            path = _storage.chunk_file(self.loc, rec.key, cell) if direct and whole else None
+            path = _chunkfiles.chunk_file(self.loc, rec.key, cell) if direct and whole else None
             contiguous = not isinstance(dest, np.ndarray) or dest.flags.c_contiguous
             nbytes = _layout.index_size(region) * storage.itemsize
             return _Op(nbytes, [rec.path], dest, path if contiguous else None, store, region, done)
 
         dests = {}
         for index in indices:
-            dest = _storage.aligned_empty(_layout.index_shape(index), storage)
+            dest = _chunkfiles.aligned_empty(_layout.index_shape(index), storage)
             dests[index] = dest
             self._out[(rec.path, index)] = dest
         for cell, uses in users.items():
@@ -168,7 +168,7 @@ class Reader:
                 for index, overlap in uses:
                     dests[index][_rel(overlap, index)] = tmp[_rel(overlap, region)]
 
-            temp = functools.partial(_storage.aligned_empty, _layout.index_shape(region), storage)
+            temp = functools.partial(_chunkfiles.aligned_empty, _layout.index_shape(region), storage)
             ops.append(read(temp, cell, region, True, scatter))
 
 
@@ -199,7 +199,7 @@ def _direct_task(op: _Op, loc: Location) -> Callable[[], None]:
     def task() -> None:
         buf = op.buffer()
         try:
-            _storage.read_chunk_file(buf, op.path)
+            _chunkfiles.read_chunk_file(buf, op.path)
         except ValueError as e:
             raise _corrupt(loc, op, e) from e
         op.finish(buf)
@@ -211,42 +211,35 @@ def _execute(ops: list[_Op], loc: Location) -> None:
     """Run tensorstore reads within the byte budget, then direct chunk reads on a few
     threads (each holding at most one temporary chunk buffer at a time)."""
     _execute_tensorstore([op for op in ops if op.path is None], loc)
-    _storage.run_tasks([_direct_task(op, loc) for op in ops if op.path is not None], DIRECT_READ_THREADS)
+    _tasks.run_tasks([_direct_task(op, loc) for op in ops if op.path is not None], DIRECT_READ_THREADS)
 
 
 def _execute_tensorstore(ops: list[_Op], loc: Location) -> None:
-    in_flight: collections.deque = collections.deque()
-    budget = 0
+    _tasks.run_bounded((_tensorstore_job(op, loc) for op in ops), READ_BUDGET_BYTES)
 
-    def finish(op: _Op, buf: np.ndarray, future: Any) -> None:
+
+def _tensorstore_job(op: _Op, loc: Location) -> tuple[int, Callable[[], Any], Callable[[Any], None]]:
+    """``(nbytes, start, finish)`` of one read for ``_tasks.run_bounded``; the buffer (a
+    temporary one, for a chunk several slices share) is allocated when the read starts."""
+    bufs: list[np.ndarray] = []
+
+    def start() -> Any:
+        bufs.append(op.buffer())
+        return _zarr.read_into(bufs[0], op.store.result(), op.region)
+
+    def finish(future: Any) -> None:
         try:
             future.result()
         except Exception as e:  # noqa: BLE001 - tensorstore reports corruption as ValueError
             raise _corrupt(loc, op, e) from e
-        op.finish(buf)
+        op.finish(bufs[0])
 
-    try:
-        for op in ops:
-            while in_flight and budget + op.nbytes > READ_BUDGET_BYTES:
-                done = in_flight.popleft()
-                budget -= done[0].nbytes
-                finish(*done)
-            buf = op.buffer()
-            in_flight.append((op, buf, _storage.read_into(buf, op.store.result(), op.region)))
-            budget += op.nbytes
-        while in_flight:
-            finish(*in_flight.popleft())
-    finally:
-        for _, _, future in in_flight:  # after an error: let started reads settle
-            try:
-                future.result()
-            except Exception:  # noqa: BLE001, S110
-                pass
+    return op.nbytes, start, finish
 
 
 def _packed_chunks(rec: LeafRecord, index: _layout.Index) -> list[tuple[int, int, int, _layout.Index]]:
     """(process, offset, nbytes, chunk region) of each saved chunk ``index`` touches."""
-    itemsize = _storage.DTYPES[rec.dtype].itemsize
+    itemsize = _dtypes.DTYPES[rec.dtype].itemsize
     if rec.chunk_shape == rec.shape or len(rec.chunks) == 1:  # one chunk: the whole leaf
         proc, offset = rec.chunks[0]
         full = tuple((0, d) for d in rec.shape)

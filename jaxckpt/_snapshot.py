@@ -1,5 +1,6 @@
-"""The data half of a save: take host buffers of everything this process writes
-(``snapshot``), then write them through tensorstore (``write_data``).
+"""The first half of a save: flatten the tree, plan which process writes which chunk
+(replicated chunks balanced over their holders), and take host buffers of everything
+this process writes (``snapshot``). ``_writer`` writes them.
 
 After ``snapshot`` returns the caller may donate, delete or overwrite what it passed:
 big shards are host views jax keeps alive for us (on CPU zero-copy; a jitted call does
@@ -9,34 +10,22 @@ buffer, and numpy leaves are copied when the save continues in the background.
 
 from __future__ import annotations
 
-import collections
-import functools
-import math
-import os
-import sys
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from . import _distributed, _layout, _storage, _tree
+from . import _distributed, _dtypes, _layout, _tree
 from ._errors import CheckpointError
 from ._manifest import MAX_INT_DIGITS, LeafRecord, PackedArray, int_fits
-from ._storage import Location
 
 # Leaves smaller than this are packed into one byte array per process; bigger ones get
 # a zarr3 array of their own with one file per shard.
 SMALL_LEAF_BYTES = 1 << 20
 PACK_CHUNK_BYTES = 4 << 20
-# Bytes of writes in flight at once: bounds tensorstore's encode buffers (host memory)
-# while keeping the disk busy.
-WRITE_BUDGET_BYTES = 256 << 20
-WRITE_THREADS = 4
-# Whole shards of big leaves on a local disk are written without tensorstore (see
-# _storage.write_chunk_file); False sends every write through tensorstore.
-DIRECT_WRITES = True
 
 
 @dataclass
@@ -66,7 +55,7 @@ def is_prng(x: Any) -> bool:
     return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _cell_of(index: _layout.Index, chunk_shape: tuple[int, ...]) -> tuple[int, ...]:
+def cell_of(index: _layout.Index, chunk_shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(a // c for (a, _), c in zip(index, chunk_shape))
 
 
@@ -147,8 +136,8 @@ class _ArrayLeaf:
 def _plan_array(slot: int, path: str, leaf: Any, fields: dict[str, Any], copy_host_arrays: bool) -> _ArrayLeaf:
     """Shapes, chunks and the shards this process holds of one array leaf (no data moved)."""
     if isinstance(leaf, jax.Array):
-        dtype = _storage.dtype_name(leaf.dtype)
-        itemsize = _storage.DTYPES[dtype].itemsize
+        dtype = _dtypes.dtype_name(leaf.dtype)
+        itemsize = _dtypes.DTYPES[dtype].itemsize
         shape, sharding = tuple(leaf.shape), leaf.sharding
         shards = _layout.shards_of(sharding, shape)
         chunk_shape = _layout.chunk_shape_for(sharding, shape, itemsize)
@@ -160,8 +149,8 @@ def _plan_array(slot: int, path: str, leaf: Any, fields: dict[str, Any], copy_ho
                 local[shard.index] = by_device[device].data
         sharding_json = _layout.sharding_to_json(sharding)
     elif isinstance(leaf, np.ndarray):
-        dtype = _storage.dtype_name(leaf.dtype)
-        itemsize = _storage.DTYPES[dtype].itemsize
+        dtype = _dtypes.dtype_name(leaf.dtype)
+        itemsize = _dtypes.DTYPES[dtype].itemsize
         shape = tuple(leaf.shape)
         # A host array is the same in every process: all of them hold it, and share its writes.
         everyone = tuple(range(_distributed.process_count()))
@@ -178,7 +167,7 @@ def _plan_array(slot: int, path: str, leaf: Any, fields: dict[str, Any], copy_ho
         )
     nbytes = math.prod(shape) * itemsize
     fields.update(dtype=dtype, shape=shape, sharding=sharding_json, chunk_shape=chunk_shape,
-                  storage_dtype=_storage.storage_dtype_name(dtype), nbytes=nbytes,
+                  storage_dtype=_dtypes.storage_dtype_name(dtype), nbytes=nbytes,
                   store="packed" if nbytes < SMALL_LEAF_BYTES else "file")
     return _ArrayLeaf(slot, fields, _chunks(shape, chunk_shape, shards, itemsize), local)
 
@@ -232,98 +221,12 @@ def _start_transfers(arrays: list[_ArrayLeaf], me: int) -> None:
 
 
 def _copy_packed(rec: LeafRecord, mine: list[tuple[_Chunk, np.ndarray]], packed_buf: np.ndarray | None) -> None:
-    storage = _storage.DTYPES[rec.storage_dtype]
+    storage = _dtypes.DTYPES[rec.storage_dtype]
     grid = _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
     for chunk, host in mine:
         if not chunk.nbytes:
             continue
-        cell = _cell_of(chunk.region, rec.chunk_shape)
+        cell = cell_of(chunk.region, rec.chunk_shape)
         _, offset = rec.chunks[_layout.chunk_flat_index(cell, grid)]
         view = packed_buf[offset:offset + host.nbytes].view(storage).reshape(host.shape)
         view[...] = host.view(storage)
-
-
-def write_data(staging: Location, snap: Snapshot) -> None:
-    """Write this process's part of every leaf, all in flight at once; return when every
-    write is durable.
-
-    Whole shards of big leaves on a local disk are written as zarr3 chunk files directly
-    (``_storage.write_chunk_file``: no encode copy, hardware crc32c) by a few threads;
-    everything else (the packed small leaves, object stores) goes through tensorstore,
-    within a byte budget that bounds its encode buffers.
-    """
-    me = _distributed.process_index()
-    ctx = _storage.new_context(staging)
-    direct = DIRECT_WRITES and staging.local is not None
-    opens = []
-    if snap.packed_buf is not None:
-        mine = next(p for p in snap.packed if p.process == me)
-        spec = _storage.packed_spec(staging, me, mine.nbytes, mine.chunk_bytes)
-        opens.append((None, _storage.open_array(spec, ctx, create=True)))
-    for slot, shards in snap.file_shards.items():
-        rec = snap.records[slot]
-        spec = _storage.array_spec(staging, rec.key, rec.shape, rec.chunk_shape, rec.storage_dtype)
-        # Process 0 writes each array's zarr.json; the others open blind from the spec.
-        if shards or me == 0:
-            opens.append((slot, _storage.open_array(spec, ctx, create=me == 0)))
-    in_flight: collections.deque = collections.deque()
-    budget = 0
-    direct_jobs: list[Any] = []
-    dirs: set[str] = set()
-    try:
-        for slot, fut in opens:
-            store = fut.result()
-            if slot is None:
-                jobs = [((), snap.packed_buf, f"packed/p{me}", None)]
-            else:
-                rec = snap.records[slot]
-                storage = _storage.DTYPES[rec.storage_dtype]
-                little = storage.itemsize == 1 or sys.byteorder == "little"
-                jobs = []
-                for index, data in snap.file_shards[slot]:
-                    if not data.size:
-                        continue
-                    path = None
-                    if direct and little and data.flags.c_contiguous:
-                        path = _storage.chunk_file(staging, rec.key, _cell_of(index, rec.chunk_shape))
-                    jobs.append((index, data.view(storage), rec.key, path))
-            for index, data, key, path in jobs:
-                if path is not None:
-                    parent = os.path.dirname(path)
-                    if parent not in dirs:
-                        os.makedirs(parent, exist_ok=True)
-                        dirs.add(parent)
-                    direct_jobs.append(functools.partial(_storage.write_chunk_file, path, data, key))
-                    continue
-                while in_flight and budget + data.nbytes > WRITE_BUDGET_BYTES:
-                    n, done = in_flight.popleft()
-                    done.result()
-                    budget -= n
-                in_flight.append((data.nbytes, _storage.write_region(store, index, data, key)))
-                budget += data.nbytes
-        _storage.run_tasks(direct_jobs, WRITE_THREADS)
-        while in_flight:
-            in_flight.popleft()[1].result()
-        # The new chunk files' directory entries must be durable too.
-        for d in _parents_up_to(dirs, staging.local):
-            _storage.fsync_dir(d)
-    except BaseException as e:
-        # Let every started write settle first: none may land after the caller cleans up.
-        for _, pending in in_flight:
-            try:
-                pending.result()
-            except Exception:  # noqa: BLE001, S110 - the first error is the one reported
-                pass
-        if isinstance(e, CheckpointError) or not isinstance(e, Exception):
-            raise
-        raise CheckpointError(f"Writing checkpoint '{staging}' failed: {e}") from e
-
-
-def _parents_up_to(dirs: set[str], root: str | None) -> list[str]:
-    """``dirs`` and every directory between them and ``root`` (exclusive), deepest first."""
-    out: set[str] = set()
-    for d in dirs:
-        while root is not None and d.startswith(root) and d != root and d not in out:
-            out.add(d)
-            d = os.path.dirname(d)
-    return sorted(out, key=len, reverse=True)

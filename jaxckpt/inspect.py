@@ -21,14 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from . import _commit, _layout, _reader, _storage, _tree
+from . import _commit, _dtypes, _layout, _location, _reader, _tree
 from ._manifest import LeafRecord, Manifest
 
 
 class LazyArray:
     """One saved array; indexing reads only the saved chunks the index touches."""
 
-    def __init__(self, loc: _storage.Location, man: Manifest, rec: LeafRecord):
+    def __init__(self, loc: _location.Location, man: Manifest, rec: LeafRecord):
         self._loc, self._man, self._rec = loc, man, rec
 
     @property
@@ -41,7 +41,7 @@ class LazyArray:
 
     @property
     def dtype(self) -> np.dtype:
-        return _storage.DTYPES[self._rec.dtype]
+        return _dtypes.DTYPES[self._rec.dtype]
 
     @property
     def ndim(self) -> int:
@@ -134,7 +134,7 @@ def _bounding_box(index: Any, shape: tuple[int, ...]) -> tuple[_layout.Index, li
 class CheckpointView:
     """A read-only, lazy view of a checkpoint (see ``jaxckpt.open``)."""
 
-    def __init__(self, loc: _storage.Location, man: Manifest, prefix: str = ""):
+    def __init__(self, loc: _location.Location, man: Manifest, prefix: str = ""):
         self._loc, self._man, self._prefix = loc, man, prefix
         self._by_path = {r.path: r for r in man.leaves if r.path.startswith(prefix)}
 
@@ -237,6 +237,6 @@ def open(path: Any) -> CheckpointView:  # noqa: A001 - the public name is jaxckp
       >>> view = jaxckpt.open("/ckpts/100")
       >>> view["params/dense/kernel"][0, :8]
     """
-    loc = _storage.resolve(path)
+    loc = _location.resolve(path)
     with _tree.gc_paused():
         return CheckpointView(loc, _commit.read_manifest(loc))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _manifest
+from jaxckpt import _location, _manifest
 
 
 @pytest.fixture
@@ -252,6 +252,6 @@ def test_manager_skips_and_reports_steps_with_bad_manifests(tmp_path, caplog):
 
     from jaxckpt import _commit, _storage
 
-    found, skipped = _commit.discover(_storage.resolve(str(directory)))
+    found, skipped = _commit.discover(_location.resolve(str(directory)))
     assert sorted(found) == [3] and sorted(skipped) == [5, 7]
     assert f"Checkpoint '{directory / '5'}': invalid manifest" in skipped[5]

@@ -4,11 +4,11 @@ import numpy as np
 from conftest import assert_bit_equal, sharded
 
 import jaxckpt
-from jaxckpt import _commit, _layout, _reader, _storage
+from jaxckpt import _chunkfiles, _commit, _layout, _location, _reader, _storage, _zarr
 
 
 def _reader_for(ckpt):
-    loc = _storage.resolve(ckpt)
+    loc = _location.resolve(ckpt)
     return loc, _commit.read_manifest(loc)
 
 
@@ -53,7 +53,7 @@ def test_file_slices_land_in_aligned_buffers(ckpt):
 
 def test_aligned_empty():
     for shape, dtype in [((3, 5), np.float32), ((0,), np.int8), ((), np.complex128)]:
-        a = _storage.aligned_empty(shape, dtype)
+        a = _chunkfiles.aligned_empty(shape, dtype)
         assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous
         assert a.size == 0 or a.ctypes.data % 64 == 0
 
@@ -68,7 +68,7 @@ def test_edge_chunks_written_by_other_zarr_writers_are_read(ckpt):
     host = np.arange(10 * 32768, dtype=np.float32).reshape(10, 32768)  # 1.25 MiB: file store
     jaxckpt.save(ckpt, {"w": host})
     shutil.rmtree(ckpt / "arrays" / "0")
-    spec = _storage.array_spec(_storage.resolve(ckpt), "0", (10, 32768), (4, 32768), "float32")
+    spec = _zarr.array_spec(_location.resolve(ckpt), "0", (10, 32768), (4, 32768), "float32")
     ts.open(spec, create=True).result().write(host).result()  # chunks of 4, 4 and (stored as 4) 2 rows
     doc = json.loads((ckpt / "manifest.json").read_text())
     doc["leaves"][0]["chunk_shape"] = [4, 32768]

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 from conftest import sharded
 
-from jaxckpt import _layout, _snapshot
+from jaxckpt import _layout, _snapshot, _writer
 
 
 def test_small_leaves_are_packed_aligned_with_zero_padding():
@@ -52,7 +52,7 @@ def test_direct_chunk_writes_match_tensorstore_byte_for_byte(tmp_path, monkeypat
             "b": np.arange(1 << 20, dtype=np.int8).reshape(1024, 1024) % 7,
             "z": sharded(np.zeros((1 << 20,), np.float16), (2,), ("y",), ("y",))}
     jaxckpt.save(tmp_path / "direct", tree)
-    monkeypatch.setattr(_snapshot, "DIRECT_WRITES", False)
+    monkeypatch.setattr(_writer, "DIRECT_WRITES", False)
     jaxckpt.save(tmp_path / "ts", tree)
 
     def chunks(root):

@@ -9,32 +9,32 @@ import tensorstore as ts
 from conftest import assert_bit_equal, sharded
 
 import jaxckpt
-from jaxckpt import CheckpointError, _storage
+from jaxckpt import CheckpointError, _dtypes, _location, _storage
 
 
 def test_resolve_paths_and_urls(tmp_path):
-    loc = _storage.resolve(tmp_path / "c")
+    loc = _location.resolve(tmp_path / "c")
     assert loc.local == str(tmp_path / "c") and loc.kvstore == {"driver": "file", "path": f"{tmp_path}/c/"}
-    s3 = _storage.resolve("s3://bucket/runs/a/")
+    s3 = _location.resolve("s3://bucket/runs/a/")
     assert s3.kvstore == {"driver": "s3", "bucket": "bucket", "path": "runs/a/"} and s3.url == "s3://bucket/runs/a"
-    assert _storage.resolve("gs://b/x").kvstore == {"driver": "gcs", "bucket": "b", "path": "x/"}
-    assert _storage.resolve("memory://m").child("7").kvstore == {"driver": "memory", "path": "m/7/"}
-    spec = _storage.resolve({"driver": "s3", "bucket": "b", "path": "p", "endpoint": "http://127.0.0.1:1"})
+    assert _location.resolve("gs://b/x").kvstore == {"driver": "gcs", "bucket": "b", "path": "x/"}
+    assert _location.resolve("memory://m").child("7").kvstore == {"driver": "memory", "path": "m/7/"}
+    spec = _location.resolve({"driver": "s3", "bucket": "b", "path": "p", "endpoint": "http://127.0.0.1:1"})
     assert spec.kvstore["endpoint"] == "http://127.0.0.1:1" and spec.kvstore["path"] == "p/"
     with pytest.raises(CheckpointError, match="unsupported checkpoint location 'ftp://x'"):
-        _storage.resolve("ftp://x")
+        _location.resolve("ftp://x")
 
 
 @pytest.mark.parametrize("key,ok", [("0", True), ("a/b.c-d_e", True), ("..", False), ("a/../b", False),
                                     ("/abs", False), ("a//b", False), ("", False), ("a\\b", False)])
 def test_safe_keys(key, ok):
-    assert _storage.is_safe_key(key) is ok
+    assert _location.is_safe_key(key) is ok
 
 
 def test_unsupported_zarr_dtypes_are_stored_as_unsigned():
-    assert _storage.storage_dtype_name("uint4") == "uint8"
-    assert _storage.storage_dtype_name("float8_e4m3") == "uint8"
-    assert _storage.storage_dtype_name("bfloat16") == "bfloat16"
+    assert _dtypes.storage_dtype_name("uint4") == "uint8"
+    assert _dtypes.storage_dtype_name("float8_e4m3") == "uint8"
+    assert _dtypes.storage_dtype_name("bfloat16") == "bfloat16"
 
 
 # --- one tensorstore context per store, KvStore handles reused ----------------------
@@ -86,20 +86,20 @@ def test_one_context_per_location(tmp_path, monkeypatch):
 
 def test_context_cache_is_thread_safe_and_bounded(monkeypatch):
     counts = count_handles(monkeypatch)
-    loc = _storage.resolve("s3://some-bucket/a")
+    loc = _location.resolve("s3://some-bucket/a")
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda _: _storage.context(loc), range(64)))
     assert all(c is got[0] for c in got) and counts["contexts"] == 1
-    assert _storage.context(_storage.resolve("s3://some-bucket/b/c")) is got[0]  # path does not matter
-    assert _storage.context(_storage.resolve("s3://other-bucket/a")) is not got[0]
+    assert _storage.context(_location.resolve("s3://some-bucket/b/c")) is got[0]  # path does not matter
+    assert _storage.context(_location.resolve("s3://other-bucket/a")) is not got[0]
 
     # the memory kvstore's data lives in its context: it outlives any eviction
     monkeypatch.setattr(_storage, "_MAX_CONTEXTS", 2)
     monkeypatch.setattr(_storage, "_MAX_KVSTORES", 2)
-    mem = _storage.resolve("memory://cache-test")
+    mem = _location.resolve("memory://cache-test")
     _storage.write_blob(mem, "k", b"kept")
     for i in range(5):
-        _storage.context(_storage.resolve(f"s3://bucket-{i}/x"))
+        _storage.context(_location.resolve(f"s3://bucket-{i}/x"))
         _storage.write_blob(mem.child(str(i)), "k", b"x")
     assert len(_storage._contexts) == 2 and len(_storage._kvstores) == 2
     assert _storage.read_blob(mem, "k") == b"kept"
@@ -122,7 +122,7 @@ def test_context_cache_is_thread_safe_and_bounded(monkeypatch):
      "DEADLINE_EXCEEDED: All 32 retry attempts failed"),
 ])
 def test_storage_errors_keep_a_short_cause(message, cause):
-    loc = _storage.resolve("s3://bucket/runs/a")
+    loc = _location.resolve("s3://bucket/runs/a")
     err = _storage.storage_error(loc, "reading", "manifest.json", ValueError(message))
     assert isinstance(err, CheckpointError)
     assert str(err) == f"Reading 'manifest.json' in 's3://bucket/runs/a' failed: {cause}"

@@ -1,0 +1,74 @@
+"""Running I/O concurrently, bounded: callables on a few plain threads
+(``run_tasks``) and tensorstore futures within a byte budget (``run_bounded``).
+The writer and the reader both use them.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+def run_tasks(tasks: Sequence[Any], n_threads: int) -> None:
+    """Run callables on up to ``n_threads`` threads; raise the first error once all stopped.
+
+    Plain threads, not ``concurrent.futures``: that refuses new work once the
+    interpreter starts exiting, and a pending async save must still finish then.
+    """
+    if not tasks:
+        return
+    todo = iter(tasks)
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        while True:
+            with lock:
+                task = None if errors else next(todo, None)
+            if task is None:
+                return
+            try:
+                task()
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                with lock:
+                    errors.append(e)
+
+    threads = [threading.Thread(target=worker, name="jaxckpt-io", daemon=True)
+               for _ in range(min(n_threads, len(tasks)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+
+def run_bounded(jobs: Iterable[tuple[int, Callable[[], Any], Callable[[Any], None]]], budget: int) -> None:
+    """Start ``jobs`` — ``(nbytes, start, finish)`` — keeping at most ``budget`` bytes in
+    flight: ``start()`` returns a future, ``finish(future)`` waits for it and raises on
+    failure. A job bigger than the budget runs alone.
+
+    After a failure every started future settles before the first error is raised, so
+    nothing lands after the caller has cleaned up.
+    """
+    in_flight: collections.deque = collections.deque()
+    used = 0
+    try:
+        for nbytes, start, finish in jobs:
+            while in_flight and used + nbytes > budget:
+                n, future, done = in_flight.popleft()
+                used -= n
+                done(future)
+            in_flight.append((nbytes, start(), finish))
+            used += nbytes
+        while in_flight:
+            _, future, done = in_flight.popleft()
+            done(future)
+    finally:
+        for _, future, _ in in_flight:
+            try:
+                future.result()
+            except Exception:  # noqa: BLE001, S110 - the first error is the one reported
+                pass

@@ -1,0 +1,122 @@
+"""The second half of a save: write this process's part of a ``Snapshot``, all in flight
+at once, and return when every byte is durable. Mirrors ``_reader``: plan the writes,
+then execute them.
+
+Whole chunks of big leaves on a local disk are written as zarr3 chunk files directly
+(``_chunkfiles.write_chunk_file``: no encode copy, hardware crc32c) by a few threads;
+everything else (the packed small leaves, edge chunks, object stores) goes through
+tensorstore within a byte budget that bounds its encode buffers.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import _chunkfiles, _distributed, _dtypes, _storage, _tasks, _zarr
+from ._errors import CheckpointError
+from ._location import Location
+from ._snapshot import Snapshot, cell_of
+
+# Bytes of writes in flight at once: bounds tensorstore's encode buffers (host memory)
+# while keeping the disk busy.
+WRITE_BUDGET_BYTES = 256 << 20
+WRITE_THREADS = 4
+# Whole chunks of big leaves on a local disk are written without tensorstore (see
+# _chunkfiles.write_chunk_file); False sends every write through tensorstore.
+DIRECT_WRITES = True
+
+
+class _Write(NamedTuple):
+    """One chunk (or the packed array) to write: to the local file ``path`` if set, else
+    through the tensorstore array ``store`` (an opening) at ``index``."""
+
+    index: tuple[tuple[int, int], ...]
+    data: np.ndarray  # in the storage dtype
+    key: str  # for fault points and messages
+    path: str | None
+    store: Any
+
+
+def write_data(staging: Location, snap: Snapshot) -> None:
+    """Write this process's part of every leaf; return when every write is durable."""
+    try:
+        writes = plan(staging, snap)
+        execute(writes, staging)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - named for the user, chained for the details
+        raise CheckpointError(f"Writing checkpoint '{staging}' failed: {e}") from e
+
+
+def plan(staging: Location, snap: Snapshot) -> list[_Write]:
+    """Open (create, on process 0) every array this process writes to; one ``_Write`` per
+    chunk. Nothing is written yet."""
+    me = _distributed.process_index()
+    ctx = _storage.context(staging)
+    direct = DIRECT_WRITES and staging.local is not None
+    writes = []
+    if snap.packed_buf is not None:
+        mine = next(p for p in snap.packed if p.process == me)
+        spec = _zarr.packed_spec(staging, me, mine.nbytes, mine.chunk_bytes)
+        store = _zarr.open_array(spec, ctx, create=True)
+        writes.append(_Write((), snap.packed_buf, f"packed/p{me}", None, store))
+    for slot, shards in snap.file_shards.items():
+        rec = snap.records[slot]
+        if not shards and me != 0:
+            continue
+        spec = _zarr.array_spec(staging, rec.key, rec.shape, rec.chunk_shape, rec.storage_dtype)
+        # Process 0 writes each array's zarr.json; the others open blind from the spec.
+        store = _zarr.open_array(spec, ctx, create=me == 0)
+        storage = _dtypes.DTYPES[rec.storage_dtype]
+        little = storage.itemsize == 1 or sys.byteorder == "little"
+        for index, data in shards:
+            if not data.size:
+                continue
+            path = None
+            if direct and little and data.flags.c_contiguous:
+                path = _chunkfiles.chunk_file(staging, rec.key, cell_of(index, rec.chunk_shape))
+            writes.append(_Write(index, data.view(storage), rec.key, path, store))
+    return writes
+
+
+def execute(writes: list[_Write], staging: Location) -> None:
+    """Run the planned writes: tensorstore ones within the byte budget while the direct
+    ones run on a few threads; then make the new files' directory entries durable."""
+    direct = [w for w in writes if w.path is not None]
+    dirs = sorted({os.path.dirname(w.path) for w in direct})
+    for d in dirs:
+        os.makedirs(d, exist_ok=True)
+    # Every array's zarr.json exists before any chunk is written through tensorstore.
+    stores = {id(w.store): w.store.result() for w in writes}
+
+    def start(w: _Write) -> Callable[[], Any]:
+        def go() -> Any:
+            return _zarr.write_region(stores[id(w.store)], w.index, w.data, w.key)
+        return go
+
+    _tasks.run_bounded(
+        ((w.data.nbytes, start(w), _wait) for w in writes if w.path is None), WRITE_BUDGET_BYTES)
+    _tasks.run_tasks([functools.partial(_chunkfiles.write_chunk_file, w.path, w.data, w.key) for w in direct],
+                     WRITE_THREADS)
+    for d in _parents_up_to(set(dirs), staging.local):
+        _storage.fsync_dir(d)
+
+
+def _wait(future: Any) -> None:
+    future.result()
+
+
+def _parents_up_to(dirs: set[str], root: str | None) -> list[str]:
+    """``dirs`` and every directory between them and ``root`` (exclusive), deepest first."""
+    out: set[str] = set()
+    for d in dirs:
+        while root is not None and d.startswith(root) and d != root and d not in out:
+            out.add(d)
+            d = os.path.dirname(d)
+    return sorted(out, key=len, reverse=True)
