@@ -22,7 +22,7 @@ bench-smoke: $(STAMP)
 	$(PY) benchmarks/run.py --smoke
 
 lint: $(STAMP)
-	$(PY) -m pip install -q ruff && $(VENV)/bin/ruff check jaxckpt tests examples benchmarks
+	$(VENV)/bin/ruff check jaxckpt tests examples benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache

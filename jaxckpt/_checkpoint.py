@@ -21,10 +21,10 @@ import numpy as np
 
 from . import _commit, _distributed, _dtypes, _layout, _location, _manifest, _reader, _tree
 from ._errors import CheckpointError, TreeMismatchError
+from ._location import Location
 from ._manifest import LeafRecord, Manifest
 from ._snapshot import Snapshot, snapshot
 from ._writer import write_data
-from ._location import Location
 
 
 def build_manifest(snap: Snapshot, metadata: dict[str, Any] | None,
@@ -417,69 +417,73 @@ def _cast(arr: np.ndarray, req: _Request, where: str) -> np.ndarray:
 def _restore_leaves(loc: Location, man: Manifest, requests: list[_Request]) -> list[Any]:
     """Read what every request needs (each distinct slice once), then place it."""
     reader = _reader.Reader(loc, man)
-    where = str(loc)
-    plans: list[Any] = []
-    for req in requests:
-        rec = req.rec
-        if req.mode == "value":
-            plans.append(None)
-        elif req.mode in ("numpy", "scalar"):
-            full = tuple((0, d) for d in rec.shape)
-            reader.add(rec, full)
-            plans.append(full)
-        else:
-            sharding = req.sharding
-            if rec.kind == "prng_key":
-                sharding = _key_data_sharding(sharding, len(rec.shape) - rec.key_ndim, rec.path)
-            per_device = _layout.needed_indices(sharding, rec.shape)
-            for index in set(per_device.values()):
-                reader.add(rec, index)
-            plans.append((sharding, per_device))
+    plans = [_plan_reads(reader, req) for req in requests]
     reader.run()
+    return _place(reader, requests, plans, str(loc))
 
+
+def _plan_reads(reader: _reader.Reader, req: _Request) -> Any:
+    """Tell ``reader`` which slices ``req`` needs: ``None`` (an inline value), the full
+    index (host arrays) or ``(sharding, {device: index})``."""
+    rec = req.rec
+    if req.mode == "value":
+        return None
+    if req.mode in ("numpy", "scalar"):
+        full = tuple((0, d) for d in rec.shape)
+        reader.add(rec, full)
+        return full
+    sharding = req.sharding
+    if rec.kind == "prng_key":
+        sharding = _key_data_sharding(sharding, len(rec.shape) - rec.key_ndim, rec.path)
+    per_device = _layout.needed_indices(sharding, rec.shape)
+    for index in set(per_device.values()):
+        reader.add(rec, index)
+    return sharding, per_device
+
+
+def _place(reader: _reader.Reader, requests: list[_Request], plans: list[Any], where: str) -> list[Any]:
+    """Host values for host requests; device arrays, placed in one batched
+    ``device_put``, for the rest. On CPU jax adopts our 64-byte-aligned host buffers
+    without a copy (devices holding the same slice share it; jax arrays are immutable
+    and a donated external buffer is not written in place)."""
     out: list[Any] = [None] * len(requests)
-    # Device placement, batched. On CPU jax adopts our 64-byte-aligned host buffers
-    # without a copy (devices holding the same slice share it; jax arrays are
-    # immutable and a donated external buffer is not written in place).
     xs, ds, slots = [], [], []
     for i, (req, plan) in enumerate(zip(requests, plans)):
         rec = req.rec
         if req.mode == "value":
             out[i] = req.value
-            continue
-        if req.mode in ("numpy", "scalar"):
-            arr = reader.get(rec, plan)
-            if req.mode == "scalar":
-                out[i] = _python_scalar(arr, req, where)
-                continue
-            arr = _cast(arr, req, where)
+        elif req.mode == "scalar":
+            out[i] = _python_scalar(reader.get(rec, plan), req, where)
+        elif req.mode == "numpy":
+            arr = _cast(reader.get(rec, plan), req, where)
             out[i] = arr[()] if rec.scalar else arr
-            continue
-        sharding, per_device = plan
-        single = len(per_device) == 1 and len(sharding.device_set) == 1
-        host: dict[_layout.Index, np.ndarray] = {}
-        for device, index in per_device.items():
-            if index not in host:
-                host[index] = _cast(reader.get(rec, index), req, where)
-            xs.append(host[index])
-            # one device: place with the sharding itself, no assembly needed
-            ds.append(sharding if single else device)
-            slots.append((i, device))
+        else:
+            sharding, per_device = plan
+            single = len(per_device) == 1 and len(sharding.device_set) == 1
+            host: dict[_layout.Index, np.ndarray] = {}
+            for device, index in per_device.items():
+                if index not in host:
+                    host[index] = _cast(reader.get(rec, index), req, where)
+                xs.append(host[index])
+                ds.append(sharding if single else device)  # one device: no assembly needed
+                slots.append((i, device))
     per_leaf: dict[int, dict[Any, Any]] = {}
     for (i, device), arr in zip(slots, jax.device_put(xs, ds) if xs else []):
         per_leaf.setdefault(i, {})[device] = arr
     for i, arrays in per_leaf.items():
-        rec = requests[i].rec
-        sharding, per_device = plans[i]
-        if len(arrays) == 1 and len(sharding.device_set) == 1:
-            (arr,) = arrays.values()
-        else:
-            arr = jax.make_array_from_single_device_arrays(
-                rec.shape, sharding, [arrays[d] for d in per_device])
-        if rec.kind == "prng_key":
-            arr = jax.random.wrap_key_data(arr, impl=rec.impl)
-        out[i] = arr
+        out[i] = _assemble(requests[i].rec, plans[i], arrays)
     return out
+
+
+def _assemble(rec: LeafRecord, plan: Any, arrays: dict[Any, Any]) -> Any:
+    sharding, per_device = plan
+    if len(arrays) == 1 and len(sharding.device_set) == 1:
+        (arr,) = arrays.values()
+    else:
+        arr = jax.make_array_from_single_device_arrays(rec.shape, sharding, [arrays[d] for d in per_device])
+    if rec.kind == "prng_key":
+        arr = jax.random.wrap_key_data(arr, impl=rec.impl)
+    return arr
 
 
 def _python_scalar(arr: np.ndarray, req: _Request, where: str) -> Any:

@@ -19,6 +19,7 @@ import numpy as np
 from . import _iostats
 from ._location import Location
 
+
 def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
     """An uninitialised C-contiguous array whose data starts on a 64-byte boundary.
 

@@ -254,26 +254,7 @@ class CheckpointManager:
             save failed (chained to the original exception).
         """
         t_start = time.perf_counter()
-        self._check_open()
-        if self._read_only:
-            raise CheckpointError(f"CheckpointManager for '{self._dir}' is read-only: save() is not allowed")
-        if self._lease is not None and self._lease.lost:
-            raise CheckpointError(f"CheckpointManager for '{self._dir}' cannot save: {self._lease.lost}")
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise CheckpointError(f"step must be a non-negative int, got {step!r}")
-        step = int(step)
-        with self._lock:
-            if step in self._steps:
-                raise CheckpointError(f"Step {step} is already committed in '{self._dir}'")
-            if step in self._submitted:
-                raise CheckpointError(f"Step {step} is already being saved to '{self._dir}'")
-            # Known steps: discovered ones and this manager's own saves; both are the same
-            # in every process (a background commit landing early does not change it).
-            newest = max(set(self._steps) | self._submitted, default=None)
-        if not force and newest is not None and step < newest:
-            raise CheckpointError(
-                f"Step {step} is older than step {newest} in '{self._dir}': it could never be "
-                "restored as the latest; pass force=True to save it anyway")
+        step = self._check_step(step, force)
         if not force and step % self._interval != 0:
             return False
         metrics = _check_metrics(metrics)
@@ -281,7 +262,9 @@ class CheckpointManager:
         op_id = _distributed.next_id()  # in program order, the same in every process
         snap = _snapshot.snapshot(state, copy_host_arrays=self._async)
         blocking = time.perf_counter() - t_start
-        job = lambda: self._write(step, snap, metrics, t_start, blocking, op_id)
+        def job() -> None:
+            self._write(step, snap, metrics, t_start, blocking, op_id)
+
         with self._lock:
             self._submitted.add(step)
         if not self._async:
@@ -302,6 +285,29 @@ class CheckpointManager:
         with self._lock:
             self._pending.append(_Pending(step, future, snap.nbytes_local))
         return True
+
+    def _check_step(self, step: Any, force: bool) -> int:
+        """Refuse a save this manager can never do right. Depends only on state that is
+        the same in every process (discovered steps and this manager's own saves)."""
+        self._check_open()
+        if self._read_only:
+            raise CheckpointError(f"CheckpointManager for '{self._dir}' is read-only: save() is not allowed")
+        if self._lease is not None and self._lease.lost:
+            raise CheckpointError(f"CheckpointManager for '{self._dir}' cannot save: {self._lease.lost}")
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+        step = int(step)
+        with self._lock:
+            if step in self._steps:
+                raise CheckpointError(f"Step {step} is already committed in '{self._dir}'")
+            if step in self._submitted:
+                raise CheckpointError(f"Step {step} is already being saved to '{self._dir}'")
+            newest = max(set(self._steps) | self._submitted, default=None)
+        if not force and newest is not None and step < newest:
+            raise CheckpointError(
+                f"Step {step} is older than step {newest} in '{self._dir}': it could never be "
+                "restored as the latest; pass force=True to save it anyway")
+        return step
 
     def _wait_for_slot(self) -> None:
         """Settle the oldest saves until fewer than ``max_pending`` are in flight.

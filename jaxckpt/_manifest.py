@@ -329,18 +329,26 @@ def _parse_leaf(raw: Any, i: int, packed: dict[int, PackedArray], bad) -> LeafRe
     if kind not in KINDS:
         raise bad(f"leaf '{path}': unknown kind {kind!r}")
     if kind == "value":
-        value = raw.get("value")
-        if value is not None and not isinstance(value, (bool, int, float, str)):
-            raise bad(f"leaf '{path}': inline value of type {type(value).__name__}")
-        type_name = raw.get("type")
-        if type_name is not None:
-            if type_name not in INLINE_TYPES or not isinstance(value, str):
-                raise bad(f"leaf '{path}': inline value type {type_name!r}")
-            try:
-                value = INLINE_TYPES[type_name][2](value)
-            except UnicodeEncodeError:
-                raise bad(f"leaf '{path}': inline {type_name} value is not latin-1") from None
-        return LeafRecord(path=path, kind="value", value=value)
+        return _parse_value(raw, path, bad)
+    return _parse_array(raw, path, kind, packed, bad)
+
+
+def _parse_value(raw: dict[str, Any], path: str, bad) -> LeafRecord:
+    value = raw.get("value")
+    if value is not None and not isinstance(value, (bool, int, float, str)):
+        raise bad(f"leaf '{path}': inline value of type {type(value).__name__}")
+    type_name = raw.get("type")
+    if type_name is not None:
+        if type_name not in INLINE_TYPES or not isinstance(value, str):
+            raise bad(f"leaf '{path}': inline value type {type_name!r}")
+        try:
+            value = INLINE_TYPES[type_name][2](value)
+        except UnicodeEncodeError:
+            raise bad(f"leaf '{path}': inline {type_name} value is not latin-1") from None
+    return LeafRecord(path=path, kind="value", value=value)
+
+
+def _parse_array(raw: dict[str, Any], path: str, kind: str, packed: dict[int, PackedArray], bad) -> LeafRecord:
     dtype = raw.get("dtype")
     if dtype not in _dtypes.DTYPES:
         raise bad(f"leaf '{path}': unknown dtype {dtype!r}")
@@ -371,17 +379,7 @@ def _parse_leaf(raw: Any, i: int, packed: dict[int, PackedArray], bad) -> LeafRe
         raise bad(f"leaf '{path}': data key {key!r} is not a relative path inside the checkpoint")
     chunks: tuple[tuple[int, int], ...] = ()
     if store == "packed":
-        raw_chunks = raw.get("chunks")
-        if not isinstance(raw_chunks, list) or len(raw_chunks) != n_chunks:
-            raise bad(f"leaf '{path}': chunks do not match its {n_chunks} chunk grid")
-        cells = _layout.chunk_cells(shape, chunk_shape)
-        for cell, c in zip(cells, raw_chunks):
-            region = _layout.chunk_region(cell, chunk_shape, shape)
-            size = _layout.index_size(region) * itemsize
-            if not (isinstance(c, list) and len(c) == 2 and _is_int(c[0]) and c[0] in packed
-                    and _is_int(c[1]) and 0 <= c[1] and c[1] + size <= packed[c[0]].nbytes):
-                raise bad(f"leaf '{path}': chunk {c!r} lies outside the packed data")
-        chunks = tuple((c[0], c[1]) for c in raw_chunks)
+        chunks = _parse_packed_chunks(raw.get("chunks"), path, shape, chunk_shape, itemsize, n_chunks, packed, bad)
     sharding = raw.get("sharding")
     try:
         _layout.sharding_from_json(sharding)
@@ -397,6 +395,21 @@ def _parse_leaf(raw: Any, i: int, packed: dict[int, PackedArray], bad) -> LeafRe
         impl=impl, key_ndim=key_ndim, sharding=sharding, store=store, key=key,
         chunk_shape=tuple(chunk_shape), storage_dtype=storage_dtype, nbytes=nbytes, chunks=chunks,
     )
+
+
+def _parse_packed_chunks(raw_chunks: Any, path: str, shape: list[int], chunk_shape: list[int], itemsize: int,
+                         n_chunks: int, packed: dict[int, PackedArray], bad) -> tuple[tuple[int, int], ...]:
+    """Each chunk's (process, offset) in the packed arrays, every one inside its array."""
+    if not isinstance(raw_chunks, list) or len(raw_chunks) != n_chunks:
+        raise bad(f"leaf '{path}': chunks do not match its {n_chunks} chunk grid")
+    cells = _layout.chunk_cells(shape, chunk_shape)
+    for cell, c in zip(cells, raw_chunks):
+        region = _layout.chunk_region(cell, chunk_shape, shape)
+        size = _layout.index_size(region) * itemsize
+        if not (isinstance(c, list) and len(c) == 2 and _is_int(c[0]) and c[0] in packed
+                and _is_int(c[1]) and 0 <= c[1] and c[1] + size <= packed[c[0]].nbytes):
+            raise bad(f"leaf '{path}': chunk {c!r} lies outside the packed data")
+    return tuple((c[0], c[1]) for c in raw_chunks)
 
 
 def _check_structure(structure: Any, n_leaves: int, bad) -> None:

@@ -30,8 +30,8 @@ import numpy as np
 
 from . import _chunkfiles, _dtypes, _layout, _storage, _tasks, _zarr
 from ._errors import CorruptCheckpointError
-from ._manifest import LeafRecord, Manifest
 from ._location import Location
+from ._manifest import LeafRecord, Manifest
 
 READ_BUDGET_BYTES = 256 << 20  # bytes of reads in flight (bounds transient buffers)
 DIRECT_READ_THREADS = 4

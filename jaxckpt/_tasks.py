@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+
 def run_tasks(tasks: Sequence[Any], n_threads: int) -> None:
     """Run callables on up to ``n_threads`` threads; raise the first error once all stopped.
 

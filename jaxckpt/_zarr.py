@@ -20,7 +20,8 @@ import tensorstore as ts
 
 from . import _iostats, _layout, _storage
 from ._dtypes import DTYPES
-from ._location import resolve
+from ._location import Location, resolve
+
 
 def _zarr3(kvstore: dict[str, Any], shape: Sequence[int], chunk_shape: Sequence[int],
            storage_dtype: str) -> dict[str, Any]:

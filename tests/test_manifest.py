@@ -250,7 +250,7 @@ def test_manager_skips_and_reports_steps_with_bad_manifests(tmp_path, caplog):
     assert any(f"Skipping step 5 at '{directory / '5'}'" in w and "nested too deeply" in w for w in warnings)
     assert any(f"Skipping step 7 at '{directory / '7'}'" in w and "integer of 5000" in w for w in warnings)
 
-    from jaxckpt import _commit, _storage
+    from jaxckpt import _commit
 
     found, skipped = _commit.discover(_location.resolve(str(directory)))
     assert sorted(found) == [3] and sorted(skipped) == [5, 7]
