@@ -25,6 +25,24 @@ def test_resolve_paths_and_urls(tmp_path):
         _location.resolve("ftp://x")
 
 
+def test_epath_paths_resolve_like_strings(tmp_path):
+    # etils.epath (what orbax and many JAX codebases pass around) treats local and cloud
+    # paths alike; jaxckpt takes them anywhere it takes a path.
+    from etils import epath
+
+    import jaxckpt
+
+    assert _location.resolve(epath.Path("gs://b/runs") / "7").kvstore == {
+        "driver": "gcs", "bucket": "b", "path": "runs/7/"}
+    assert _location.resolve(epath.Path("s3://b/x")).kvstore == {"driver": "s3", "bucket": "b", "path": "x/"}
+    local = epath.Path(tmp_path) / "ckpt"
+    jaxckpt.save(local, {"a": np.arange(3)})
+    assert jaxckpt.restore(local)["a"].tolist() == [0, 1, 2]
+    with jaxckpt.CheckpointManager(epath.Path(tmp_path) / "run") as mgr:
+        mgr.save(1, {"a": 1})
+    assert jaxckpt.CheckpointManager(epath.Path(tmp_path) / "run", read_only=True).all_steps() == [1]
+
+
 @pytest.mark.parametrize("key,ok", [("0", True), ("a/b.c-d_e", True), ("..", False), ("a/../b", False),
                                     ("/abs", False), ("a//b", False), ("", False), ("a\\b", False)])
 def test_safe_keys(key, ok):
