@@ -130,11 +130,10 @@ def _save_as_coordinator(op: _distributed.Operation, final: Location, snap: Snap
 
 
 def _save_as_follower(op: _distributed.Operation, final: Location, snap: Snapshot) -> Manifest:
-    token = op.broadcast("staged", None).decode()
-    staging = _commit.staging_location(final, token)
     try:
-        write_data(staging, snap)
-    except BaseException as e:
+        token = op.broadcast("staged", None).decode()
+        write_data(_commit.staging_location(final, token), snap)
+    except BaseException as e:  # process 0 must hear of any failure, not wait it out
         op.post("written", e)
         raise
     op.post("written")

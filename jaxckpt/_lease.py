@@ -97,7 +97,8 @@ class Lease:
                 raise CheckpointError(
                     f"'{directory}' is being written by another CheckpointManager: "
                     f"{describe_owner(holder)}. Stop it first, or open this directory with "
-                    "CheckpointManager(..., read_only=True) to list and restore without writing")
+                    "CheckpointManager(..., read_only=True) to list and restore without writing. "
+                    f"(If you are sure that writer is gone, delete '{directory.url}/{LEASE_FILE}'.)")
             if verdict == "unknown":
                 now = time.monotonic()
                 if watched is None:

@@ -104,7 +104,8 @@ def test_dead_process_fails_the_save_within_the_staleness_bound(tmp_path):
     res = run_job(2, 2, "die", args)
     assert res[1].get("exit") == 3
     assert "process 1 stopped responding (no heartbeat for 1" in res[0]["error"], res[0]["error"]
-    assert 10 <= res[0]["seconds"] < 14, res[0]["seconds"]  # STALE_S + at most a heartbeat and a poll
+    # STALE_S, plus at most a heartbeat, a poll and process 0's own (small) write
+    assert 10 <= res[0]["seconds"] < 16, res[0]["seconds"]
     assert not res[0]["committed"] and not os.path.exists(path)
 
 
