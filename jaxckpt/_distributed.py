@@ -266,13 +266,6 @@ class Operation:
             return payload
         return self.wait_for(phase, [0])[0]
 
-    def agree(self, phase: str, error: BaseException | None = None) -> None:
-        """Every process posts its outcome and waits for everyone's."""
-        self.post(phase, b"" if error is None else error)
-        if error is not None:
-            raise error
-        self.wait_for(phase, [p for p in range(process_count()) if p != process_index()])
-
 
 def _put(client: Any, key: str, data: bytes) -> None:
     """Write ``data`` under ``key``; big payloads go in parts, the count last (it is
