@@ -83,7 +83,8 @@ def test_missing_bucket_is_a_checkpoint_error_naming_the_url(s3_server):
         assert str(e.value) == f"Reading 'manifest.json' in '{url}' failed: {MISSING}"
     with pytest.raises(jaxckpt.CheckpointError) as e:
         jaxckpt.save(spec, {"x": 1})
-    assert str(e.value) == f"Listing '{url}' failed: {MISSING}"
+    # listing goes through boto3 (one level, with a delimiter): S3's own code and message
+    assert str(e.value) == f"Listing '{url}' failed: NoSuchBucket: The specified bucket does not exist"
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +117,27 @@ def test_rejected_credentials_are_a_checkpoint_error(s3_server, s3_with_auth):
     assert str(e.value) == (
         "Reading 'manifest.json' in 's3://jaxckpt-test/runs/y/ckpt' failed: PERMISSION_DENIED: "
         "InvalidAccessKeyId: The AWS Access Key Id you provided does not exist in our records.")
+
+
+def test_discovery_lists_one_level_on_s3(s3_server, monkeypatch):
+    import botocore.client
+
+    spec = s3_server("runs/listing")
+    for step in (1, 2, 3):
+        jaxckpt.save(dict(spec, path=f"runs/listing/{step}"),
+                     {f"w{i}": sharded(np.full(1 << 18, i, np.float32), (8,), ("x",), ("x",)) for i in range(4)})
+    assert len(keys(s3_server, "runs/listing/")) == 3 * (1 + 4 * 9)  # manifest; zarr.json + 8 chunks per leaf
+    calls = []
+    real = botocore.client.BaseClient._make_api_call
+
+    def spy(self, name, params):
+        out = real(self, name, params)
+        if name == "ListObjectsV2":
+            calls.append((params.get("Delimiter"), len(out.get("Contents", [])), len(out.get("CommonPrefixes", []))))
+        return out
+
+    monkeypatch.setattr(botocore.client.BaseClient, "_make_api_call", spy)
+    with jaxckpt.CheckpointManager(spec, read_only=True) as mgr:
+        assert mgr.all_steps() == [1, 2, 3]
+    # one request, the three step prefixes: not the 111 keys under them
+    assert calls == [("/", 0, 3)]
