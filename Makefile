@@ -22,7 +22,7 @@ bench-smoke: $(STAMP)
 	$(PY) benchmarks/run.py --smoke
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check jaxckpt tests examples benchmarks
+	$(VENV)/bin/ruff check jaxckpt tests examples benchmarks tools
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -5,6 +5,7 @@ tensorstore, restore them onto any mesh, and manage steps with retention and asy
 commits.
 """
 
+from ._cadence import CadenceAdvice as CadenceAdvice
 from ._checkpoint import CheckpointInfo as CheckpointInfo
 from ._checkpoint import LeafInfo as LeafInfo
 from ._checkpoint import metadata as metadata
@@ -14,27 +15,46 @@ from ._errors import CheckpointError as CheckpointError
 from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ._errors import CorruptCheckpointError as CorruptCheckpointError
 from ._errors import TreeMismatchError as TreeMismatchError
+from ._history import History as History
+from ._history import HistoryRecord as HistoryRecord
+from ._history import history as history
 from ._layout import SavedSharding as SavedSharding
 from ._manager import CheckpointManager as CheckpointManager
+from ._plot import plot_history as plot_history
+from ._scan import DiffReport as DiffReport
+from ._scan import LeafStats as LeafStats
+from ._scan import VerifyReport as VerifyReport
+from ._scan import diff as diff
+from ._scan import verify as verify
 from ._version import __version__ as __version__
 from .inspect import CheckpointView as CheckpointView
 from .inspect import LazyArray as LazyArray
 from .inspect import open as open  # noqa: A004
 
 __all__ = [
+    "CadenceAdvice",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointView",
     "CorruptCheckpointError",
+    "DiffReport",
+    "History",
+    "HistoryRecord",
     "LazyArray",
     "LeafInfo",
+    "LeafStats",
     "SavedSharding",
     "TreeMismatchError",
+    "VerifyReport",
     "__version__",
+    "diff",
+    "history",
     "metadata",
     "open",
+    "plot_history",
     "restore",
     "save",
+    "verify",
 ]

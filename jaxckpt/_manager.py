@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import html
 import logging
 import os
 import sys
@@ -18,7 +19,18 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _checkpoint, _commit, _distributed, _lease, _location, _retention, _snapshot, _storage
+from . import (
+    _cadence,
+    _checkpoint,
+    _commit,
+    _distributed,
+    _history,
+    _lease,
+    _location,
+    _retention,
+    _snapshot,
+    _storage,
+)
 from ._errors import CheckpointError, CheckpointNotFoundError
 from ._manifest import Manifest
 
@@ -117,6 +129,7 @@ class CheckpointManager:
         self._scanning: set[int] | None = None  # steps committed while reload() scans
         self._closed = False
         self._lease: _lease.Lease | None = None
+        self._advice: _cadence.CadenceAdvice | None = None  # the last advise_interval()
         self._check_directory()
         if read_only:
             self._steps: dict[int, Manifest] = dict(_commit.discover_steps(self._dir))
@@ -231,6 +244,59 @@ class CheckpointManager:
                                     m.info.get("metrics"))
                 for s, m in self._steps.items()
             ]
+
+    # --- history and cadence -----------------------------------------------------------
+
+    def history(self) -> _history.History:
+        """One record per step committed in this directory, steps deleted since included.
+
+        Reads the run's log (``history.jsonl``, written by the writing manager after
+        each commit) and merges it with the manifests of the steps still committed, so
+        steps saved before the log existed are listed too. A read-only manager rescans
+        the directory first (its writer is another process).
+
+        Example:
+          >>> hist = mgr.history()
+          >>> [(r.step, r.metrics["loss"], r.exists) for r in hist]
+          [(100, 0.9, False), (200, 0.7, True), (300, 0.6, True)]
+        """
+        if self._read_only:
+            self.reload()
+        with self._lock:
+            committed = {s: m.info for s, m in self._steps.items()}
+        return _history.load(self._dir, committed)
+
+    def advise_interval(self, mtbf_s: float, *, window: int = _cadence.WINDOW) -> _cadence.CadenceAdvice:
+        """How often to save, from this run's measured save cost and ``mtbf_s``.
+
+        Young–Daly: the interval ``sqrt(2·C·M)`` where ``C`` is the median blocking
+        seconds of the last ``window`` saves and ``M`` the mean time between failures;
+        see ``jaxckpt._cadence`` for the model of the time lost. The result is also
+        shown by the manager's notebook view.
+
+        Args:
+          mtbf_s: the job's mean time between failures, in seconds.
+          window: how many of the most recent saves to measure (default 10).
+
+        Raises:
+          CheckpointError: fewer than 2 saves with timings in the history.
+
+        Example:
+          >>> advice = mgr.advise_interval(mtbf_s=6 * 3600)
+          >>> advice.interval_steps, f"{advice.lost_fraction_advised:.1%}"
+          (1200, '0.9%')
+        """
+        saves = [
+            _cadence.SaveSample(r.step, r.commit_time, r.blocking_seconds, r.total_seconds)
+            for r in self.history()
+            if None not in (r.commit_time, r.blocking_seconds, r.total_seconds)
+        ]
+        try:
+            advice = _cadence.advise(saves, mtbf_s, window=window)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e} (in '{self._dir}')") from None
+        self._advice = advice
+        return advice
 
     # --- save ------------------------------------------------------------------------
 
@@ -356,6 +422,11 @@ class CheckpointManager:
             self._steps[step] = manifest
             if self._scanning is not None:
                 self._scanning.add(step)
+        if _distributed.process_index() == 0:
+            try:
+                _history.append(self._dir, step, manifest.info)
+            except Exception as e:  # noqa: BLE001 - the step is committed; the log is a convenience
+                _log.warning("jaxckpt: recording step %d in the history of '%s' failed: %s", step, self._dir, e)
         try:
             self._apply_retention()
         except Exception as e:  # noqa: BLE001 - the step is committed; a failed delete is retried next time
@@ -398,6 +469,70 @@ class CheckpointManager:
         finally:
             with self._lock:
                 self._reading[step] -= 1
+
+    # --- deleting and attempts ---------------------------------------------------------
+
+    def delete(self, step: int) -> None:
+        """Delete a committed step now (the writer only; call it in every process).
+
+        The step stops being listed at once; on a local disk its directory is renamed
+        to a hidden attempt name before its data is deleted, so a half-deleted step is
+        never listed by anyone. Its history record stays (with ``exists=False``).
+
+        Raises:
+          CheckpointNotFoundError: ``step`` is not committed.
+          CheckpointError: the manager is read-only or closed, or ``step`` is being restored.
+
+        Example:
+          >>> mgr.delete(100)
+          >>> 100 in mgr.all_steps()
+          False
+        """
+        self._check_open()
+        if self._read_only:
+            raise CheckpointError(f"CheckpointManager for '{self._dir}' is read-only: delete() is not allowed")
+        if self._lease is not None and self._lease.lost:
+            raise CheckpointError(f"CheckpointManager for '{self._dir}' cannot delete: {self._lease.lost}")
+        with self._lock:
+            if step not in self._steps:
+                raise CheckpointNotFoundError(
+                    f"No committed step {step} in '{self._dir}' (committed: {sorted(self._steps)})")
+            if self._reading.get(step):
+                raise CheckpointError(f"Step {step} in '{self._dir}' is being restored; delete it afterwards")
+            del self._steps[step]
+            self._deferred_delete.discard(step)
+        if _distributed.process_index() == 0:
+            _commit.delete_step(self._dir, step, _commit.new_token())
+
+    def attempts(self) -> list[dict[str, Any]]:
+        """The hidden, uncommitted attempts in the directory (read-only managers too).
+
+        Each is a save in progress or left by a crash (``.<step>.jaxckpt-tmp-*``), or a
+        step being deleted (``.<step>.jaxckpt-old-*``). A writing manager removes those
+        of a writer that is gone when it starts.
+
+        Returns:
+          One dict per attempt, by name: ``step``, ``name``, ``kind`` (``"tmp"`` or
+          ``"old"``), ``bytes`` and ``mtime`` (local disks; ``None`` elsewhere),
+          ``writer`` (who holds the directory's writer lease, or ``None``) and
+          ``writer_alive`` (``False`` when no writer holds it or the holder is provably
+          gone: its attempts are dead).
+
+        Example:
+          >>> [(a["name"], a["writer_alive"]) for a in mgr.attempts()]
+          [('.7.jaxckpt-tmp-3f2a9c1d0b4e', False)]
+        """
+        writer, gone = writer_lease(self._dir)
+        out = []
+        for name in sorted(_commit.stale_attempts(self._dir)):
+            stem = name[1:].split(_commit.TMP_MARK)[0].split(_commit.OLD_MARK)[0]
+            size, mtime = _local_size_and_mtime(self._dir.child(name).local)
+            out.append({
+                "step": _commit.parse_step_name(stem), "name": name,
+                "kind": "tmp" if _commit.TMP_MARK in name else "old",
+                "bytes": size, "mtime": mtime, "writer": writer, "writer_alive": not gone,
+            })
+        return out
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -449,6 +584,13 @@ class CheckpointManager:
         mode = ", read_only=True" if self._read_only else ""
         return f"CheckpointManager({str(self._dir)!r}{mode}, steps={self.all_steps()})"
 
+    def _repr_html_(self) -> str:
+        """The notebook view: directory, mode, committed steps, totals, cadence advice."""
+        with self._lock:
+            infos = {s: m.info for s, m in self._steps.items()}
+        mode = "read-only" if self._read_only else "writer"
+        return _render_html(str(self._dir), mode, infos, self._clock(), self._advice)
+
 
 def _check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """Check metrics cheaply (types and shapes only: no device sync in the loop)."""
@@ -477,3 +619,134 @@ def _metrics_to_json(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
     if metrics is None:
         return None
     return {k: np.asarray(v).reshape(()).item() if hasattr(v, "dtype") else v for k, v in metrics.items()}
+
+
+def writer_lease(directory: _location.Location) -> tuple[dict[str, Any] | None, bool]:
+    """Who holds the directory's writer lease, and whether that holder is provably gone.
+
+    Reads ``.jaxckpt-writer.json`` and nothing else (no waiting, no writing). ``(None,
+    True)`` when no writer holds the directory. A holder whose liveness cannot be told
+    yet (another host, recently renewed, or an unreadable lease) counts as alive.
+    """
+    holder = _lease._parse(_storage.read_blob(directory, _lease.LEASE_FILE))
+    if holder is None:
+        return None, True
+    lease_s = holder.get("lease_s")
+    if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not 0 < lease_s < 1e9:
+        lease_s = _lease.LEASE_S
+    return holder, _lease._judge(holder, float(lease_s)) == "gone"
+
+
+def _local_size_and_mtime(path: str | None) -> tuple[int | None, float | None]:
+    """Bytes under a local directory (links not followed) and its mtime; ``None`` elsewhere."""
+    if path is None:
+        return None, None
+    try:
+        mtime = os.lstat(path).st_mtime
+    except OSError:
+        return None, None
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass  # deleted while we walked
+    return total, mtime
+
+
+# --- the notebook view ---------------------------------------------------------------
+
+_HTML_ROWS = 200  # newest steps shown
+_HTML_METRICS = 12  # metric columns shown
+_TD = "padding:1px 8px"
+_TR = "border-bottom:1px solid var(--jp-border-color2, #ccc)"
+_TH = "padding:1px 8px;border-bottom:1px solid var(--jp-border-color1, #999)"
+
+
+def _render_html(directory: str, mode: str, infos: Mapping[int, Mapping[str, Any]], now: float,
+                 advice: _cadence.CadenceAdvice | None) -> str:
+    """The manager as HTML that reads in light and dark JupyterLab themes (no fixed colours)."""
+    esc = html.escape
+    steps = sorted(infos, reverse=True)
+    shown = steps[:_HTML_ROWS]
+    names = list(dict.fromkeys(k for s in shown for k in _info_metrics(infos[s])))
+    columns = ["step", "committed", "age", "size", "blocking s", "total s", *names[:_HTML_METRICS]]
+    head = "".join(f"<th style='{_TH}'>{esc(c)}</th>" for c in columns)
+    if len(names) > _HTML_METRICS:
+        head += f"<th style='{_TH}'>… {len(names) - _HTML_METRICS} more metrics</th>"
+    rows = "".join(_html_row(s, infos[s], names[:_HTML_METRICS], now) for s in shown)
+    if len(steps) > len(shown):
+        rows += (f"<tr><td colspan='{len(columns)}' style='{_TD};text-align:left'>… {len(steps) - len(shown)} "
+                 "more (older steps not shown)</td></tr>")
+    total_bytes = sum(_num(i.get("bytes")) or 0 for i in infos.values())
+    blocking = sum(_num(i.get("blocking_seconds")) or 0.0 for i in infos.values())
+    total_s = sum(_num(i.get("total_seconds")) or 0.0 for i in infos.values())
+    summary = (f"{len(steps)} committed step{'s' if len(steps) != 1 else ''}, {_human_bytes(total_bytes)}; "
+               f"saves blocked {blocking:.3g} s in all, {total_s:.3g} s from save to commit in all")
+    table = (f"<table style='border-collapse:collapse;color:inherit;text-align:right'><thead><tr>{head}</tr></thead>"
+             f"<tbody>{rows}</tbody></table>") if steps else "<div>no committed step yet</div>"
+    return (
+        "<div style='font-family:var(--jp-ui-font-family, inherit);color:var(--jp-ui-font-color1, inherit)'>"
+        f"<div><b>CheckpointManager</b> <code>{esc(directory)}</code> ({esc(mode)})</div>"
+        f"<div>{esc(summary)}</div>{table}<div style='margin-top:4px'>{_html_advice(advice)}</div></div>"
+    )
+
+
+def _html_row(step: int, info: Mapping[str, Any], names: list[str], now: float) -> str:
+    esc = html.escape
+    when = _num(info.get("commit_time"))
+    when = _num(info.get("created_unix")) if when is None else when
+    committed = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if when is not None else "?"
+    age = _human_age(now - when) if when is not None else "?"
+    size = _num(info.get("bytes"))
+    metrics = _info_metrics(info)
+    cells = [str(step), committed, age, _human_bytes(size) if size is not None else "?",
+             _fmt(info.get("blocking_seconds")), _fmt(info.get("total_seconds")),
+             *(_fmt(metrics.get(n)) for n in names)]
+    return f"<tr style='{_TR}'>" + "".join(f"<td style='{_TD}'>{esc(c)}</td>" for c in cells) + "</tr>"
+
+
+def _html_advice(advice: _cadence.CadenceAdvice | None) -> str:
+    esc = html.escape
+    if advice is None:
+        return ("Cadence advice: call <code>mgr.advise_interval(mtbf_s=...)</code> with the job's mean "
+                "time between failures.")
+    text = (f"Cadence (MTBF {_human_age(advice.mtbf_s)}, save cost {advice.save_cost_s:.3g} s, "
+            f"{advice.samples} recent saves): save every {advice.interval_steps} steps "
+            f"(~{_human_age(advice.interval_s)}); now every {advice.current_interval_steps} steps "
+            f"(~{_human_age(advice.current_interval_s)}). Expected time lost: "
+            f"{advice.lost_fraction_now:.2%} now, {advice.lost_fraction_advised:.2%} advised.")
+    return esc(text)
+
+
+def _info_metrics(info: Mapping[str, Any]) -> dict[str, Any]:
+    metrics = info.get("metrics")
+    return metrics if isinstance(metrics, dict) else {}
+
+
+def _num(v: Any) -> float | None:
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _human_age(seconds: float) -> str:
+    for limit, unit, div in ((120, "s", 1), (7200, "min", 60), (172800, "h", 3600)):
+        if abs(seconds) < limit:
+            return f"{seconds / div:.0f} {unit}" if unit == "s" else f"{seconds / div:.1f} {unit}"
+    return f"{seconds / 86400:.1f} d"

@@ -14,15 +14,15 @@ In a notebook the view renders as a table (``_repr_html_``).
 
 from __future__ import annotations
 
-import html
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from . import _commit, _dtypes, _layout, _location, _reader, _tree
+from . import _commit, _dtypes, _layout, _location, _reader, _scan, _tree
 from ._manifest import LeafRecord, Manifest
+from ._scan import LeafStats
 
 
 class LazyArray:
@@ -180,7 +180,7 @@ class CheckpointView:
             return CheckpointView(self._loc, self._man, sub)
         raise KeyError(f"'{key}' is not a key path in checkpoint '{self._loc}'")
 
-    def summary(self) -> list[dict[str, Any]]:
+    def rows(self) -> list[dict[str, Any]]:
         """One row per leaf: path, kind, shape, dtype, bytes, saved sharding."""
         rows = []
         for path in self.keys():
@@ -196,22 +196,74 @@ class CheckpointView:
                          "shape": rec.shape, "dtype": rec.dtype, "bytes": rec.nbytes, "sharding": where})
         return rows
 
+    def summary(self) -> dict[str, Any]:
+        """Totals: leaf count, array count, bytes, and bytes per dtype and per top-level
+        subtree (under this view's prefix). PRNG keys count as ``key<impl>``.
+
+        Example:
+          >>> jaxckpt.open("/ckpts/100").summary()
+          {'leaves': 3, 'arrays': 2, 'bytes': 4194312, 'by_dtype': {'float32': 4194304,
+           'key<threefry2x32>': 8}, 'by_subtree': {'params': 4194304, 'rng': 8, 'step': 0}}
+        """
+        by_dtype: dict[str, int] = {}
+        by_subtree: dict[str, int] = {}
+        arrays = 0
+        for path in self.keys():
+            rec = self._by_path[self._prefix + path]
+            top = path.split("/", 1)[0]
+            by_subtree[top] = by_subtree.get(top, 0) + rec.nbytes
+            if rec.kind != "value":
+                arrays += 1
+                dtype = rec.dtype if rec.kind == "array" else f"key<{rec.impl}>"
+                by_dtype[dtype] = by_dtype.get(dtype, 0) + rec.nbytes
+        return {"leaves": len(self), "arrays": arrays, "bytes": self.nbytes,
+                "by_dtype": dict(sorted(by_dtype.items())), "by_subtree": dict(sorted(by_subtree.items()))}
+
+    def stats(self, key: str | None = None, *,
+              progress: Callable[[int, int], None] | None = None) -> LeafStats | dict[str, LeafStats]:
+        """Statistics of a leaf, or of every leaf under a prefix (``None``: all).
+
+        Streams the saved chunks (memory stays near ``_scan.SCAN_BUDGET_BYTES``) and
+        combines per-chunk statistics in float64 (Chan et al.'s update): ``count``,
+        ``nan``, ``inf``, and ``min``/``max``/``mean``/``std`` over the finite
+        elements. PRNG keys, inline values and complex arrays come back with
+        ``numeric=False``.
+
+        Args:
+          key: a leaf's key path or a prefix, relative to this view; ``None`` for all.
+          progress: optional ``callable(bytes_done, bytes_total)``.
+
+        Returns:
+          A ``LeafStats`` for a leaf; for a prefix, a dict from key path (relative to
+          this view, like ``keys()``) to ``LeafStats``.
+
+        Raises:
+          KeyError: ``key`` is neither a leaf nor a prefix.
+          CorruptCheckpointError: a chunk fails its checksum.
+
+        Example:
+          >>> s = jaxckpt.open("/ckpts/100").stats("params/dense/kernel")
+          >>> s.mean, s.std, s.nan
+          (0.0012, 0.0441, 0)
+        """
+        full = self._prefix + key.strip("/") if key and key.strip("/") else None
+        rec = self._by_path.get(full) if full is not None else None
+        if rec is not None:
+            return _scan.leaf_stats(self._loc, self._man, [rec], progress)[rec.path]
+        prefix = self._prefix if full is None else full + "/"
+        recs = [self._by_path[p] for p in sorted(self._by_path) if p.startswith(prefix)]
+        if not recs:
+            raise KeyError(f"'{key}' is not a key path in checkpoint '{self._loc}'")
+        out = _scan.leaf_stats(self._loc, self._man, recs, progress)
+        return {r.path[len(self._prefix):]: out[r.path] for r in recs}
+
     def __repr__(self) -> str:
         return f"CheckpointView('{self._loc}', {len(self)} leaves, {_human(self.nbytes)})"
 
     def _repr_html_(self) -> str:
-        head = (f"<b>jaxckpt</b> <code>{html.escape(str(self._loc))}</code>: {len(self)} leaves, "
-                f"{_human(self.nbytes)}")
-        created = self._man.info.get("created")
-        if created:
-            head += f", saved {html.escape(str(created))}"
-        cells = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(str(row[c]))}</td>" for c in
-                             ("path", "kind", "shape", "dtype")) +
-            f"<td style='text-align:right'>{_human(row['bytes'])}</td><td>{html.escape(str(row['sharding']))}</td></tr>"
-            for row in self.summary())
-        return (f"<div>{head}<table><thead><tr><th>path</th><th>kind</th><th>shape</th><th>dtype</th>"
-                f"<th>size</th><th>saved as</th></tr></thead><tbody>{cells}</tbody></table></div>")
+        from . import _html
+
+        return _html.render_view(self)
 
 
 def _human(n: int) -> str:

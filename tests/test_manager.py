@@ -22,8 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def visible(path):
-    """What a directory listing shows besides the writer's lease file."""
-    return sorted(n for n in os.listdir(path) if n != ".jaxckpt-writer.json")
+    """What a directory listing shows besides the writer's lease file and the run history."""
+    return sorted(n for n in os.listdir(path) if n not in (".jaxckpt-writer.json", "history.jsonl"))
 
 
 class FakeClock:
@@ -101,7 +101,8 @@ def test_discovery_ignores_everything_but_committed_steps(tmp_path):
         mgr.save(6, {"x": np.zeros(1)})
         assert mgr.all_steps() == [6]
     # retention never touched what is not a committed step
-    assert sorted(os.listdir(tmp_path)) == [".hidden-by-user", "013", "11", "6", "7", "9", "notes"]
+    assert sorted(os.listdir(tmp_path)) == [".hidden-by-user", "013", "11", "6", "7", "9", "history.jsonl",
+                                            "notes"]
 
 
 def test_interval_force_and_duplicates(tmp_path):
@@ -208,7 +209,7 @@ def test_time_and_best_retention_with_injected_clock(tmp_path):
         # latest 2: 6, 7; best: 6 (0.5); one per 30 s: 0 (1000), 3 (1030), 6 (1060)
         assert mgr.all_steps() == [0, 3, 6, 7]
         assert mgr.best_step() == 6
-    assert sorted(os.listdir(tmp_path)) == ["0", "3", "6", "7"]
+    assert sorted(os.listdir(tmp_path)) == ["0", "3", "6", "7", "history.jsonl"]
 
 
 def test_latest_is_kept_even_if_worst(tmp_path):
@@ -240,7 +241,7 @@ def test_retention_spares_a_step_being_restored(tmp_path, monkeypatch):
     assert mgr.all_steps() == [3]
     assert visible(tmp_path) == ["3"]
     mgr.close()
-    assert sorted(os.listdir(tmp_path)) == ["3"]  # the lease is released on close
+    assert sorted(os.listdir(tmp_path)) == ["3", "history.jsonl"]  # the lease is released on close
 
 
 def test_restore_errors(tmp_path):
@@ -310,7 +311,7 @@ def test_sigkill_during_async_save_keeps_previous_step(tmp_path):
     assert visible(tmp_path) == ["1"]  # the dead attempt was cleaned up
     mgr.save(2, {"w": np.zeros(4, np.float32)})
     mgr.close()
-    assert sorted(os.listdir(tmp_path)) == ["1", "2"]
+    assert sorted(os.listdir(tmp_path)) == ["1", "2", "history.jsonl"]
 
 
 def test_pending_save_completes_at_interpreter_exit(tmp_path):
@@ -498,3 +499,134 @@ def test_reload_keeps_a_step_committed_during_the_scan(tmp_path, monkeypatch):
     assert mgr.all_steps() == [1, 2]
     monkeypatch.setattr(_commit, "discover_steps", real)
     mgr.close()
+
+
+# --- issue 9: the notebook view, delete and attempts -----------------------------------
+
+
+def test_html_lists_steps_metrics_totals_and_escapes(tmp_path):
+    clock = FakeClock(1000.0)
+    with jaxckpt.CheckpointManager(tmp_path, clock=clock, max_to_keep=2, async_save=False) as mgr:
+        for s in (10, 20, 30):
+            clock.t = 1000.0 + s
+            mgr.save(s, {"x": np.ones(4, np.float32)},
+                     metrics={"loss": s / 100, "<script>alert(1)</script>": f"<i>{s}</i>"})
+        clock.t = 1090.0
+        page = mgr._repr_html_()
+    assert "<script" not in page and "<i>" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page and "&lt;i&gt;30&lt;/i&gt;" in page
+    assert f"<code>{tmp_path}</code> (writer)" in page
+    assert "2 committed steps, 32 B" in page  # step 10 went to retention
+    assert ">20<" in page and ">30<" in page and ">10<" not in page
+    assert ">0.3<" in page and ">60 s<" in page  # the loss of step 30 and its age on the manager's clock
+    assert page.index(">30<") < page.index(">20<")  # newest first
+    assert "mgr.advise_interval(mtbf_s=...)" in page
+    assert "var(--jp-ui-font-color1, inherit)" in page and "var(--jp-border-color2, #ccc)" in page
+    assert "background" not in page and "white" not in page and "#fff" not in page
+    reader = jaxckpt.CheckpointManager(tmp_path, read_only=True)
+    assert "(read-only)" in reader._repr_html_()
+
+
+def test_html_caps_rows(tmp_path, monkeypatch):
+    from jaxckpt import _manager
+
+    monkeypatch.setattr(_manager, "_HTML_ROWS", 3)
+    with jaxckpt.CheckpointManager(tmp_path, async_save=False) as mgr:
+        for s in range(5):
+            mgr.save(s, {"x": s})
+        page = mgr._repr_html_()
+    assert "… 2 more (older steps not shown)" in page and "5 committed steps" in page
+    assert ">4<" in page and ">2<" in page and ">1<" not in page
+    assert "no committed step yet" in jaxckpt.CheckpointManager(tmp_path / "new", read_only=True)._repr_html_()
+
+
+def test_delete_renames_first_so_a_half_deleted_step_is_never_listed(tmp_path, monkeypatch):
+    mgr = jaxckpt.CheckpointManager(tmp_path, async_save=False)
+    for s in (1, 2, 3):
+        mgr.save(s, {"x": np.full(8, s)}, metrics={"loss": s})
+    seen = {}
+    real_delete_tree = _storage.delete_tree
+
+    def look_then_delete(loc):
+        if not seen:  # mid-delete: the data is still there, under a hidden name
+            seen["listing"] = sorted(os.listdir(tmp_path))
+            seen["mgr"] = mgr.all_steps()
+            seen["reader"] = jaxckpt.CheckpointManager(tmp_path, read_only=True).all_steps()
+            seen["attempts"] = mgr.attempts()
+        real_delete_tree(loc)
+
+    monkeypatch.setattr(_storage, "delete_tree", look_then_delete)
+    mgr.delete(2)
+    hidden, lease, *shown = seen["listing"]
+    assert hidden.startswith(".2.jaxckpt-old-") and lease == ".jaxckpt-writer.json"
+    assert shown == ["1", "3", "history.jsonl"]
+    assert seen["mgr"] == seen["reader"] == [1, 3]
+    (attempt,) = seen["attempts"]
+    assert attempt["step"] == 2 and attempt["kind"] == "old" and attempt["name"].startswith(".2.jaxckpt-old-")
+    assert attempt["bytes"] > 64 and attempt["writer_alive"] is True and attempt["writer"]["pid"] == os.getpid()
+    assert sorted(os.listdir(tmp_path)) == [".jaxckpt-writer.json", "1", "3", "history.jsonl"]
+    assert mgr.attempts() == []
+    assert [(r.step, r.exists) for r in mgr.history()] == [(1, True), (2, False), (3, True)]
+    mgr.delete(3)  # the latest too, on request
+    assert mgr.all_steps() == [1] and mgr.latest_step() == 1
+    with pytest.raises(jaxckpt.CheckpointNotFoundError, match=r"No committed step 3 in '.*' \(committed: \[1\]\)"):
+        mgr.delete(3)
+    mgr.close()
+    with pytest.raises(jaxckpt.CheckpointError, match="is closed"):
+        mgr.delete(1)
+
+
+def test_delete_is_refused_read_only_and_while_restoring(tmp_path, monkeypatch):
+    mgr = jaxckpt.CheckpointManager(tmp_path, async_save=False)
+    mgr.save(1, {"x": np.ones(2)})
+    mgr.save(2, {"x": np.zeros(2)})
+    reader = jaxckpt.CheckpointManager(tmp_path, read_only=True)
+    with pytest.raises(jaxckpt.CheckpointError, match=r"read-only: delete\(\) is not allowed"):
+        reader.delete(1)
+    real_restore = jaxckpt._checkpoint.restore
+    refused = []
+
+    def delete_while_restoring(path, *a, **kw):
+        with pytest.raises(jaxckpt.CheckpointError, match=r"Step 1 in '.*' is being restored; delete it afterwards"):
+            mgr.delete(1)
+        refused.append(True)
+        return real_restore(path, *a, **kw)
+
+    monkeypatch.setattr(jaxckpt._checkpoint, "restore", delete_while_restoring)
+    assert_bit_equal(mgr.restore(1)["x"], np.ones(2))
+    assert refused == [True]
+    monkeypatch.setattr(jaxckpt._checkpoint, "restore", real_restore)
+    mgr.delete(1)
+    assert mgr.all_steps() == [2] and reader.all_steps() == [1, 2]
+    reader.reload()
+    assert reader.all_steps() == [2]
+    mgr.close()
+
+
+def test_attempts_say_whether_their_writer_is_gone(tmp_path):
+    import json
+    import socket
+    import time
+
+    with jaxckpt.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, {"x": 1})
+    stale = tmp_path / ".7.jaxckpt-tmp-abc"
+    (stale / "arrays").mkdir(parents=True)
+    (stale / "arrays" / "c0").write_bytes(b"0123456789")
+    (tmp_path / ".8.jaxckpt-old-def").mkdir()
+    reader = jaxckpt.CheckpointManager(tmp_path, read_only=True)
+    got = reader.attempts()
+    assert [(a["step"], a["name"], a["kind"], a["bytes"]) for a in got] == [
+        (7, ".7.jaxckpt-tmp-abc", "tmp", 10), (8, ".8.jaxckpt-old-def", "old", 0)]
+    assert all(a["writer"] is None and a["writer_alive"] is False for a in got)  # no lease: no writer
+    assert got[0]["mtime"] == os.stat(stale).st_mtime
+    # a lease left by a process that is gone (this host, a pid that no longer exists)
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = {"host": socket.gethostname(), "pid": int(child.stdout), "token": "t", "started": time.time(),
+            "renewed": time.time(), "count": 0, "lease_s": 15.0}
+    (tmp_path / ".jaxckpt-writer.json").write_text(json.dumps(dead))
+    assert [(a["writer"]["pid"], a["writer_alive"]) for a in reader.attempts()] == [(dead["pid"], False)] * 2
+    # on another host and renewed just now: not provably gone
+    (tmp_path / ".jaxckpt-writer.json").write_text(json.dumps({**dead, "host": "elsewhere"}))
+    assert [a["writer_alive"] for a in reader.attempts()] == [True, True]
+    assert (tmp_path / ".jaxckpt-writer.json").exists() and stale.exists()  # reading changed nothing

@@ -133,7 +133,8 @@ def test_one_sided_failure_is_raised_in_both_and_the_next_save_succeeds(tmp_path
         # agreement keys do not pile up: only the last save's (still readable) keys remain
         assert res[i]["keys"] and all("/op/save" in k for k in res[i]["keys"]), res[i]["keys"]
         assert len({k.split("/op/")[1].split("/")[0] for k in res[i]["keys"]}) == 1, res[i]["keys"]
-    assert sorted(os.listdir(path)) == ["2", "3"]  # the failed attempt was removed; the lease released
+    # the failed attempt was removed; the lease released
+    assert sorted(os.listdir(path)) == ["2", "3", "history.jsonl"]
 
 
 def test_replicated_state_is_written_by_all_processes_balanced(tmp_path):
@@ -166,6 +167,6 @@ def test_async_manager_in_two_processes(tmp_path):
     for i in range(2):
         assert res[i]["steps"] == [4, 5], res[i]
         # (process 0 may still be releasing its writer lease when process 1 looks)
-        assert [f for f in res[i]["files"] if f != ".jaxckpt-writer.json"] == ["4", "5"]
+        assert [f for f in res[i]["files"] if f != ".jaxckpt-writer.json"] == ["4", "5", "history.jsonl"]
         assert res[i]["restored_total"] == res[i]["expected"]
         assert res[i]["n"] == 5

@@ -55,7 +55,7 @@ def test_manager_on_s3(s3_server):
             mgr.save(i, {"x": np.full(3, i), "k": jax.random.key(i)})
         mgr.wait_until_finished()
         assert mgr.all_steps() == [2, 3]
-    assert {k.split("/")[2] for k in keys(s3_server, "runs/c/")} == {"2", "3"}
+    assert {k.split("/")[2] for k in keys(s3_server, "runs/c/")} == {"2", "3", ".history"}
     mgr = jaxckpt.CheckpointManager(spec)
     assert mgr.latest_step() == 3
     assert_bit_equal(mgr.restore()["x"], np.full(3, 3))

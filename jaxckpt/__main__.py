@@ -1,0 +1,5 @@
+"""``python -m jaxckpt`` is the ``jaxckpt`` command."""
+
+from .cli import console
+
+console()

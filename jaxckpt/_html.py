@@ -1,0 +1,251 @@
+"""HTML for notebooks: a checkpoint as a collapsible tree (``CheckpointView._repr_html_``).
+
+Pure HTML and one ``<style>`` block scoped to ``.jaxckpt-view``: no JavaScript, no
+external resources. Colours come from JupyterLab's CSS variables with neutral
+fallbacks, so the tree reads in light and dark themes alike. Everything that comes
+from the checkpoint (key names, values, metadata, the path) is escaped.
+
+The markup is compact (tables with implied end tags, a one-leaf subtree drawn as its
+leaf's row, no per-row titles past ``TITLE_LEAVES``) and built as one list joined once:
+a 10,000-leaf LLM-shaped checkpoint renders in about 0.1 s into 1.7 MB.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Iterable
+from html import escape
+from typing import Any
+
+from . import _tree
+from ._manifest import LeafRecord
+
+CLASS = "jaxckpt-view"
+_VALUE_CHARS = 80  # of an inline value's repr shown in its row
+_METADATA_CHARS = 20_000  # of the metadata JSON shown in the header
+# Up to this many leaves, each row's name shows its full key path on hover; beyond, the
+# titles are left out to keep the page small (they would be a third of it).
+TITLE_LEAVES = 2_000
+
+_STYLE = f"""<style>
+.{CLASS}{{color:var(--jp-ui-font-color1,inherit);font-family:var(--jp-ui-font-family,inherit);
+font-size:var(--jp-ui-font-size1,13px);line-height:1.45;max-width:100%}}
+.{CLASS} .jh{{background:var(--jp-layout-color2,transparent);border:1px solid var(--jp-border-color2,#8888);
+border-radius:4px;padding:6px 10px;margin-bottom:6px}}
+.{CLASS} .jh code,.{CLASS} pre{{font-family:var(--jp-code-font-family,monospace)}}
+.{CLASS} .jh .m{{color:var(--jp-ui-font-color2,inherit);opacity:.85}}
+.{CLASS} pre{{margin:4px 0 0;max-height:20em;overflow:auto;white-space:pre-wrap;font-size:12px;
+background:transparent;color:inherit}}
+.{CLASS} details{{margin:0}}
+.{CLASS} .jt details>:not(summary){{margin-left:6px;padding-left:9px;box-sizing:border-box;width:calc(100% - 6px);
+border-left:1px solid var(--jp-border-color2,#8888)}}
+.{CLASS} summary{{display:flex;list-style:none;cursor:pointer;padding:1px 0;white-space:nowrap;
+font-family:var(--jp-code-font-family,monospace);font-size:12px}}
+.{CLASS} summary::-webkit-details-marker{{display:none}}
+.{CLASS} summary::before{{content:"\\25b8";width:15px;flex:none;opacity:.7}}
+.{CLASS} details[open]>summary::before{{content:"\\25be"}}
+.{CLASS} summary:hover,.{CLASS} tr:hover{{background:var(--jp-layout-color2,#8882)}}
+.{CLASS} summary>b{{flex:1;font-weight:600;overflow:hidden;text-overflow:ellipsis}}
+.{CLASS} .jh summary>b{{flex:none;padding-right:1em}}
+.{CLASS} summary>i{{flex:none;font-style:normal;opacity:.7;padding-right:1em}}
+.{CLASS} summary>i+i{{opacity:1;width:9ch;text-align:right;padding-right:4px}}
+.{CLASS} table{{table-layout:fixed;width:100%;border-collapse:separate;border-spacing:0;margin:0;
+font-family:var(--jp-code-font-family,monospace);font-size:12px;color:inherit;background:transparent}}
+.{CLASS} td{{padding:1px 4px;white-space:nowrap;overflow:hidden;text-overflow:ellipsis;text-align:left;
+border:0;background:transparent;color:inherit}}
+.{CLASS} td:first-child{{padding-left:15px}}
+.{CLASS} td:nth-child(2){{width:19ch}}.{CLASS} td:nth-child(3){{width:13ch}}
+.{CLASS} td:nth-child(4){{width:10ch}}.{CLASS} td:nth-child(5){{width:20ch}}
+.{CLASS} td:nth-child(6){{width:16ch}}.{CLASS} td:nth-child(7){{width:9ch;text-align:right}}
+.{CLASS} tr.jc td{{opacity:.7;border-bottom:1px solid var(--jp-border-color2,#8888)}}
+.{CLASS} tr.jz td{{padding-top:0;padding-bottom:0}}
+.{CLASS} td.v{{opacity:.85;font-style:italic}}
+</style>"""
+
+_COLUMNS = "<table><tr class=jc><td>key<td>kind<td>shape<td>dtype<td>sharding<td>mesh<td>size</table>"
+# A first row of plain cells fixes the column widths of a table whose first row is a value
+# (a ``colspan`` cell would otherwise spread one column's width over five).
+_SIZER = "<tr class=jz><td><td><td><td><td><td><td>"
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes for people: ``512 B``, ``1.5 KiB``, ``2.0 MiB`` … ``3.0 TiB`` (1024-based)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class _Node:
+    """A subtree: children by key (a ``_Node`` or a ``LeafRecord``), leaf count, bytes."""
+
+    __slots__ = ("children", "count", "nbytes")
+
+    def __init__(self) -> None:
+        self.children: dict[str, _Node | LeafRecord] = {}
+        self.count = 0
+        self.nbytes = 0
+
+
+def build_tree(records: Iterable[LeafRecord], prefix: str = "") -> _Node:
+    """The key-path tree of ``records`` (paths relative to ``prefix``), in manifest order,
+    with every subtree's leaf count and bytes summed."""
+    root = _Node()
+    for rec in records:
+        parts = rec.path[len(prefix):].split("/")
+        node, trail = root, [root]
+        for part in parts[:-1]:
+            child = node.children.get(part)
+            if not isinstance(child, _Node):  # a leaf and a subtree never share a key path
+                child = node.children[part] = _Node()
+            node = child
+            trail.append(node)
+        node.children[parts[-1]] = rec
+        for n in trail:
+            n.count += 1
+            n.nbytes += rec.nbytes
+    return root
+
+
+def _name(part: str) -> str:
+    return escape(_tree.decode_key(part)) if part else "&#x27;&#x27;"
+
+
+def spec_text(spec: list[Any]) -> str:
+    """A saved PartitionSpec as ``P(None, 'model')`` (tuples of axes as ``('data', 'model')``)."""
+    def entry(e: Any) -> str:
+        if isinstance(e, list):
+            return "(" + ", ".join(repr(a) for a in e) + ("," if len(e) == 1 else "") + ")"
+        return repr(e)
+    return "P(" + ", ".join(entry(e) for e in spec) + ")"
+
+
+def sharding_cells(sharding: dict[str, Any] | None) -> str:
+    """The sharding and mesh cells of a leaf row, escaped: ``P(…)`` and ``data=2, model=4``,
+    ``host`` (a numpy leaf), ``single device`` or ``other (N devices)``."""
+    if sharding is None:
+        return "<td>host<td>"
+    kind = sharding.get("type")
+    if kind == "named":
+        mesh = ", ".join(f"{a}={s}" for a, s in zip(sharding["axis_names"], sharding["axis_sizes"]))
+        return f"<td>{escape(spec_text(sharding['spec']))}<td>{escape(mesh)}"
+    if kind == "single_device":
+        return "<td>single device<td>"
+    n = sharding.get("num_devices")
+    title = escape(str(sharding.get("repr", "")), quote=True)
+    return f'<td title="{title}">other{f" ({n} devices)" if n else ""}<td>'
+
+
+def _leaf_row(out: list[str], name: str, rec: LeafRecord, titles: bool) -> None:
+    path = f' title="{escape(rec.path, quote=True)}"' if titles else ""
+    if rec.kind == "value":
+        text = repr(rec.value)
+        if len(text) > _VALUE_CHARS:
+            text = text[:_VALUE_CHARS - 1] + "…"
+        out.append(f'<tr><td{path}>{name}<td>value<td colspan=5 class=v>{escape(text)}'
+                   f" <span>({escape(type(rec.value).__name__)})</span>")
+        return
+    if rec.kind == "prng_key":
+        kind = escape(f"key<{rec.impl}>")
+        shape, dtype = rec.shape[:rec.key_ndim], f"{rec.dtype}{list(rec.shape[rec.key_ndim:])}"
+    else:
+        kind, shape, dtype = rec.kind, rec.shape, rec.dtype
+    out.append(f'<tr><td{path}>{name}<td>{kind}<td>{shape}<td>{escape(dtype)}'
+               f"{sharding_cells(rec.sharding)}<td>{human_bytes(rec.nbytes)}")
+
+
+def _summary(out: list[str], name: str, node: _Node, open_: bool) -> None:
+    leaves = f"{node.count} lea{'f' if node.count == 1 else 'ves'}"
+    out.append(f"<details{' open' if open_ else ''}><summary><b>{name}</b><i>{leaves}</i>"
+               f'<i title="{node.nbytes:,} bytes">{human_bytes(node.nbytes)}</i></summary>')
+
+
+def _render_children(out: list[str], node: _Node, trail: str, expand: frozenset[str], titles: bool) -> None:
+    """Rows of ``node``'s children: runs of leaves as one table, each subtree a ``<details>``.
+
+    A subtree holding a single leaf is that leaf's row, named by the keys down to it
+    (``q/kernel``): the row already says what its summary would.
+    """
+    in_table = False
+    for part, child in node.children.items():
+        name = _name(part)
+        while isinstance(child, _Node) and child.count == 1:
+            part, child = next(iter(child.children.items()))
+            name += "/" + _name(part)
+        if isinstance(child, _Node):
+            if in_table:
+                out.append("</table>")
+                in_table = False
+            path = trail + part
+            _summary(out, name, child, path in expand)
+            _render_children(out, child, path + "/", expand, titles)
+            out.append("</details>")
+        else:
+            if not in_table:
+                out.append("<table>" + (_SIZER if child.kind == "value" else ""))
+                in_table = True
+            _leaf_row(out, name, child, titles)
+    if in_table:
+        out.append("</table>")
+
+
+def _created(info: dict[str, Any]) -> str:
+    created = info.get("created")
+    if not isinstance(created, str):
+        return ""
+    try:
+        when = datetime.datetime.fromisoformat(created)
+    except ValueError:
+        return escape(created)
+    text = when.strftime("%Y-%m-%d %H:%M:%S")
+    return text + (" UTC" if when.utcoffset() == datetime.timedelta(0) else when.strftime(" %z"))
+
+
+def _metadata(metadata: dict[str, Any]) -> str:
+    if not metadata:
+        return "<div class=m>no user metadata</div>"
+    text = json.dumps(metadata, indent=2, default=repr, ensure_ascii=False)
+    if len(text) > _METADATA_CHARS:
+        text = text[:_METADATA_CHARS] + "\n…"
+    n = len(metadata)
+    return (f"<details><summary><b>metadata</b><i>{n} key{'s' * (n != 1)}</i>"
+            f"</summary><pre>{escape(text)}</pre></details>")
+
+
+def _header(view: Any, root: _Node) -> str:
+    man = view._man
+    info = man.info
+    where = str(view._loc) + (f" : {view._prefix.rstrip('/')}" if view._prefix else "")
+    facts = [f"{root.count:,} lea{'f' if root.count == 1 else 'ves'}",
+             f'<span title="{root.nbytes:,} bytes">{human_bytes(root.nbytes)}</span>',
+             f"format v{man.format_version}"]
+    if created := _created(info):
+        facts.append(f"saved {created}")
+    versions = [f"{name} {escape(str(info[key]))}" for name, key in
+                (("jaxckpt", "library_version"), ("jax", "jax_version")) if key in info]
+    if versions:
+        facts.append("by " + ", ".join(versions))
+    return (f"<div class=jh><b>jaxckpt checkpoint</b> <code>{escape(where)}</code>"
+            f"<div class=m>{' · '.join(facts)}</div>{_metadata(man.metadata)}</div>")
+
+
+def render_view(view: Any, expand: Iterable[str] = ()) -> str:
+    """The HTML of a ``CheckpointView``: a header (path, leaf count, size, format version,
+    creation time, user metadata collapsed) and the key-path tree, each subtree a
+    ``<details>`` summarising its leaf count and bytes, each leaf a row (key, kind,
+    shape, dtype, PartitionSpec, mesh axes, size).
+
+    Args:
+      view: the ``CheckpointView`` (its manifest records are read, nothing else).
+      expand: key paths (relative to the view) of subtrees to show open; by default
+        only the top level is visible and every subtree is collapsed.
+    """
+    records = [r for r in view._man.leaves if r.path in view._by_path]
+    root = build_tree(records, view._prefix)
+    out = [f'<div class="{CLASS}">', _STYLE, _header(view, root), "<div class=jt>", _COLUMNS]
+    expand = frozenset(p.strip("/") for p in expand)
+    _render_children(out, root, "", expand, root.count <= TITLE_LEAVES)
+    out.append("</div></div>")
+    return "".join(out)

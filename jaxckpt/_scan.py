@@ -1,0 +1,770 @@
+"""Streaming over a checkpoint's saved chunks with bounded memory: ``verify`` (every
+stored chunk read and checksummed, the layout checked), ``diff`` (two checkpoints
+compared region by region) and per-leaf statistics (``CheckpointView.stats``).
+
+All three plan their chunk reads first, stream them, and fold each chunk into a small
+result, so host memory stays near ``SCAN_BUDGET_BYTES`` whatever the checkpoint's size:
+
+* ``verify`` reads every stored chunk the way a restore does (whole interior chunks of
+  big leaves with ``_chunkfiles.read_chunk_file`` on a local disk, into one reused
+  buffer per thread; edge chunks, packed chunks and object stores through tensorstore),
+  so a checksum fails exactly where a restore would fail.
+* ``diff`` and ``stats`` read regions that are unions of whole saved chunks through
+  ``_reader.Reader``, a batch of regions within the budget at a time.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import _chunkfiles, _commit, _dtypes, _layout, _location, _reader, _storage, _tasks, _zarr
+from ._errors import CorruptCheckpointError
+from ._location import Location
+from ._manifest import LeafRecord, Manifest, PackedArray
+
+# Bytes of chunk buffers held at once (reads in flight plus the batch being folded); a
+# single chunk bigger than this is read alone.
+SCAN_BUDGET_BYTES = 64 << 20
+READ_THREADS = 4
+# Leaves up to this size (all checkpoints compared together) are one region: small
+# leaves are read whole, and packed ones together.
+WHOLE_LEAF_BYTES = 4 << 20
+# Elements folded at a time: bounds the float64 temporaries of stats and diff.
+FOLD_BLOCK = 1 << 20
+
+Progress = Callable[[int, int], None]
+
+
+# --- results ------------------------------------------------------------------------
+
+
+def _json_value(v: Any) -> Any:
+    """``v`` as strict JSON: non-finite floats as ``"nan"``/``"inf"``/``"-inf"``,
+    tuples as lists, anything not a JSON scalar as its ``repr``."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if v != v else ("inf" if v > 0 else "-inf")
+    if isinstance(v, (list, tuple)):
+        return [_json_value(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _json_value(x) for k, x in v.items()}
+    if v is None or type(v) in (bool, int, float, str):
+        return v
+    return repr(v)
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    """What ``verify`` found.
+
+    Attributes:
+      path: the checkpoint.
+      ok: ``True`` when nothing is wrong (``problems`` is empty).
+      leaves: leaves in the manifest (0 when the manifest itself is bad).
+      chunks: stored chunks (chunk files or objects) the manifest implies.
+      bytes_read: bytes of chunk data read and checksummed without error.
+      seconds: wall time of the whole check.
+      problems: one dict per problem, ``{"leaf", "chunk", "message"}``: the leaf's key
+        path (``None`` for the manifest or an unowned file), the chunk (``"cell [i, j]"``
+        of a big leaf, ``"packed p<k> offset <n> (cell [i])"`` of a small one, or a
+        file name) and what is wrong. Sorted by leaf, then chunk.
+    """
+
+    path: str
+    ok: bool
+    leaves: int
+    chunks: int
+    bytes_read: int
+    seconds: float
+    problems: list[dict[str, Any]]
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as a JSON-able dict."""
+        return _json_value(dataclasses.asdict(self))
+
+
+@dataclasses.dataclass
+class DiffReport:
+    """What ``diff`` found between checkpoints ``a`` and ``b``.
+
+    Attributes:
+      a, b: the two checkpoints.
+      added: key paths only in ``b``; ``removed``: only in ``a`` (both sorted).
+      changed: one dict per difference of a common leaf that is not its values:
+        ``{"leaf", "field", "a", "b"}`` with ``field`` one of ``kind``, ``dtype``,
+        ``shape``, ``impl`` (PRNG key implementation) or ``value`` (inline values).
+      arrays: per common array leaf of equal shape, ``{"elements", "differ",
+        "max_abs", "max_rel"}``: how many elements differ, the largest ``|a - b|`` and
+        the largest ``|a - b| / max(|a|, |b|)``. NaN equals NaN; a NaN or infinity
+        against anything else it does not equal is an infinite difference.
+      seconds: wall time.
+    """
+
+    a: str
+    b: str
+    added: list[str]
+    removed: list[str]
+    changed: list[dict[str, Any]]
+    arrays: dict[str, dict[str, Any]]
+    seconds: float
+
+    @property
+    def identical(self) -> bool:
+        """Same keys, kinds, shapes, dtypes, inline values and array values."""
+        return (not (self.added or self.removed or self.changed)
+                and all(d["differ"] == 0 for d in self.arrays.values()))
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as a JSON-able dict (infinite differences as ``"inf"``)."""
+        return _json_value({**dataclasses.asdict(self), "identical": self.identical})
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafStats:
+    """Statistics of one leaf (see ``CheckpointView.stats``).
+
+    ``min``, ``max``, ``mean`` and ``std`` (population, ``ddof=0``) are over the
+    finite elements (``None`` when there are none); ``nan`` and ``inf`` count the
+    others. ``min``/``max`` keep the leaf's kind (``bool``, ``int`` or ``float``).
+    ``numeric`` is ``False`` for PRNG keys, inline values and complex arrays, whose
+    other fields then stay empty.
+    """
+
+    path: str
+    kind: str
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    numeric: bool
+    count: int = 0
+    nan: int = 0
+    inf: int = 0
+    min: bool | int | float | None = None
+    max: bool | int | float | None = None
+    mean: float | None = None
+    std: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The statistics as a JSON-able dict."""
+        return _json_value(dataclasses.asdict(self))
+
+
+class _Problems:
+    """Problems found so far; safe to add to from reading threads."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def add(self, leaf: str | None, chunk: str | None, message: str) -> None:
+        with self._lock:
+            self.items.append({"leaf": leaf, "chunk": chunk, "message": message})
+
+    def sorted(self) -> list[dict[str, Any]]:
+        return sorted(self.items, key=lambda p: (p["leaf"] is None, p["leaf"] or "", p["chunk"] or "",
+                                                 p["message"]))
+
+
+class _Meter:
+    """Bytes done out of a known total, reported to ``progress`` (serialised)."""
+
+    def __init__(self, total: int, progress: Progress | None):
+        self.total, self.done, self.good = total, 0, 0
+        self._progress, self._lock = progress, threading.Lock()
+        if progress is not None:
+            progress(0, total)
+
+    def add(self, nbytes: int, ok: bool = True) -> None:
+        with self._lock:
+            self.done += nbytes
+            self.good += nbytes if ok else 0
+            if self._progress is not None:
+                self._progress(self.done, self.total)
+
+
+# --- verify -------------------------------------------------------------------------
+
+
+def verify(path: Any, *, progress: Progress | None = None) -> VerifyReport:
+    """Check a checkpoint completely: its manifest, its layout and every stored byte.
+
+    The manifest is validated (a bad one is reported, not raised). Every chunk of
+    every leaf is read and its crc32c checked, the same way a restore reads it. Every
+    element of every leaf must be stored exactly once: the regular chunk grid of a leaf
+    covers its shape once by construction, so what is checked is that each cell is
+    stored, and alone: packed byte ranges of small leaves may not overlap (the
+    manifest's validation keeps them inside their packed array); on a local disk every
+    chunk file must exist with its exact size and no unexpected file may lie under
+    ``arrays/`` or ``packed/``. (On an object store the listing checks are skipped; a
+    missing chunk still fails its read.)
+
+    Memory stays near ``SCAN_BUDGET_BYTES`` (one chunk, when chunks are bigger).
+
+    Args:
+      path: the checkpoint (local path, URL or kvstore spec).
+      progress: optional ``callable(bytes_done, bytes_total)``, called (serialised)
+        from the reading threads as chunks finish.
+
+    Returns:
+      A ``VerifyReport``; ``ok`` is ``False`` when anything is wrong, each problem
+      naming the leaf and the chunk.
+
+    Raises:
+      CheckpointNotFoundError: ``path`` holds no ``manifest.json``.
+
+    Example:
+      >>> report = jaxckpt.verify("/ckpts/100")
+      >>> report.ok, report.bytes_read
+      (True, 1073741824)
+      >>> [p["message"] for p in report.problems]
+      []
+    """
+    start = time.perf_counter()
+    loc = _location.resolve(path)
+    try:
+        man = _commit.read_manifest(loc)
+    except CorruptCheckpointError as e:
+        problem = {"leaf": None, "chunk": "manifest.json", "message": str(e)}
+        return VerifyReport(str(loc), False, 0, 0, 0, time.perf_counter() - start, [problem])
+    problems = _Problems()
+    spans = _packed_spans(man)
+    _check_overlaps(spans, problems)
+    owners = _packed_owners(spans, man.packed)
+    skip: set[str] = set()
+    if loc.local is not None:
+        skip = _check_files(loc.local, man, _expected_files(man, owners), problems)
+    reads, n_chunks = _plan_reads(loc, man, owners, skip)
+    meter = _Meter(sum(r.nbytes for r in reads), progress)
+    _run_reads(reads, problems, meter)
+    return VerifyReport(str(loc), not problems.items, len(man.leaves), n_chunks, meter.good,
+                        time.perf_counter() - start, problems.sorted())
+
+
+def _cell_label(cell: Sequence[int]) -> str:
+    return f"cell {list(cell)}"
+
+
+def _chunk_name(key: str, cell: Sequence[int]) -> str:
+    """The chunk's file name relative to the checkpoint (zarr3 default key encoding)."""
+    return "/".join(["arrays", key, "c", *map(str, cell)])
+
+
+def _has_data(rec: LeafRecord, store: str) -> bool:
+    return rec.kind != "value" and rec.store == store
+
+
+class _Span(NamedTuple):
+    """The bytes of one chunk of a packed leaf in its process's packed array."""
+
+    process: int
+    start: int
+    end: int
+    leaf: str
+    label: str
+
+
+def _packed_spans(man: Manifest) -> list[_Span]:
+    out = []
+    for rec in man.leaves:
+        if not _has_data(rec, "packed"):
+            continue
+        itemsize = _dtypes.DTYPES[rec.dtype].itemsize
+        for cell, (proc, offset) in zip(_layout.chunk_cells(rec.shape, rec.chunk_shape), rec.chunks):
+            nbytes = _layout.index_size(_layout.chunk_region(cell, rec.chunk_shape, rec.shape)) * itemsize
+            label = f"packed p{proc} offset {offset} ({_cell_label(cell)})"
+            out.append(_Span(proc, offset, offset + nbytes, rec.path, label))
+    return out
+
+
+def _check_overlaps(spans: list[_Span], problems: _Problems) -> None:
+    """Packed chunks (of different leaves, or of one) that share bytes."""
+    reach: _Span | None = None  # the span reaching furthest so far in this process
+    for span in sorted(s for s in spans if s.end > s.start):
+        if reach is not None and reach.process == span.process and span.start < reach.end:
+            problems.add(span.leaf, span.label,
+                         f"bytes [{span.start}, {span.end}) of packed p{span.process} overlap bytes "
+                         f"[{reach.start}, {reach.end}) of leaf '{reach.leaf}' ({reach.label})")
+        if reach is None or reach.process != span.process or span.end > reach.end:
+            reach = span
+
+
+def _packed_owners(spans: list[_Span], packed: Sequence[PackedArray]) -> dict[tuple[int, int], dict[str, str]]:
+    """Per stored packed chunk ``(process, n)``: the leaves with bytes in it, each with
+    its first chunk there (to name when that stored chunk is bad)."""
+    chunk_bytes = {p.process: p.chunk_bytes for p in packed}
+    owners: dict[tuple[int, int], dict[str, str]] = collections.defaultdict(dict)
+    for span in spans:
+        if span.end > span.start:
+            size = chunk_bytes[span.process]
+            for n in range(span.start // size, (span.end - 1) // size + 1):
+                owners[(span.process, n)].setdefault(span.leaf, span.label)
+    return owners
+
+
+def _owner_list(owners: dict[tuple[int, int], dict[str, str]], proc: int, n: int) -> tuple:
+    held = owners.get((proc, n))
+    return tuple(held.items()) if held else ((None, f"packed p{proc} chunk {n}"),)
+
+
+def _expected_files(man: Manifest, owners) -> dict[str, tuple[int | None, tuple]]:
+    """Every file the manifest implies under ``arrays/`` and ``packed/``: its size
+    (``None``: any) and whom to name when it is missing or wrong."""
+    out: dict[str, tuple[int | None, tuple]] = {}
+    for rec in man.leaves:
+        if not _has_data(rec, "file"):
+            continue
+        out[f"arrays/{rec.key}/zarr.json"] = (None, ((rec.path, "zarr.json"),))
+        # zarr stores edge chunks at full size
+        size = math.prod(rec.chunk_shape) * _dtypes.DTYPES[rec.storage_dtype].itemsize + 4
+        for cell in _layout.chunk_cells(rec.shape, rec.chunk_shape):
+            out[_chunk_name(rec.key, cell)] = (size, ((rec.path, _cell_label(cell)),))
+    for p in man.packed:
+        out[f"packed/p{p.process}/zarr.json"] = (None, ((None, "zarr.json"),))
+        for n in range(-(-p.nbytes // p.chunk_bytes)):
+            out[f"packed/p{p.process}/c/{n}"] = (p.chunk_bytes + 4, _owner_list(owners, p.process, n))
+    return out
+
+
+def _list_files(root: str) -> dict[str, int]:
+    """Size of every file under ``root``'s data directories, by relative name."""
+    found = {}
+    for top in sorted(_commit.DATA_DIRS):
+        for dirpath, _, files in os.walk(os.path.join(root, top)):
+            for f in files:
+                full = os.path.join(dirpath, f)
+                try:
+                    size = os.stat(full).st_size
+                except OSError:  # a dangling link: listed, unreadable
+                    size = -1
+                found[os.path.relpath(full, root).replace(os.sep, "/")] = size
+    return found
+
+
+def _check_files(root: str, man: Manifest, expected: dict[str, tuple[int | None, tuple]],
+                 problems: _Problems) -> set[str]:
+    """Missing, wrong-sized and unexpected files; returns the names not worth reading."""
+    found = _list_files(root)
+    bad = set()
+    for name, (size, owners) in expected.items():
+        got = found.pop(name, None)
+        if got is None:
+            why = "is missing"
+        elif size is not None and got != size:
+            why = f"has {got} bytes, expected {size}"
+        else:
+            continue
+        bad.add(name)
+        for leaf, chunk in owners:
+            problems.add(leaf, chunk, f"{name} {why}")
+    keys = {rec.key: rec.path for rec in man.leaves if _has_data(rec, "file")}
+    for name in sorted(found):
+        problems.add(_leaf_of(name, keys), name, f"unexpected file {name}")
+    return bad
+
+
+def _leaf_of(name: str, keys: dict[str, str]) -> str | None:
+    """The big leaf whose directory ``arrays/<key>/`` holds file ``name``, if any."""
+    parts = name.split("/")
+    if parts[0] != "arrays":
+        return None
+    for i in range(len(parts) - 1, 1, -1):
+        key = "/".join(parts[1:i])
+        if key in keys:
+            return keys[key]
+    return None
+
+
+class _Read(NamedTuple):
+    """One stored chunk to read and checksum: the local chunk file ``path`` when set,
+    else ``region`` of the tensorstore array ``store``."""
+
+    name: str
+    nbytes: int
+    path: str | None
+    store: Any
+    region: _layout.Index
+    dtype: np.dtype
+    owners: tuple  # (leaf, chunk label) pairs to name when it fails
+
+
+def _plan_reads(loc: Location, man: Manifest, owners, skip: set[str]) -> tuple[list[_Read], int]:
+    """One read per stored chunk (those in ``skip`` are already reported); also the
+    number of stored chunks."""
+    ctx = _storage.context(loc)
+    reads, n_chunks = [], 0
+    for rec in man.leaves:
+        if not _has_data(rec, "file"):
+            continue
+        storage = _dtypes.DTYPES[rec.storage_dtype]
+        spec = _zarr.array_spec(loc, rec.key, rec.shape, rec.chunk_shape, rec.storage_dtype)
+        store = _zarr.open_array(spec, ctx, create=False)
+        direct = _reader.DIRECT_READS and loc.local is not None and (
+            storage.itemsize == 1 or sys.byteorder == "little")
+        for cell in _layout.chunk_cells(rec.shape, rec.chunk_shape):
+            n_chunks += 1
+            name = _chunk_name(rec.key, cell)
+            if name in skip:
+                continue
+            region = _layout.chunk_region(cell, rec.chunk_shape, rec.shape)
+            whole = _layout.index_shape(region) == tuple(rec.chunk_shape)  # edge chunks: tensorstore
+            path = _chunkfiles.chunk_file(loc, rec.key, cell) if direct and whole else None
+            reads.append(_Read(name, _layout.index_size(region) * storage.itemsize, path, store, region,
+                               storage, ((rec.path, _cell_label(cell)),)))
+    for p in man.packed:
+        store = _zarr.open_array(_zarr.packed_spec(loc, p.process, p.nbytes, p.chunk_bytes), ctx, create=False)
+        for n in range(-(-p.nbytes // p.chunk_bytes)):
+            n_chunks += 1
+            name = f"packed/p{p.process}/c/{n}"
+            if name not in skip:
+                region = ((n * p.chunk_bytes, min((n + 1) * p.chunk_bytes, p.nbytes)),)
+                reads.append(_Read(name, region[0][1] - region[0][0], None, store, region,
+                                   np.dtype(np.uint8), _owner_list(owners, p.process, n)))
+    return reads, n_chunks
+
+
+def _fail(problems: _Problems, read: _Read, error: BaseException) -> None:
+    cause = _storage.storage_cause(error)
+    for leaf, chunk in read.owners:
+        problems.add(leaf, chunk, f"{read.name}: {cause}")
+
+
+def _run_reads(reads: list[_Read], problems: _Problems, meter: _Meter) -> None:
+    """Tensorstore reads within the byte budget, then direct chunk-file reads on a few
+    threads, each into its own reused buffer (as many threads as the budget holds)."""
+    _tasks.run_bounded((_tensorstore_job(r, problems, meter) for r in reads if r.path is None),
+                       SCAN_BUDGET_BYTES)
+    direct = [r for r in reads if r.path is not None]
+    biggest = max((r.nbytes for r in direct), default=1)
+    threads = max(1, min(READ_THREADS, SCAN_BUDGET_BYTES // max(biggest, 1)))
+    buffers = threading.local()
+    _tasks.run_tasks([functools.partial(_direct_read, r, buffers, problems, meter) for r in direct], threads)
+
+
+def _direct_read(read: _Read, buffers: threading.local, problems: _Problems, meter: _Meter) -> None:
+    buf = getattr(buffers, "buf", None)
+    if buf is None or buf.nbytes < read.nbytes:
+        buffers.buf = None  # drop the old one before allocating its successor
+        buf = buffers.buf = _chunkfiles.aligned_empty((read.nbytes,), np.uint8)
+    try:
+        _chunkfiles.read_chunk_file(buf[:read.nbytes], read.path)
+    except Exception as e:  # noqa: BLE001 - a bad chunk is a problem to report, not to raise
+        _fail(problems, read, e)
+        meter.add(read.nbytes, ok=False)
+        return
+    meter.add(read.nbytes)
+
+
+class _Failed:
+    """A future that failed before it started."""
+
+    def __init__(self, error: BaseException):
+        self._error = error
+
+    def result(self) -> None:
+        raise self._error
+
+
+def _tensorstore_job(read: _Read, problems: _Problems, meter: _Meter):
+    held: list[np.ndarray] = []  # the buffer lives from start to finish only
+
+    def start() -> Any:
+        try:
+            held.append(_chunkfiles.aligned_empty(_layout.index_shape(read.region), read.dtype))
+            return _zarr.read_into(held[0], read.store.result(), read.region)
+        except Exception as e:  # noqa: BLE001 - reported by finish
+            return _Failed(e)
+
+    def finish(future: Any) -> None:
+        try:
+            future.result()
+        except Exception as e:  # noqa: BLE001 - a bad chunk is a problem to report, not to raise
+            _fail(problems, read, e)
+            meter.add(read.nbytes, ok=False)
+        else:
+            meter.add(read.nbytes)
+        held.clear()
+
+    return read.nbytes, start, finish
+
+
+# --- streaming regions through the reader (stats, diff) -------------------------------
+
+
+class _Unit(NamedTuple):
+    """One region of a leaf, read from each scanned checkpoint (``recs`` in order)."""
+
+    recs: tuple[LeafRecord, ...]
+    region: _layout.Index
+    nbytes: int  # over all checkpoints
+
+
+def _itemsize(rec: LeafRecord) -> int:
+    return _dtypes.DTYPES[rec.dtype].itemsize
+
+
+def _units(recs: tuple[LeafRecord, ...]) -> list[_Unit]:
+    """Regions covering ``recs[0]``'s shape, each a union of whole saved chunks of every
+    record (the least common multiple of their chunk shapes) when that fits the budget,
+    else one saved chunk of ``recs[0]``; a small leaf is one region."""
+    shape = recs[0].shape
+    per_element = sum(_itemsize(r) for r in recs)
+    size = math.prod(shape)
+    if size == 0:
+        return []
+    if size * per_element <= WHOLE_LEAF_BYTES:
+        return [_Unit(recs, tuple((0, d) for d in shape), size * per_element)]
+    step = tuple(functools.reduce(math.lcm, dims) for dims in zip(*(r.chunk_shape for r in recs)))
+    limit = max(SCAN_BUDGET_BYTES, math.prod(recs[0].chunk_shape) * per_element)
+    if math.prod(min(s, d) for s, d in zip(step, shape)) * per_element > limit:
+        step = recs[0].chunk_shape
+    out = []
+    for cell in _layout.chunk_cells(shape, step):
+        region = _layout.chunk_region(cell, step, shape)
+        out.append(_Unit(recs, region, _layout.index_size(region) * per_element))
+    return out
+
+
+def _plan_units(pairs: list[tuple[LeafRecord, ...]]) -> list[_Unit]:
+    """Every region to read; packed leaves first in packed order, so that a batch reads
+    neighbouring bytes of the packed arrays."""
+    def order(recs: tuple[LeafRecord, ...]) -> tuple:
+        first = recs[0]
+        return (0, *first.chunks[0]) if first.store == "packed" and first.chunks else (1, 0, 0)
+
+    return [u for recs in sorted(pairs, key=order) for u in _units(recs)]
+
+
+def _batches(units: list[_Unit], budget: int) -> Iterator[list[_Unit]]:
+    batch: list[_Unit] = []
+    size = 0
+    for unit in units:
+        if batch and size + unit.nbytes > budget:
+            yield batch
+            batch, size = [], 0
+        batch.append(unit)
+        size += unit.nbytes
+    if batch:
+        yield batch
+
+
+def _stream(sides: Sequence[tuple[Location, Manifest]], units: list[_Unit],
+            fold: Callable[..., None], progress: Progress | None) -> None:
+    """Read ``units`` a batch (within the budget) at a time, from every checkpoint in
+    ``sides``, and ``fold(unit, array_per_side...)`` each. Raises on a bad chunk."""
+    meter = _Meter(sum(u.nbytes for u in units), progress)
+    for batch in _batches(units, SCAN_BUDGET_BYTES):
+        readers = [_reader.Reader(loc, man) for loc, man in sides]
+        for unit in batch:
+            for reader, rec in zip(readers, unit.recs):
+                reader.add(rec, unit.region)
+        for reader in readers:
+            reader.run()
+        for unit in batch:
+            fold(unit, *(reader.get(rec, unit.region) for reader, rec in zip(readers, unit.recs)))
+        meter.add(sum(u.nbytes for u in batch))
+
+
+def _kind(dtype: str) -> str:
+    """``bool``, ``int``, ``float`` or ``complex`` for a dtype name (ml_dtypes too)."""
+    if dtype == "bool":
+        return "bool"
+    if dtype.startswith("complex"):
+        return "complex"
+    return "int" if dtype.startswith(("int", "uint")) else "float"
+
+
+def _plain(x: np.ndarray) -> np.ndarray:
+    """``x`` in a numpy-native dtype numpy's reductions handle (ml_dtypes widened)."""
+    if x.dtype.kind != "V":
+        return x
+    if _kind(x.dtype.name) == "int":
+        return x.astype(np.uint8 if x.dtype.name.startswith("u") else np.int8)
+    return x.astype(np.float32)
+
+
+def _blocks(x: np.ndarray) -> Iterator[slice]:
+    for start in range(0, x.size, FOLD_BLOCK):
+        yield slice(start, start + FOLD_BLOCK)
+
+
+# --- stats --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Moments:
+    """Running statistics, combined with Chan et al.'s pairwise update (float64)."""
+
+    count: int = 0  # elements
+    nan: int = 0
+    inf: int = 0
+    n: int = 0  # finite elements
+    mean: float = 0.0
+    m2: float = 0.0  # sum of squared deviations from the mean
+    lo: Any = None
+    hi: Any = None
+
+    def merge(self, o: _Moments) -> None:
+        self.count, self.nan, self.inf = self.count + o.count, self.nan + o.nan, self.inf + o.inf
+        if not o.n:
+            return
+        if not self.n:
+            self.n, self.mean, self.m2, self.lo, self.hi = o.n, o.mean, o.m2, o.lo, o.hi
+            return
+        n = self.n + o.n
+        delta = o.mean - self.mean
+        self.mean += delta * o.n / n
+        self.m2 += o.m2 + delta * delta * self.n * o.n / n
+        self.n, self.lo, self.hi = n, min(self.lo, o.lo), max(self.hi, o.hi)
+
+
+def _block_moments(x: np.ndarray) -> _Moments:
+    """Statistics of one flat block of a real array."""
+    x = _plain(x)
+    m = _Moments(count=x.size)
+    if x.dtype.kind == "f":
+        finite = np.isfinite(x)
+        m.nan = int(np.count_nonzero(np.isnan(x)))
+        m.inf = x.size - m.nan - int(np.count_nonzero(finite))
+        if m.nan or m.inf:
+            x = x[finite]
+    if x.size:
+        f = x.astype(np.float64)
+        m.n, m.mean = f.size, float(f.mean())
+        m.m2 = float(np.square(f - m.mean).sum())
+        m.lo, m.hi = x.min().item(), x.max().item()
+    return m
+
+
+def _numeric(rec: LeafRecord) -> bool:
+    return rec.kind == "array" and _kind(rec.dtype) != "complex"
+
+
+def leaf_stats(loc: Location, man: Manifest, records: Sequence[LeafRecord],
+               progress: Progress | None = None) -> dict[str, LeafStats]:
+    """Statistics of ``records`` (by key path), all streamed in one pass."""
+    acc = {r.path: _Moments() for r in records if _numeric(r)}
+
+    def fold(unit: _Unit, data: np.ndarray) -> None:
+        flat = data.reshape(-1)
+        for block in _blocks(flat):
+            acc[unit.recs[0].path].merge(_block_moments(flat[block]))
+
+    _stream(((loc, man),), _plan_units([(r,) for r in records if r.path in acc]), fold, progress)
+    out = {}
+    for rec in records:
+        if rec.kind == "value":
+            out[rec.path] = LeafStats(rec.path, "value", None, None, False)
+            continue
+        m = acc.get(rec.path)
+        if m is None:
+            out[rec.path] = LeafStats(rec.path, rec.kind, rec.dtype, rec.shape, False, math.prod(rec.shape))
+            continue
+        mean, std = (m.mean, math.sqrt(m.m2 / m.n)) if m.n else (None, None)
+        out[rec.path] = LeafStats(rec.path, rec.kind, rec.dtype, rec.shape, True, math.prod(rec.shape),
+                                  m.nan, m.inf, m.lo, m.hi, mean, std)
+    return out
+
+
+# --- diff ---------------------------------------------------------------------------
+
+
+def diff(a: Any, b: Any, *, progress: Progress | None = None) -> DiffReport:
+    """Compare two checkpoints: keys, kinds, shapes, dtypes, inline values and values.
+
+    Array values are compared element by element, streamed region by region (each
+    region a union of whole saved chunks of both checkpoints where that fits the
+    budget), so the two may have different shardings and chunk layouts and memory stays
+    near ``SCAN_BUDGET_BYTES``. Arrays of equal shape are compared even when their
+    dtypes differ (in float64, or complex128). NaN equals NaN; NaN or an infinity
+    against a different value is an infinite absolute and relative difference;
+    ``-0.0`` equals ``0.0``. The relative difference is ``|a - b| / max(|a|, |b|)``
+    (0 where both are 0). User metadata is not compared.
+
+    Args:
+      a: the first checkpoint (local path, URL or kvstore spec).
+      b: the second.
+      progress: optional ``callable(bytes_done, bytes_total)`` over the bytes of both.
+
+    Returns:
+      A ``DiffReport`` (``identical``, ``added``, ``removed``, ``changed``, ``arrays``).
+
+    Raises:
+      CheckpointNotFoundError: either path holds no checkpoint.
+      CorruptCheckpointError: a manifest or a chunk read fails (``verify`` says more).
+
+    Example:
+      >>> report = jaxckpt.diff("/ckpts/100", "/ckpts/200")
+      >>> report.identical, report.arrays["params/w"]["max_abs"]
+      (False, 0.0125)
+    """
+    start = time.perf_counter()
+    loc_a, loc_b = _location.resolve(a), _location.resolve(b)
+    man_a, man_b = _commit.read_manifest(loc_a), _commit.read_manifest(loc_b)
+    recs_a = {r.path: r for r in man_a.leaves}
+    recs_b = {r.path: r for r in man_b.leaves}
+    changed, pairs = _compare_records(recs_a, recs_b)
+    acc = {ra.path: [0, 0.0, 0.0] for ra, _ in pairs}  # elements differing, max abs, max rel
+
+    def fold(unit: _Unit, x: np.ndarray, y: np.ndarray) -> None:
+        x, y, into = x.reshape(-1), y.reshape(-1), acc[unit.recs[0].path]
+        for block in _blocks(x):
+            n, max_abs, max_rel = _diff_block(x[block], y[block])
+            into[0] += n
+            into[1], into[2] = max(into[1], max_abs), max(into[2], max_rel)
+
+    _stream(((loc_a, man_a), (loc_b, man_b)), _plan_units(pairs), fold, progress)
+    arrays = {ra.path: {"elements": math.prod(ra.shape), "differ": acc[ra.path][0],
+                        "max_abs": acc[ra.path][1], "max_rel": acc[ra.path][2]} for ra, _ in pairs}
+    return DiffReport(str(loc_a), str(loc_b), sorted(recs_b.keys() - recs_a.keys()),
+                      sorted(recs_a.keys() - recs_b.keys()), changed, arrays, time.perf_counter() - start)
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    if type(x) is not type(y):
+        return False
+    return bool(x == y) or (isinstance(x, float) and x != x and y != y)
+
+
+def _compare_records(recs_a: dict[str, LeafRecord], recs_b: dict[str, LeafRecord]):
+    """What differs besides array values, and the pairs of array leaves to compare."""
+    changed: list[dict[str, Any]] = []
+    pairs: list[tuple[LeafRecord, LeafRecord]] = []
+    for path in sorted(recs_a.keys() & recs_b.keys()):
+        ra, rb = recs_a[path], recs_b[path]
+        fields = ("kind",) if ra.kind != rb.kind else ("value",) if ra.kind == "value" else (
+            "dtype", "shape", "impl")
+        for field in fields:
+            va, vb = getattr(ra, field), getattr(rb, field)
+            if not _same_value(va, vb):
+                changed.append({"leaf": path, "field": field, "a": va, "b": vb})
+        if ra.kind == rb.kind != "value" and ra.shape == rb.shape:
+            pairs.append((ra, rb))
+    return changed, pairs
+
+
+def _diff_block(x: np.ndarray, y: np.ndarray) -> tuple[int, float, float]:
+    """Elements that differ, max absolute and max relative difference of two blocks."""
+    x, y = _plain(x), _plain(y)
+    same = x == y
+    if x.dtype.kind in "fc" and y.dtype.kind in "fc":
+        same |= np.isnan(x) & np.isnan(y)
+    differ = ~same
+    n = int(np.count_nonzero(differ))
+    if not n:
+        return 0, 0.0, 0.0
+    wide = np.result_type(x.dtype, y.dtype, np.float64)
+    xd, yd = x[differ].astype(wide), y[differ].astype(wide)
+    finite = np.isfinite(xd) & np.isfinite(yd)
+    with np.errstate(all="ignore"):
+        d = np.where(finite, np.abs(xd - yd), np.inf)
+        rel = np.where(finite, d / np.maximum(np.abs(xd), np.abs(yd)), np.inf)
+    return n, float(d.max()), float(rel.max())

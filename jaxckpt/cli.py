@@ -1,0 +1,425 @@
+"""The ``jaxckpt`` command: a thin shell over the public Python API.
+
+Each command parses its arguments, calls one or two public functions (the same ones a
+notebook calls) and prints the result, as a table on a terminal or as JSON with
+``--json``. Errors are one line on stderr: exit 2 for a usage error or a path that is
+not a checkpoint, 1 for anything else that failed (``verify``: a corrupt checkpoint;
+``diff``: the checkpoints differ). Long operations show a progress bar on a terminal
+and nothing when piped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import click
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class _Exit(Exception):
+    def __init__(self, code: int, message: str = ""):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _emit_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, default=_json_default, allow_nan=True))
+
+
+def _json_default(x: Any) -> Any:
+    if hasattr(x, "to_json"):
+        return x.to_json()
+    if hasattr(x, "_asdict"):
+        return x._asdict()
+    return str(x)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> None:
+    """Plain aligned columns (readable piped into grep, and on a terminal)."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    click.echo("  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip())
+    for row in cells:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+
+
+@contextlib.contextmanager
+def _progress(label: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A ``progress(done, total)`` callback drawing a bar on a terminal; ``None`` when
+    stderr is not a terminal (piped output stays clean)."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn(label), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(label, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+# --- commands ---------------------------------------------------------------------
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="jaxckpt", prog_name="jaxckpt")
+def main() -> None:
+    """Explore, check and manage jaxckpt checkpoints without the model code."""
+
+
+def _is_checkpoint(path: str) -> bool:
+    from . import _commit, _location
+
+    return _commit.has_manifest(_location.resolve(path))
+
+
+@main.command("ls")
+@click.argument("directory")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--mtbf", type=float, default=None, metavar="SECONDS",
+              help="Mean time between failures: also print the advised save interval.")
+def ls_command(directory: str, as_json: bool, mtbf: float | None) -> None:
+    """The committed steps of a manager DIRECTORY (or one checkpoint), and dead attempts."""
+    import jaxckpt
+
+    if _is_checkpoint(directory):
+        info = jaxckpt.metadata(directory)
+        row = {"path": info.path, "created": info.info.get("created"), "bytes": info.info.get("bytes"),
+               "format_version": info.format_version}
+        if as_json:
+            _emit_json({"checkpoints": [row]})
+        else:
+            _table(["path", "created", "size"], [[row["path"], row["created"], _human(row["bytes"] or 0)]])
+        return
+    if not os.path.isdir(directory) and "://" not in directory:
+        raise _Exit(EXIT_USAGE, f"'{directory}' is not a checkpoint or a manager directory")
+    with jaxckpt.CheckpointManager(directory, read_only=True) as mgr:
+        steps = [_step_row(mgr, s) for s in mgr.all_steps()]
+        attempts = mgr.attempts()
+        advice = mgr.advise_interval(mtbf_s=mtbf) if mtbf is not None else None
+    if as_json:
+        _emit_json({"directory": directory, "steps": steps, "attempts": attempts,
+                    "advice": None if advice is None else advice._asdict()})
+        return
+    _print_steps(directory, steps)
+    if attempts:
+        click.echo("\nuncommitted attempts (not checkpoints; `jaxckpt gc` removes dead ones):")
+        _table(["name", "step", "size", "state"],
+               [[a["name"], a["step"], _human(a.get("bytes", 0)), "in use by a live writer" if a.get("writer_alive") else "dead"]
+                for a in attempts])
+    if advice is not None:
+        _print_advice(advice)
+
+
+def _step_row(mgr: Any, step: int) -> dict[str, Any]:
+    info = mgr.info(step)
+    when = info.get("commit_time", info.get("created_unix"))
+    return {"step": step, "commit_time": when, "age_s": None if when is None else max(0.0, time.time() - when),
+            "bytes": info.get("bytes"), "metrics": info.get("metrics"),
+            "total_seconds": info.get("total_seconds"), "blocking_seconds": info.get("blocking_seconds")}
+
+
+def _print_steps(directory: str, steps: list[dict[str, Any]]) -> None:
+    if not steps:
+        click.echo(f"no committed steps in '{directory}'")
+        return
+    rows = []
+    for s in steps:
+        when = "-" if s["commit_time"] is None else datetime.datetime.fromtimestamp(
+            s["commit_time"]).strftime("%Y-%m-%d %H:%M:%S")
+        metrics = " ".join(f"{k}={_short(v)}" for k, v in (s["metrics"] or {}).items())
+        save = "-" if s["total_seconds"] is None else f"{s['total_seconds']:.2f}s"
+        rows.append([s["step"], when, _age(s["age_s"]), _human(s["bytes"] or 0), save, metrics])
+    _table(["step", "committed", "age", "size", "save", "metrics"], rows)
+
+
+def _short(v: Any) -> str:
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def _print_advice(advice: Any) -> None:
+    a = advice._asdict() if hasattr(advice, "_asdict") else dict(advice)
+    click.echo(f"\ncadence (Young-Daly, MTBF {a['mtbf_s']:.0f}s, save cost {a['save_cost_s']:.3g}s): "
+               f"save every {a['interval_s']:.0f}s"
+               + (f" (~{a['interval_steps']} steps)" if a.get("interval_steps") else "")
+               + f"; time lost now {100 * a['lost_fraction_now']:.2f}%, advised "
+               f"{100 * a['lost_fraction_advised']:.2f}%")
+
+
+@main.command("show")
+@click.argument("path")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--depth", type=click.IntRange(min=0), default=None,
+              help="Fold subtrees deeper than this into one line with their totals.")
+def show_command(path: str, as_json: bool, depth: int | None) -> None:
+    """The tree of the checkpoint at PATH: shape, dtype, sharding and bytes per leaf and subtree."""
+    import jaxckpt
+
+    info = jaxckpt.metadata(path)
+    tree = _describe(info.tree, "", depth, 0)
+    if as_json:
+        _emit_json({"path": info.path, "format_version": info.format_version, "metadata": info.metadata,
+                    "bytes": tree["bytes"], "leaves": tree["leaves"], "tree": tree})
+        return
+    click.echo(f"{info.path}: {tree['leaves']} leaves, {_human(tree['bytes'])}, "
+               f"format version {info.format_version}")
+    if info.metadata:
+        click.echo(f"metadata: {json.dumps(info.metadata, default=str)}")
+    _print_node(tree, 0)
+
+
+def _describe(node: Any, path: str, depth: int | None, level: int) -> dict[str, Any]:
+    """A JSON-able tree: leaves with their fields; subtrees with totals (folded below ``depth``)."""
+    from . import LeafInfo
+
+    if isinstance(node, LeafInfo):
+        sh = node.sharding
+        spec = None if sh is None else (str(sh.spec) if sh.type == "named" else sh.type)
+        mesh = None if sh is None or sh.type != "named" else sh.mesh_shape
+        return {"path": path, "kind": "array", "shape": list(node.shape), "dtype": str(node.dtype),
+                "spec": spec, "mesh": mesh, "bytes": node.nbytes, "leaves": 1}
+    if isinstance(node, (dict, list, tuple)):
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        kids = [_describe(v, f"{path}/{k}" if path else str(k), depth, level + 1) for k, v in items]
+        out = {"path": path, "kind": "tree", "bytes": sum(k["bytes"] for k in kids),
+               "leaves": sum(k["leaves"] for k in kids)}
+        if depth is None or level < depth:
+            out["children"] = kids
+        return out
+    return {"path": path, "kind": "value", "value": node, "bytes": 0, "leaves": 1}
+
+
+def _print_node(node: dict[str, Any], indent: int) -> None:
+    for kid in node.get("children", []):
+        name = kid["path"].rsplit("/", 1)[-1]
+        pad = "  " * indent
+        if kid["kind"] == "array":
+            where = kid["spec"] or "host"
+            if kid["mesh"]:
+                where += " on " + ",".join(f"{k}={v}" for k, v in kid["mesh"].items())
+            click.echo(f"{pad}{name}  {kid['dtype']}{kid['shape']}  {where}  {_human(kid['bytes'])}")
+        elif kid["kind"] == "value":
+            click.echo(f"{pad}{name}  = {kid['value']!r}")
+        else:
+            folded = "" if "children" in kid else "  …"
+            click.echo(f"{pad}{name}/  {kid['leaves']} leaves, {_human(kid['bytes'])}{folded}")
+            _print_node(kid, indent + 1)
+
+
+@main.command("verify")
+@click.argument("paths", nargs=-1, required=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def verify_command(paths: tuple[str, ...], as_json: bool) -> None:
+    """Read every chunk of each checkpoint and check it: exit 0 intact, 1 corrupt."""
+    import jaxckpt
+
+    reports, missing = [], []
+    for path in paths:
+        try:
+            with _progress(f"verify {path}") as progress:
+                reports.append(jaxckpt.verify(path, progress=progress))
+        except jaxckpt.CheckpointNotFoundError as e:
+            missing.append({"path": path, "error": str(e)})
+    if as_json:
+        _emit_json({"reports": reports, "not_checkpoints": missing})
+    else:
+        for r in reports:
+            state = "ok" if r.ok else "CORRUPT"
+            click.echo(f"{r.path}: {state} ({r.leaves} leaves, {r.chunks} chunks, {_human(r.bytes_read)} "
+                       f"in {r.seconds:.2f}s)")
+            for p in r.problems:
+                click.echo(f"  leaf '{p['leaf']}' chunk {p['chunk']}: {p['message']}")
+        for m in missing:
+            click.echo(f"jaxckpt: {m['error']}", err=True)
+    if missing:
+        raise _Exit(EXIT_USAGE)
+    if any(not r.ok for r in reports):
+        raise _Exit(EXIT_FAILED)
+
+
+@main.command("diff")
+@click.argument("a")
+@click.argument("b")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def diff_command(a: str, b: str, as_json: bool) -> None:
+    """Compare two checkpoints leaf by leaf: exit 0 identical, 1 different."""
+    import jaxckpt
+
+    with _progress("diff") as progress:
+        report = jaxckpt.diff(a, b, progress=progress)
+    data = report.to_json()
+    if as_json:
+        _emit_json(data)
+    else:
+        for line in _diff_lines(data):
+            click.echo(line)
+    if not report.identical:
+        raise _Exit(EXIT_FAILED)
+
+
+def _diff_lines(d: dict[str, Any]) -> list[str]:
+    lines = [f"+ {k}" for k in d["added"]] + [f"- {k}" for k in d["removed"]]
+    lines += [f"~ {c['leaf']}: {c['field']} {c['a']} -> {c['b']}" for c in d["changed"]]
+    for path, a in sorted(d["arrays"].items()):
+        if a["differ"]:
+            lines.append(f"≠ {path}: {a['differ']} of {a['elements']} elements differ, max abs {a['max_abs']}, "
+                         f"max rel {a['max_rel']}")
+    return lines or ["identical"]
+
+
+@main.command("stats")
+@click.argument("path")
+@click.argument("keys", nargs=-1)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def stats_command(path: str, keys: tuple[str, ...], as_json: bool) -> None:
+    """min, max, mean, std, NaN and Inf counts per leaf (all leaves, or KEYS), streamed."""
+    import jaxckpt
+
+    view = jaxckpt.open(path)
+    found: dict[str, Any] = {}
+    with _progress("stats") as progress:
+        for key in keys or (None,):
+            if key is not None and key not in view and not _is_prefix(view, key):
+                raise _Exit(EXIT_USAGE, f"'{key}' is not a key path in checkpoint '{view.path}'")
+            got = view.stats(key, progress=progress)
+            found.update(got if isinstance(got, dict) else {key: got})
+    rows = {k: (v.to_json() if hasattr(v, "to_json") else v) for k, v in found.items()}
+    if as_json:
+        _emit_json(rows)
+        return
+    table = []
+    for k, st in rows.items():
+        if not st["numeric"]:
+            table.append([k, "-", "-", "-", "-", "-", "-", st["kind"]])
+            continue
+        table.append([k, _short(st["min"]), _short(st["max"]), _short(st["mean"]), _short(st["std"]),
+                      st["nan"], st["inf"], st["dtype"]])
+    _table(["leaf", "min", "max", "mean", "std", "nan", "inf", "dtype"], table)
+
+
+def _is_prefix(view: Any, key: str) -> bool:
+    prefix = key.strip("/") + "/"
+    return any(k.startswith(prefix) for k in view.keys())
+
+
+@main.command("rm")
+@click.argument("directory")
+@click.argument("steps", nargs=-1, required=True, type=click.IntRange(min=0))
+def rm_command(directory: str, steps: tuple[int, ...]) -> None:
+    """Delete committed STEPS of a manager DIRECTORY (each vanishes from listings first)."""
+    import jaxckpt
+
+    with jaxckpt.CheckpointManager(directory) as mgr:
+        missing = [s for s in steps if s not in mgr.all_steps()]
+        if missing:
+            raise _Exit(EXIT_FAILED, f"no committed step {', '.join(map(str, missing))} in '{directory}'")
+        for s in steps:
+            mgr.delete(s)
+            click.echo(f"deleted step {s}")
+
+
+@main.command("gc")
+@click.argument("directory")
+@click.option("--yes", is_flag=True, help="Remove them (otherwise only say what would be removed).")
+def gc_command(directory: str, yes: bool) -> None:
+    """Remove the attempts dead writers left in DIRECTORY (never a live writer's)."""
+    import jaxckpt
+
+    with jaxckpt.CheckpointManager(directory, read_only=True) as mgr:
+        attempts = mgr.attempts()
+    live = [a for a in attempts if a.get("writer_alive")]
+    if live:
+        raise _Exit(EXIT_FAILED, f"a live writer holds '{directory}'; its attempts may be in use "
+                                 f"({', '.join(a['name'] for a in live)}); nothing removed")
+    if not attempts:
+        click.echo("nothing to remove")
+        return
+    for a in attempts:
+        click.echo(f"{'removing' if yes else 'would remove'} {a['name']} ({_human(a.get('bytes', 0))})")
+    if yes:
+        jaxckpt.CheckpointManager(directory).close()  # a writer cleans dead attempts when it starts
+    else:
+        click.echo("run again with --yes to remove them")
+
+
+def run(argv: list[str] | None = None) -> int:
+    """The console script: every error is one line on stderr, never a traceback."""
+    import jaxckpt
+
+    try:
+        main.main(args=argv, prog_name="jaxckpt", standalone_mode=False)
+        return EXIT_OK
+    except _Exit as e:
+        if e.message:
+            click.echo(f"jaxckpt: {e.message}", err=True)
+        return e.code
+    except click.UsageError as e:
+        if type(e).__name__.startswith("NoArgsIsHelp"):  # bare `jaxckpt`: the help is the answer
+            click.echo(e.ctx.get_help() if e.ctx else e.format_message(), err=True)
+        else:
+            click.echo(f"jaxckpt: {_one_line_text(e.format_message())}", err=True)
+        return EXIT_USAGE
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.Abort:
+        return 130
+    except jaxckpt.CheckpointNotFoundError as e:
+        click.echo(f"jaxckpt: {_one_line(e)}", err=True)
+        return EXIT_USAGE
+    except (jaxckpt.CheckpointError, OSError, ValueError, KeyError) as e:
+        click.echo(f"jaxckpt: {_one_line(e)}", err=True)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - the CLI promises one line, not a traceback
+        click.echo(f"jaxckpt: internal error: {type(e).__name__}: {_one_line(e)} "
+                   "(set JAXCKPT_DEBUG=1 for the traceback)", err=True)
+        if os.environ.get("JAXCKPT_DEBUG"):
+            raise
+        return EXIT_FAILED
+
+
+def _one_line(e: BaseException) -> str:
+    return _one_line_text(str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e))
+
+
+def _one_line_text(text: str) -> str:
+    return " ".join(text.split())
+
+
+def console() -> None:
+    sys.exit(run())
+
+
+if __name__ == "__main__":
+    console()
