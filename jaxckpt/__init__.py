@@ -8,6 +8,7 @@ commits.
 from ._cadence import CadenceAdvice as CadenceAdvice
 from ._checkpoint import CheckpointInfo as CheckpointInfo
 from ._checkpoint import LeafInfo as LeafInfo
+from ._checkpoint import MissingKeysWarning as MissingKeysWarning
 from ._checkpoint import metadata as metadata
 from ._checkpoint import restore as restore
 from ._checkpoint import save as save
@@ -44,6 +45,7 @@ __all__ = [
     "HistoryRecord",
     "LazyArray",
     "LeafInfo",
+    "MissingKeysWarning",
     "LeafStats",
     "SavedSharding",
     "TreeMismatchError",

@@ -12,6 +12,7 @@ import datetime
 import functools
 import json
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -19,7 +20,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from . import _commit, _distributed, _dtypes, _layout, _location, _manifest, _reader, _tree
+from . import _commit, _distributed, _dtypes, _layout, _location, _manifest, _sources, _tree
 from ._errors import CheckpointError, TreeMismatchError
 from ._location import Location
 from ._manifest import LeafRecord, Manifest
@@ -212,11 +213,11 @@ def metadata(path: Any) -> CheckpointInfo:
       >>> info.tree["params"]["w"].shape
       (1024, 1024)
     """
-    loc = _location.resolve(path)
     with _tree.gc_paused():
-        man = _commit.read_manifest(loc)
+        source = _sources.open_source(path)
+        man = source.manifest
         tree = _tree.build(man.structure, lambda i: _leaf_info(man.leaves[i]))
-    return CheckpointInfo(tree, man.metadata, man.format_version, man.info, str(loc))
+    return CheckpointInfo(tree, man.metadata, man.format_version, man.info, str(source.loc))
 
 
 # --- restore ------------------------------------------------------------------------
@@ -413,15 +414,15 @@ def _cast(arr: np.ndarray, req: _Request, where: str) -> np.ndarray:
     return arr.astype(req.dtype)
 
 
-def _restore_leaves(loc: Location, man: Manifest, requests: list[_Request]) -> list[Any]:
+def _restore_leaves(source: _sources.Source, requests: list[_Request]) -> list[Any]:
     """Read what every request needs (each distinct slice once), then place it."""
-    reader = _reader.Reader(loc, man)
+    reader = source.new_reader()
     plans = [_plan_reads(reader, req) for req in requests]
     reader.run()
-    return _place(reader, requests, plans, str(loc))
+    return _place(reader, requests, plans, str(source.loc))
 
 
-def _plan_reads(reader: _reader.Reader, req: _Request) -> Any:
+def _plan_reads(reader: _sources.ReaderLike, req: _Request) -> Any:
     """Tell ``reader`` which slices ``req`` needs: ``None`` (an inline value), the full
     index (host arrays) or ``(sharding, {device: index})``."""
     rec = req.rec
@@ -440,7 +441,7 @@ def _plan_reads(reader: _reader.Reader, req: _Request) -> Any:
     return sharding, per_device
 
 
-def _place(reader: _reader.Reader, requests: list[_Request], plans: list[Any], where: str) -> list[Any]:
+def _place(reader: _sources.ReaderLike, requests: list[_Request], plans: list[Any], where: str) -> list[Any]:
     """Host values for host requests; device arrays, placed in one batched
     ``device_put``, for the rest. On CPU jax adopts our 64-byte-aligned host buffers
     without a copy (devices holding the same slice share it; jax arrays are immutable
@@ -508,7 +509,8 @@ def _key_data_sharding(sharding: Any, extra: int, path: str) -> Any:
     )
 
 
-def _restore_all_numpy(loc: Location, man: Manifest) -> Any:
+def _restore_all_numpy(source: _sources.Source) -> Any:
+    man = source.manifest
     requests = [
         _Request(r, "value" if r.kind == "value" else "numpy", None, None, None, r.value)
         for r in man.leaves
@@ -517,12 +519,12 @@ def _restore_all_numpy(loc: Location, man: Manifest) -> Any:
     for i, r in enumerate(man.leaves):
         if r.kind == "prng_key":
             requests[i] = _Request(r, "jax", None, jax.sharding.SingleDeviceSharding(jax.devices()[0]), None)
-    values = _restore_leaves(loc, man, requests)
+    values = _restore_leaves(source, requests)
     return _tree.build(man.structure, lambda i: values[i])
 
 
 def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bool = False,
-            allow_narrowing: bool = False) -> Any:
+            allow_narrowing: bool = False, key_map: Any = None, missing: str | None = None) -> Any:
     """Restore a checkpoint, optionally onto a target structure and shardings.
 
     Each process reads only the slices its devices hold (equal slices once).
@@ -545,6 +547,15 @@ def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bo
         (checked on the host); otherwise ``TreeMismatchError``. Float precision casts
         (float32 -> bfloat16), int -> float and bool -> number are always allowed;
         float -> int, complex -> float and non-bool -> bool never are.
+      key_map: model surgery: where each target key path is found in the checkpoint.
+        A dict of key-path prefixes (``{"params/decoder": "params/old_decoder"}``; the
+        longest matching prefix wins; a value of ``None`` means "not in the
+        checkpoint") or a callable from a target key path to a saved one (or
+        ``None``). Saved names may also use ``.`` separators (safetensors tensors).
+      missing: ``"target"`` keeps the target's own value for every target leaf the
+        checkpoint lacks (a new head the model initialised), listing them in a
+        ``MissingKeysWarning``; such target leaves must be concrete values. ``None``
+        (default): a missing leaf raises.
 
     Returns:
       The restored PyTree. Without ``target`` and ``shardings``: numpy arrays (typed
@@ -559,65 +570,130 @@ def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bo
     Example:
       >>> state = jaxckpt.restore("/tmp/ckpt", target=abstract_state)
     """
+    if missing not in (None, "target"):
+        raise CheckpointError(f"missing must be None or 'target', got {missing!r}")
     with _tree.gc_paused():
-        return _restore(path, target, shardings, partial, allow_narrowing)
+        return _restore(path, target, shardings, partial, allow_narrowing, key_map, missing)
 
 
-def _restore(path: Any, target: Any, shardings: Any, partial: bool, allow_narrowing: bool = False) -> Any:
-    loc = _location.resolve(path)
-    man = _commit.read_manifest(loc)
+class MissingKeysWarning(UserWarning):
+    """``restore(..., missing="target")`` kept the target's values for these key paths."""
+
+
+def _restore(path: Any, target: Any, shardings: Any, partial: bool, allow_narrowing: bool = False,
+             key_map: Any = None, missing: str | None = None) -> Any:
+    source = _sources.open_source(path)
+    loc, man = source.loc, source.manifest
     single_sharding = isinstance(shardings, jax.sharding.Sharding)
     if target is None and (shardings is None or single_sharding):
-        if shardings is None:
-            return _restore_all_numpy(loc, man)
+        if shardings is None and key_map is None:
+            return _restore_all_numpy(source)
         target = _tree.build(man.structure, lambda i: _abstract(man.leaves[i]))
     ref = target if target is not None else shardings
     flat, treedef = _tree.flatten(ref)
-    shard_map: dict[str, Any] = {}
-    if shardings is not None and not single_sharding:
-        sflat, _ = _tree.flatten(shardings)
-        shard_map = dict(sflat)
-        if target is not None and set(shard_map) != {p for p, _ in flat}:
-            extra = sorted(set(shard_map) ^ {p for p, _ in flat})
-            raise TreeMismatchError(
-                f"Checkpoint '{loc}': shardings and target have different key paths: "
-                + ", ".join(extra), extra)
+    shard_map = _sharding_map(shardings, single_sharding, target, flat, loc)
+    saved = _match(flat, man, key_map, partial, missing, loc)
+    requests, errors, kept = [], [], {}
+    for p, leaf in flat:
+        rec = saved.get(p)
+        if rec is None:  # missing="target": the target's own value stays
+            kept[p] = leaf
+            continue
+        sharding = _leaf_sharding(p, leaf, rec, target, shardings, single_sharding, shard_map, loc)
+        if target is None:  # shardings tree used as the target
+            leaf = _abstract(rec) if rec.kind != "value" else None
+        try:
+            requests.append(_target_kind(p, leaf, rec, sharding, str(loc), allow_narrowing))
+        except TreeMismatchError as e:
+            errors.append(e)
+    if errors:
+        raise TreeMismatchError("; ".join(str(e) for e in errors), [q for e in errors for q in e.paths])
+    values = iter(_restore_leaves(source, requests))
+    return _tree.unflatten(treedef, [kept[p] if p in kept else next(values) for p, _ in flat])
+
+
+def _sharding_map(shardings: Any, single: bool, target: Any, flat: list[tuple[str, Any]], loc: Location) -> dict:
+    if shardings is None or single:
+        return {}
+    shard_map = dict(_tree.flatten(shardings)[0])
+    if target is not None and set(shard_map) != {p for p, _ in flat}:
+        extra = sorted(set(shard_map) ^ {p for p, _ in flat})
+        raise TreeMismatchError(
+            f"Checkpoint '{loc}': shardings and target have different key paths: " + ", ".join(extra), extra)
+    return shard_map
+
+
+def _leaf_sharding(p: str, leaf: Any, rec: LeafRecord, target: Any, shardings: Any, single: bool,
+                   shard_map: dict, loc: Location) -> Any:
+    if rec.kind == "value":
+        return None
+    if target is None:
+        sharding = leaf
+    elif single:
+        sharding = shardings
+    else:
+        sharding = shard_map.get(p)
+    if sharding is not None and not isinstance(sharding, jax.sharding.Sharding):
+        raise TreeMismatchError(
+            f"Checkpoint '{loc}': leaf '{p}': shardings entry is {type(sharding).__name__}, "
+            "not a jax.sharding.Sharding", [p])
+    return sharding
+
+
+def _match(flat: list[tuple[str, Any]], man: Manifest, key_map: Any, partial: bool, missing: str | None,
+           loc: Location) -> dict[str, LeafRecord]:
+    """Target key path -> the saved record it restores from; strict about the rest."""
     by_path = {r.path: r for r in man.leaves}
-    missing = [p for p, _ in flat if p not in by_path]
-    unexpected = [] if partial else sorted(set(by_path) - {p for p, _ in flat})
-    if missing or unexpected:
+    found: dict[str, LeafRecord] = {}
+    absent = []
+    for p, _ in flat:
+        name = _map_key(key_map, p)
+        rec = None if name is None else by_path.get(name, by_path.get(name.replace(".", "/")))
+        if rec is None:
+            absent.append(p if name == p else f"{p} (as '{name}')")
+        else:
+            found[p] = rec
+    used = {r.path for r in found.values()}
+    unexpected = [] if partial else sorted(set(by_path) - used)
+    if missing == "target" and absent:
+        _check_kept(flat, absent, loc)
+        warnings.warn(MissingKeysWarning(
+            f"Checkpoint '{loc}': kept the target's values for {len(absent)} leaves not in the "
+            "checkpoint: " + ", ".join(absent)), stacklevel=4)
+        absent = []
+    if absent or unexpected:
         parts = []
-        if missing:
-            parts.append("not in the checkpoint: " + ", ".join(missing))
+        if absent:
+            parts.append("not in the checkpoint: " + ", ".join(absent))
         if unexpected:
             parts.append("in the checkpoint but not in the target: " + ", ".join(unexpected)
                          + " (pass partial=True to restore a subset)")
         raise TreeMismatchError(f"Checkpoint '{loc}': trees differ; " + "; ".join(parts),
-                                missing + unexpected)
-    requests, errors = [], []
-    for p, leaf in flat:
-        if target is None:  # shardings tree used as the target
-            sharding = leaf
-            leaf = _abstract(by_path[p]) if by_path[p].kind != "value" else None
-        elif single_sharding:
-            sharding = shardings
-        else:
-            sharding = shard_map.get(p)
-        if sharding is not None and not isinstance(sharding, jax.sharding.Sharding):
-            raise TreeMismatchError(
-                f"Checkpoint '{loc}': leaf '{p}': shardings entry is {type(sharding).__name__}, "
-                "not a jax.sharding.Sharding", [p])
-        if by_path[p].kind == "value":
-            sharding = None
-        try:
-            requests.append(_target_kind(p, leaf, by_path[p], sharding, str(loc), allow_narrowing))
-        except TreeMismatchError as e:
-            errors.append(e)
-    if errors:
-        paths = [q for e in errors for q in e.paths]
-        raise TreeMismatchError("; ".join(str(e) for e in errors), paths)
-    values = _restore_leaves(loc, man, requests)
-    return _tree.unflatten(treedef, values)
+                                [a.split(" (as ")[0] for a in absent] + unexpected)
+    return found
+
+
+def _map_key(key_map: Any, path: str) -> str | None:
+    if key_map is None:
+        return path
+    if callable(key_map):
+        return key_map(path)
+    best = max((k for k in key_map if path == k or path.startswith(k.rstrip("/") + "/") or k == ""),
+               key=len, default=None)
+    if best is None:
+        return path
+    new = key_map[best]
+    return None if new is None else (new.rstrip("/") + path[len(best.rstrip("/")):]).lstrip("/")
+
+
+def _check_kept(flat: list[tuple[str, Any]], absent: list[str], loc: Location) -> None:
+    leaves = dict(flat)
+    abstract = [a for a in absent if isinstance(leaves[a.split(" (as ")[0]], jax.ShapeDtypeStruct)]
+    if abstract:
+        raise TreeMismatchError(
+            f"Checkpoint '{loc}': missing='target' keeps the target's values, but these target leaves "
+            "are abstract (jax.ShapeDtypeStruct) and not in the checkpoint: " + ", ".join(abstract),
+            [a.split(" (as ")[0] for a in abstract])
 
 
 def _abstract(rec: LeafRecord) -> Any:

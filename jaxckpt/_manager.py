@@ -448,7 +448,8 @@ class CheckpointManager:
     # --- restore ---------------------------------------------------------------------
 
     def restore(self, step: int | None = None, target: Any = None, *, shardings: Any = None,
-                partial: bool = False, allow_narrowing: bool = False) -> Any:
+                partial: bool = False, allow_narrowing: bool = False, key_map: Any = None,
+                missing: str | None = None) -> Any:
         """Restore ``step`` (default: the latest committed one); see ``jaxckpt.restore``.
 
         Raises:
@@ -465,7 +466,8 @@ class CheckpointManager:
             self._reading[step] = self._reading.get(step, 0) + 1
         try:
             return _checkpoint.restore(self._dir.child(_commit.step_name(step)), target,
-                                       shardings=shardings, partial=partial, allow_narrowing=allow_narrowing)
+                                       shardings=shardings, partial=partial, allow_narrowing=allow_narrowing,
+                                       key_map=key_map, missing=missing)
         finally:
             with self._lock:
                 self._reading[step] -= 1

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _commit, _dtypes, _layout, _location, _reader, _scan, _tree
+from . import _dtypes, _layout, _location, _reader, _scan, _sources, _tree
 from ._manifest import LeafRecord, Manifest
 from ._scan import LeafStats
 
@@ -28,8 +28,10 @@ from ._scan import LeafStats
 class LazyArray:
     """One saved array; indexing reads only the saved chunks the index touches."""
 
-    def __init__(self, loc: _location.Location, man: Manifest, rec: LeafRecord):
+    def __init__(self, loc: _location.Location, man: Manifest, rec: LeafRecord,
+                 new_reader: Callable[[], Any] | None = None):
         self._loc, self._man, self._rec = loc, man, rec
+        self._new_reader = new_reader or (lambda: _reader.Reader(loc, man))
 
     @property
     def path(self) -> str:
@@ -67,7 +69,7 @@ class LazyArray:
 
     def __getitem__(self, index: Any) -> np.ndarray:
         box, rest = _bounding_box(index, self.shape)
-        reader = _reader.Reader(self._loc, self._man)
+        reader = self._new_reader()
         reader.add(self._rec, box)
         reader.run()
         out = reader.get(self._rec, box)
@@ -134,8 +136,10 @@ def _bounding_box(index: Any, shape: tuple[int, ...]) -> tuple[_layout.Index, li
 class CheckpointView:
     """A read-only, lazy view of a checkpoint (see ``jaxckpt.open``)."""
 
-    def __init__(self, loc: _location.Location, man: Manifest, prefix: str = ""):
+    def __init__(self, loc: _location.Location, man: Manifest, prefix: str = "",
+                 new_reader: Callable[[], Any] | None = None, format: str = "jaxckpt"):  # noqa: A002
         self._loc, self._man, self._prefix = loc, man, prefix
+        self._new_reader, self.format = new_reader, format
         self._by_path = {r.path: r for r in man.leaves if r.path.startswith(prefix)}
 
     @property
@@ -174,10 +178,10 @@ class CheckpointView:
         full = self._prefix + key.strip("/")
         rec = self._by_path.get(full)
         if rec is not None:
-            return rec.value if rec.kind == "value" else LazyArray(self._loc, self._man, rec)
+            return rec.value if rec.kind == "value" else LazyArray(self._loc, self._man, rec, self._new_reader)
         sub = full + "/"
         if any(p.startswith(sub) for p in self._by_path):
-            return CheckpointView(self._loc, self._man, sub)
+            return CheckpointView(self._loc, self._man, sub, self._new_reader, self.format)
         raise KeyError(f"'{key}' is not a key path in checkpoint '{self._loc}'")
 
     def rows(self) -> list[dict[str, Any]]:
@@ -291,4 +295,5 @@ def open(path: Any) -> CheckpointView:  # noqa: A001 - the public name is jaxckp
     """
     loc = _location.resolve(path)
     with _tree.gc_paused():
-        return CheckpointView(loc, _commit.read_manifest(loc))
+        source = _sources.open_source(loc)
+        return CheckpointView(source.loc, source.manifest, "", source.new_reader, source.format)

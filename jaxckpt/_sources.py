@@ -1,0 +1,64 @@
+"""What ``restore``, ``metadata`` and ``open`` read from: a jaxckpt checkpoint, or a
+foreign one (an orbax-checkpoint step, safetensors files) presented the same way.
+
+A ``Source`` is a ``Manifest`` (for foreign formats a synthetic one, built from their
+own metadata files: validated like ours, nothing unpickled) and a factory of readers
+with ``_reader.Reader``'s interface: ``add(record, index)``, ``run()``,
+``get(record, index)``. The restore path above it does not know which format it reads.
+
+Formats are recognised from their own metadata files, never guessed from names:
+jaxckpt's ``manifest.json`` first, then safetensors (a ``*.safetensors`` file, or a
+directory with ``model.safetensors.index.json``), then orbax (``_METADATA`` or
+``_CHECKPOINT_METADATA`` in the step or item directory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+from . import _commit, _location, _reader
+from ._errors import CheckpointNotFoundError
+from ._location import Location
+from ._manifest import LeafRecord, Manifest
+
+
+class ReaderLike(Protocol):
+    def add(self, rec: LeafRecord, index: tuple[tuple[int, int], ...]) -> None: ...
+
+    def run(self) -> None: ...
+
+    def get(self, rec: LeafRecord, index: tuple[tuple[int, int], ...]) -> Any: ...
+
+
+class Source(NamedTuple):
+    """A readable checkpoint: where it is, its (maybe synthetic) manifest, and readers."""
+
+    loc: Location
+    manifest: Manifest
+    new_reader: Callable[[], ReaderLike]
+    format: str  # "jaxckpt", "orbax" or "safetensors"
+
+
+def open_source(path: Any) -> Source:
+    """The checkpoint at ``path`` in whichever format it is.
+
+    Raises:
+      CheckpointNotFoundError: nothing there is a checkpoint of a known format.
+    """
+    loc = _location.resolve(path)
+    try:
+        man = _commit.read_manifest(loc)
+    except CheckpointNotFoundError as not_ours:
+        for module in _foreign_formats():
+            source = module.open_source(loc)
+            if source is not None:
+                return source
+        raise not_ours
+    return Source(loc, man, lambda: _reader.Reader(loc, man), "jaxckpt")
+
+
+def _foreign_formats() -> list[Any]:
+    from . import _orbax, _safetensors
+
+    return [_safetensors, _orbax]
