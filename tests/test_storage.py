@@ -144,3 +144,17 @@ def test_storage_errors_keep_a_short_cause(message, cause):
     err = _storage.storage_error(loc, "reading", "manifest.json", ValueError(message))
     assert isinstance(err, CheckpointError)
     assert str(err) == f"Reading 'manifest.json' in 's3://bucket/runs/a' failed: {cause}"
+
+
+def test_fault_hook_set_on_storage_reaches_the_io_layer(tmp_path, monkeypatch):
+    # tests (and older callers) set _storage.fault_hook; the fault points live in _iostats
+    import jaxckpt
+    from jaxckpt import _iostats
+
+    seen = []
+    monkeypatch.setattr(_storage, "fault_hook", lambda op, key: seen.append((op, key)))
+    assert _iostats.fault_hook is _storage.fault_hook
+    jaxckpt.save(tmp_path / "c", {"big": np.zeros(1 << 18, np.float32), "small": np.ones(3)})
+    assert ("write", "0") in seen and any(k.startswith("packed/p0") for _, k in seen)
+    monkeypatch.undo()
+    assert _iostats.fault_hook is None

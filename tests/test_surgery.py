@@ -83,3 +83,16 @@ def test_a_prefix_mapped_to_none_is_missing(saved):
     target = {"params": {"old_head": np.zeros((16, 3), np.float32)}}
     with pytest.raises(jaxckpt.TreeMismatchError, match=r"not in the checkpoint: params/old_head \(as 'None'\)"):
         jaxckpt.restore(ckpt, target, key_map={"params/old_head": None}, partial=True)
+
+
+def test_sources_name_the_format_and_refuse_what_is_none(saved, tmp_path):
+    from jaxckpt import _sources
+
+    ckpt, _ = saved
+    source = _sources.open_source(ckpt)
+    assert source.format == "jaxckpt" and source.loc.local == str(ckpt)
+    assert [r.path for r in source.manifest.leaves] == [
+        "params/encoder/b", "params/encoder/w", "params/layer3", "params/old_head", "step"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(jaxckpt.CheckpointNotFoundError, match="No checkpoint at"):
+        _sources.open_source(tmp_path / "empty")
