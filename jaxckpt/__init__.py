@@ -5,6 +5,7 @@ tensorstore, restore them onto any mesh, and manage steps with retention and asy
 commits.
 """
 
+from . import convert as convert
 from ._cadence import CadenceAdvice as CadenceAdvice
 from ._checkpoint import CheckpointInfo as CheckpointInfo
 from ._checkpoint import LeafInfo as LeafInfo
@@ -51,6 +52,7 @@ __all__ = [
     "TreeMismatchError",
     "VerifyReport",
     "__version__",
+    "convert",
     "diff",
     "history",
     "metadata",

@@ -220,14 +220,16 @@ def _header(view: Any, root: _Node) -> str:
     where = str(view._loc) + (f" : {view._prefix.rstrip('/')}" if view._prefix else "")
     facts = [f"{root.count:,} lea{'f' if root.count == 1 else 'ves'}",
              f'<span title="{root.nbytes:,} bytes">{human_bytes(root.nbytes)}</span>',
-             f"format v{man.format_version}"]
+             f"format v{man.format_version}" if getattr(view, "format", "jaxckpt") == "jaxckpt"
+             else f"read from {escape(view.format)}"]
     if created := _created(info):
         facts.append(f"saved {created}")
     versions = [f"{name} {escape(str(info[key]))}" for name, key in
                 (("jaxckpt", "library_version"), ("jax", "jax_version")) if key in info]
     if versions:
         facts.append("by " + ", ".join(versions))
-    return (f"<div class=jh><b>jaxckpt checkpoint</b> <code>{escape(where)}</code>"
+    kind = "jaxckpt checkpoint" if getattr(view, "format", "jaxckpt") == "jaxckpt" else f"{escape(view.format)} checkpoint"
+    return (f"<div class=jh><b>{kind}</b> <code>{escape(where)}</code>"
             f"<div class=m>{' · '.join(facts)}</div>{_metadata(man.metadata)}</div>")
 
 

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _chunkfiles, _commit, _dtypes, _layout, _location, _reader, _storage, _tasks, _zarr
+from . import _chunkfiles, _commit, _dtypes, _layout, _location, _reader, _sources, _storage, _tasks, _zarr
 from ._errors import CorruptCheckpointError
 from ._location import Location
 from ._manifest import LeafRecord, Manifest, PackedArray
@@ -522,15 +522,28 @@ def _units(recs: tuple[LeafRecord, ...]) -> list[_Unit]:
         return []
     if size * per_element <= WHOLE_LEAF_BYTES:
         return [_Unit(recs, tuple((0, d) for d in shape), size * per_element)]
-    step = tuple(functools.reduce(math.lcm, dims) for dims in zip(*(r.chunk_shape for r in recs)))
-    limit = max(SCAN_BUDGET_BYTES, math.prod(recs[0].chunk_shape) * per_element)
+    chunks = [_scan_chunk_shape(r, per_element) for r in recs]
+    step = tuple(functools.reduce(math.lcm, dims) for dims in zip(*chunks))
+    limit = max(SCAN_BUDGET_BYTES, math.prod(chunks[0]) * per_element)
     if math.prod(min(s, d) for s, d in zip(step, shape)) * per_element > limit:
-        step = recs[0].chunk_shape
+        step = chunks[0]
     out = []
     for cell in _layout.chunk_cells(shape, step):
         region = _layout.chunk_region(cell, step, shape)
         out.append(_Unit(recs, region, _layout.index_size(region) * per_element))
     return out
+
+
+def _scan_chunk_shape(rec: LeafRecord, per_element: int) -> tuple[int, ...]:
+    """The saved chunk shape; for a foreign format (one array per leaf, no chunk grid of
+    ours) row blocks of at most half the budget, so memory stays bounded there too."""
+    if rec.store in ("file", "packed"):
+        return tuple(rec.chunk_shape)
+    shape = tuple(max(1, d) for d in rec.shape)
+    if not shape:
+        return ()
+    row = math.prod(shape[1:]) * per_element
+    return (max(1, min(shape[0], SCAN_BUDGET_BYTES // 2 // max(1, row))), *shape[1:])
 
 
 def _plan_units(pairs: list[tuple[LeafRecord, ...]]) -> list[_Unit]:
@@ -556,13 +569,13 @@ def _batches(units: list[_Unit], budget: int) -> Iterator[list[_Unit]]:
         yield batch
 
 
-def _stream(sides: Sequence[tuple[Location, Manifest]], units: list[_Unit],
+def _stream(sides: Sequence[Callable[[], Any]], units: list[_Unit],
             fold: Callable[..., None], progress: Progress | None) -> None:
     """Read ``units`` a batch (within the budget) at a time, from every checkpoint in
     ``sides``, and ``fold(unit, array_per_side...)`` each. Raises on a bad chunk."""
     meter = _Meter(sum(u.nbytes for u in units), progress)
     for batch in _batches(units, SCAN_BUDGET_BYTES):
-        readers = [_reader.Reader(loc, man) for loc, man in sides]
+        readers = [new_reader() for new_reader in sides]
         for unit in batch:
             for reader, rec in zip(readers, unit.recs):
                 reader.add(rec, unit.region)
@@ -648,7 +661,7 @@ def _numeric(rec: LeafRecord) -> bool:
     return rec.kind == "array" and _kind(rec.dtype) != "complex"
 
 
-def leaf_stats(loc: Location, man: Manifest, records: Sequence[LeafRecord],
+def leaf_stats(new_reader: Callable[[], Any], records: Sequence[LeafRecord],
                progress: Progress | None = None) -> dict[str, LeafStats]:
     """Statistics of ``records`` (by key path), all streamed in one pass."""
     acc = {r.path: _Moments() for r in records if _numeric(r)}
@@ -658,7 +671,7 @@ def leaf_stats(loc: Location, man: Manifest, records: Sequence[LeafRecord],
         for block in _blocks(flat):
             acc[unit.recs[0].path].merge(_block_moments(flat[block]))
 
-    _stream(((loc, man),), _plan_units([(r,) for r in records if r.path in acc]), fold, progress)
+    _stream((new_reader,), _plan_units([(r,) for r in records if r.path in acc]), fold, progress)
     out = {}
     for rec in records:
         if rec.kind == "value":
@@ -707,8 +720,8 @@ def diff(a: Any, b: Any, *, progress: Progress | None = None) -> DiffReport:
       (False, 0.0125)
     """
     start = time.perf_counter()
-    loc_a, loc_b = _location.resolve(a), _location.resolve(b)
-    man_a, man_b = _commit.read_manifest(loc_a), _commit.read_manifest(loc_b)
+    src_a, src_b = _sources.open_source(a), _sources.open_source(b)
+    (loc_a, man_a), (loc_b, man_b) = (src_a.loc, src_a.manifest), (src_b.loc, src_b.manifest)
     recs_a = {r.path: r for r in man_a.leaves}
     recs_b = {r.path: r for r in man_b.leaves}
     changed, pairs = _compare_records(recs_a, recs_b)
@@ -721,7 +734,7 @@ def diff(a: Any, b: Any, *, progress: Progress | None = None) -> DiffReport:
             into[0] += n
             into[1], into[2] = max(into[1], max_abs), max(into[2], max_rel)
 
-    _stream(((loc_a, man_a), (loc_b, man_b)), _plan_units(pairs), fold, progress)
+    _stream((src_a.new_reader, src_b.new_reader), _plan_units(pairs), fold, progress)
     arrays = {ra.path: {"elements": math.prod(ra.shape), "differ": acc[ra.path][0],
                         "max_abs": acc[ra.path][1], "max_rel": acc[ra.path][2]} for ra, _ in pairs}
     return DiffReport(str(loc_a), str(loc_b), sorted(recs_b.keys() - recs_a.keys()),

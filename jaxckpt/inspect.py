@@ -253,13 +253,16 @@ class CheckpointView:
         full = self._prefix + key.strip("/") if key and key.strip("/") else None
         rec = self._by_path.get(full) if full is not None else None
         if rec is not None:
-            return _scan.leaf_stats(self._loc, self._man, [rec], progress)[rec.path]
+            return _scan.leaf_stats(self._reader_factory(), [rec], progress)[rec.path]
         prefix = self._prefix if full is None else full + "/"
         recs = [self._by_path[p] for p in sorted(self._by_path) if p.startswith(prefix)]
         if not recs:
             raise KeyError(f"'{key}' is not a key path in checkpoint '{self._loc}'")
-        out = _scan.leaf_stats(self._loc, self._man, recs, progress)
+        out = _scan.leaf_stats(self._reader_factory(), recs, progress)
         return {r.path[len(self._prefix):]: out[r.path] for r in recs}
+
+    def _reader_factory(self) -> Callable[[], Any]:
+        return self._new_reader or (lambda: _reader.Reader(self._loc, self._man))
 
     def __repr__(self) -> str:
         return f"CheckpointView('{self._loc}', {len(self)} leaves, {_human(self.nbytes)})"

@@ -387,3 +387,19 @@ def test_verify_memory_stays_within_a_few_chunks(tmp_path):
     assert result["ok"] is True and result["bytes"] == 256 << 20
     assert result["budget"] == 2 * chunk
     assert result["growth"] < 3 * chunk, result  # the whole checkpoint is 8 chunks
+
+
+def test_stats_and_diff_read_foreign_formats_through_their_source(tmp_path):
+    # a safetensors file is read through its own reader, in row blocks (bounded memory)
+    from safetensors.numpy import save_file
+
+    w = np.linspace(-3, 3, 4096 * 64, dtype=np.float32).reshape(4096, 64)
+    b = np.arange(10, dtype=np.int32)
+    save_file({"params.w": w, "params.b": b}, str(tmp_path / "m.safetensors"))
+    view = jaxckpt.open(tmp_path / "m.safetensors")
+    s = view.stats("params/w")
+    assert (s.min, s.max, s.count) == (-3.0, 3.0, w.size)
+    assert s.mean == pytest.approx(float(w.astype(np.float64).mean()), abs=1e-12)
+    jaxckpt.save(tmp_path / "ours", {"params": {"w": w, "b": b}})
+    report = jaxckpt.diff(tmp_path / "ours", tmp_path / "m.safetensors")
+    assert report.identical and report.arrays["params/w"]["elements"] == w.size

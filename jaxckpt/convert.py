@@ -1,0 +1,506 @@
+"""Interop: import an orbax checkpoint, export to safetensors, re-layout offline.
+
+Every function here reads its input as a ``_sources.Source`` (a jaxckpt checkpoint, an
+orbax step, safetensors files), one leaf at a time through the source's reader, and
+writes one leaf at a time (``_stream`` for jaxckpt checkpoints), so host memory stays
+near the largest leaf whatever the checkpoint's size. They run in one process, outside
+the training job; no device of the target mesh is needed.
+
+Example:
+  >>> from jaxckpt import convert
+  >>> convert.from_orbax("/ckpt/orbax/1000", "/ckpt/jaxckpt/1000")
+  >>> convert.to_safetensors("/ckpt/jaxckpt/1000", "/export/model", select="params",
+  ...                        dtype="bfloat16")
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from . import _dtypes, _layout, _location, _safetensors, _sources, _stream, _tree
+from ._errors import CheckpointError, TreeMismatchError
+from ._manifest import LeafRecord
+
+__all__ = ["ExportResult", "from_orbax", "relayout", "to_safetensors"]
+
+Progress = Callable[[int, int], None]
+# Hugging Face's default max_shard_size ("5GB", decimal).
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+_CAST_BLOCK_BYTES = 16 << 20  # elements cast and written at a time by to_safetensors
+
+
+# --- import ---------------------------------------------------------------------------
+
+
+def from_orbax(src: Any, dest: Any, *, overwrite: bool = False, progress: Progress | None = None) -> None:
+    """Convert the orbax-checkpoint checkpoint at ``src`` into a jaxckpt checkpoint at ``dest``.
+
+    The tree structure, values, dtypes and recorded shardings are kept; each array's
+    chunks follow its recorded sharding's shard shape (the whole array when none was
+    recorded), so a restore onto the same mesh reads each chunk once. Leaves are read
+    and written one at a time.
+
+    Args:
+      src: an orbax step directory (or item directory) or URL.
+      dest: where the jaxckpt checkpoint goes (committed atomically, manifest last).
+      overwrite: replace a checkpoint already at ``dest``.
+      progress: called with ``(bytes done, bytes total)`` after each leaf.
+
+    Raises:
+      CheckpointError: ``src`` is a checkpoint of another format (jaxckpt, safetensors).
+      CheckpointNotFoundError: nothing at ``src`` is a checkpoint.
+
+    Example:
+      >>> convert.from_orbax("/runs/a/checkpoints/1000", "/runs/a/jaxckpt/1000")
+    """
+    source = _sources.open_source(src)
+    if source.format != "orbax":
+        raise CheckpointError(
+            f"'{source.loc}' is a {source.format} checkpoint, not an orbax-checkpoint one; from_orbax "
+            "imports orbax checkpoints (relayout rewrites a jaxckpt checkpoint)")
+    import_source(source, dest, overwrite=overwrite, progress=progress)
+
+
+def import_source(source: _sources.Source, dest: Any, *, overwrite: bool = False,
+                  progress: Progress | None = None) -> None:
+    """Write any ``Source`` as a jaxckpt checkpoint (what ``from_orbax`` runs); chunks
+    follow each leaf's recorded sharding."""
+    man = source.manifest
+    leaves = [_retarget(rec, rec.sharding, None) for rec in man.leaves]
+    _copy(source, dest, man.structure, list(range(len(leaves))), leaves, overwrite, progress)
+
+
+def _copy(source: _sources.Source, dest: Any, structure: dict[str, Any], indices: list[int],
+          leaves: list[LeafRecord], overwrite: bool, progress: Progress | None) -> None:
+    """Write source leaves ``indices`` as ``leaves`` (their new records, same order)."""
+    saved = [source.manifest.leaves[i] for i in indices]
+
+    def chunk_data(i: int, rec: LeafRecord) -> _stream.ChunkData:
+        full = _read_leaf(source, saved[i])  # the one leaf held in memory
+
+        def chunk(index: _layout.Index) -> np.ndarray:
+            return full[_layout.index_to_slices(index)]  # a view; the writer casts
+
+        return chunk
+
+    info = {"converted_from": {"path": str(source.loc), "format": source.format}}
+    _stream.write_checkpoint(dest, structure, leaves, chunk_data, metadata=source.manifest.metadata,
+                             overwrite=overwrite, info=info, progress=progress)
+
+
+def _read_leaf(source: _sources.Source, rec: LeafRecord) -> np.ndarray:
+    """The whole of one saved leaf, as a host array of its saved dtype."""
+    full = tuple((0, d) for d in rec.shape)
+    reader = source.new_reader()
+    reader.add(rec, full)
+    reader.run()
+    return reader.get(rec, full)
+
+
+def _retarget(rec: LeafRecord, sharding: dict[str, Any] | None, dtype: str | None,
+              shard_shape: Sequence[int] | None = None) -> LeafRecord:
+    """The record template of ``rec`` written with ``sharding`` (JSON), floats cast to
+    ``dtype``; chunks are ``shard_shape``, or the shard shape ``sharding`` implies."""
+    if rec.kind == "value":
+        return LeafRecord(path=rec.path, kind="value", value=rec.value)
+    out_dtype = _cast_to(rec.dtype, dtype)
+    if shard_shape is None:
+        shard_shape = _shard_shape_of(rec, sharding)
+    chunk_shape = _layout.split_chunk_shape(shard_shape, 1, _dtypes.DTYPES[out_dtype].itemsize)
+    return LeafRecord(path=rec.path, kind=rec.kind, dtype=out_dtype, shape=rec.shape, scalar=rec.scalar,
+                      impl=rec.impl, key_ndim=rec.key_ndim, sharding=sharding, chunk_shape=chunk_shape)
+
+
+def _shard_shape_of(rec: LeafRecord, sharding: dict[str, Any] | None) -> tuple[int, ...]:
+    """The shard shape a recorded named sharding gives ``rec`` (its spec covers the
+    leading dimensions: a PRNG key's key-data dimension stays whole); the whole leaf
+    for any other sharding. An uneven split rounds up (the last chunk is shorter)."""
+    saved = _layout.sharding_from_json(sharding)
+    if saved is None or saved.type != "named":
+        return tuple(rec.shape)
+    sizes = saved.mesh_shape
+    out = []
+    for d, n in enumerate(rec.shape):
+        entry = saved.spec[d] if d < len(saved.spec) else None
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        out.append(-(-n // math.prod(sizes.get(a, 1) for a in axes)))
+    return tuple(out)
+
+
+def _cast_to(saved: str, dtype: str | None) -> str:
+    """The dtype a leaf of dtype ``saved`` is written as: ``dtype`` for floating leaves,
+    unchanged for everything else (ints, bools, PRNG key data)."""
+    return dtype if dtype is not None and _is_float(saved) else saved
+
+
+def _is_float(name: str) -> bool:
+    return name.startswith(("float", "bfloat"))
+
+
+def _dtype_arg(dtype: Any) -> str | None:
+    if dtype is None:
+        return None
+    try:
+        name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    except TypeError:
+        name = str(dtype)
+    if name not in _dtypes.DTYPES or not _is_float(name):
+        raise CheckpointError(f"dtype must be a floating dtype (e.g. 'bfloat16', 'float32'), got {dtype!r}")
+    return name
+
+
+# --- selection ------------------------------------------------------------------------
+
+
+def _prefixes(select: Any) -> list[str] | None:
+    if select is None:
+        return None
+    items = [select] if isinstance(select, str) else list(select)
+    if not all(isinstance(s, str) for s in items) or not items:
+        raise CheckpointError(f"select must be a key path prefix or a list of them, got {select!r}")
+    return [s.strip("/") for s in items]
+
+
+def _under(path: str, prefix: str) -> bool:
+    return prefix == "" or path == prefix or path.startswith(prefix + "/")
+
+
+def _select(source: _sources.Source, select: Any) -> tuple[list[int], dict[int, str]]:
+    """Indices of the leaves under any prefix in ``select`` (all without one), and for
+    each the longest prefix it is under. A prefix that selects nothing raises."""
+    prefixes = _prefixes(select)
+    leaves = source.manifest.leaves
+    if prefixes is None:
+        return list(range(len(leaves))), dict.fromkeys(range(len(leaves)), "")
+    chosen: dict[int, str] = {}
+    for i, rec in enumerate(leaves):
+        under = [p for p in prefixes if _under(rec.path, p)]
+        if under:
+            chosen[i] = max(under, key=len)
+    empty = [p for p in prefixes if not any(_under(r.path, p) for r in leaves)]
+    if empty:
+        raise CheckpointError(f"Checkpoint '{source.loc}': select: no leaf under "
+                              + ", ".join(f"'{p}'" for p in empty))
+    return sorted(chosen), chosen
+
+
+def _prune(node: dict[str, Any], keep: dict[int, int]) -> dict[str, Any] | None:
+    """The structure with only the leaves in ``keep`` (renumbered), ``None`` when nothing
+    is left. A list or tuple that loses items becomes a dict with int keys, so every
+    kept leaf keeps its key path."""
+    if "leaf" in node:
+        return {"leaf": keep[node["leaf"]]} if node["leaf"] in keep else None
+    kind = next(k for k in ("dict", "items", "list", "tuple") if k in node)
+    pairs = node[kind] if kind in ("dict", "items") else list(enumerate(node[kind]))
+    kept = [[k, sub] for k, c in pairs if (sub := _prune(c, keep)) is not None]
+    if not kept:
+        return None
+    if kind in ("dict", "items"):
+        return {**node, kind: kept}
+    if len(kept) == len(pairs):
+        return {kind: [c for _, c in kept]}
+    return {"dict": kept}
+
+
+# --- relayout -------------------------------------------------------------------------
+
+
+def relayout(src: Any, dest: Any, *, shardings: Any = None, dtype: Any = None, select: Any = None,
+             overwrite: bool = False, progress: Progress | None = None) -> None:
+    """Rewrite a checkpoint so its chunks follow another layout, optionally casting and
+    selecting, one leaf at a time.
+
+    Each array's chunks become the shard shape of its new sharding, so a restore onto
+    that layout reads every chunk once and no more than it needs. The shardings may
+    live on a ``jax.sharding.AbstractMesh``: no device of the target mesh is needed.
+
+    Args:
+      src: the checkpoint to read (any format ``restore`` reads).
+      dest: where the new checkpoint goes (may be ``src`` itself on a local disk: the
+        old one is replaced at the commit, after everything was read).
+      shardings: one ``jax.sharding.Sharding`` for every array (arrays with fewer
+        dimensions than its spec are replicated on its mesh), or a PyTree of them
+        (``None`` entries keep a leaf's recorded layout) with the key paths of the
+        selected leaves (others are ignored); ``None`` keeps every recorded layout.
+        The recorded sharding becomes the new one.
+      dtype: cast floating-point arrays to this dtype (``"bfloat16"``); integer, bool
+        and PRNG key arrays are never cast.
+      select: a key path prefix or a list of them: only those leaves are written (key
+        paths stay the same; a list that loses items comes back as a dict of int keys).
+      overwrite: replace a checkpoint already at ``dest``.
+      progress: called with ``(bytes done, bytes total)`` after each leaf.
+
+    Example:
+      >>> mesh = jax.sharding.AbstractMesh((2, 2), ("a", "b"))
+      >>> convert.relayout("/ckpt/1000", "/ckpt/1000-2x2",
+      ...                  shardings=NamedSharding(mesh, P(None, "b")))
+    """
+    source = _sources.open_source(src)
+    final = _location.resolve(dest)
+    if final.local is None and final == source.loc:
+        raise CheckpointError(f"relayout of '{final}' onto itself works on a local disk only "
+                              "(an object store has no rename: the source would be deleted first)")
+    dtype = _dtype_arg(dtype)
+    indices, _ = _select(source, select)
+    man = source.manifest
+    layouts = _layout_map(shardings, [man.leaves[i] for i in indices], source)
+    leaves = []
+    for i in indices:
+        rec = man.leaves[i]
+        target = layouts.get(rec.path)
+        if target is None:
+            leaves.append(_retarget(rec, rec.sharding, dtype))
+        else:
+            leaves.append(_retarget(rec, _sharding_json(target), dtype, _target_shard_shape(rec, target, source)))
+    structure = man.structure if select is None else _prune(man.structure, {i: n for n, i in enumerate(indices)})
+    _copy(source, final, structure, indices, leaves, overwrite, progress)
+
+
+def _layout_map(shardings: Any, recs: list[LeafRecord], source: _sources.Source) -> dict[str, Any]:
+    """Key path -> its new sharding (``None``: keep the recorded one)."""
+    arrays = [r for r in recs if r.kind != "value"]
+    if shardings is None:
+        return {}
+    if isinstance(shardings, jax.sharding.Sharding):
+        return {r.path: _fit(shardings, r) for r in arrays}
+    given = dict(_tree.flatten(shardings)[0])
+    known = {r.path for r in source.manifest.leaves}
+    unknown = sorted(set(given) - known)
+    missing = sorted(r.path for r in recs if r.path not in given)
+    if unknown or missing:
+        parts = ([f"not in the checkpoint: {', '.join(unknown)}"] if unknown else []) + (
+            [f"no entry for: {', '.join(missing)}"] if missing else [])
+        raise TreeMismatchError(f"Checkpoint '{source.loc}': shardings and checkpoint differ; " + "; ".join(parts),
+                                unknown + missing)
+    bad = [r.path for r in recs if given[r.path] is not None
+           and (r.kind == "value" or not isinstance(given[r.path], jax.sharding.Sharding))]
+    if bad:
+        raise TreeMismatchError(f"Checkpoint '{source.loc}': shardings entries must be a jax.sharding.Sharding "
+                                "for arrays and None for inline values: " + ", ".join(bad), bad)
+    return {r.path: given[r.path] for r in arrays}
+
+
+def _fit(sharding: jax.sharding.Sharding, rec: LeafRecord) -> jax.sharding.Sharding:
+    """One sharding for every array: an array of fewer dimensions than its spec has
+    entries (a bias under a 2-D spec, a scalar) is replicated on the same mesh."""
+    ndim = rec.key_ndim if rec.kind == "prng_key" else len(rec.shape)
+    if isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.spec) > ndim:
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return sharding
+
+
+def _sharding_json(sharding: jax.sharding.Sharding) -> dict[str, Any] | None:
+    """How the manifest records ``sharding``; a ``NamedSharding`` on an ``AbstractMesh``
+    (no devices) records its axis names and sizes like one on a concrete mesh."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        mesh = sharding.mesh
+        return {"type": "named", "axis_names": [str(a) for a in mesh.axis_names],
+                "axis_sizes": [int(s) for s in mesh.axis_sizes],
+                "spec": [list(e) if isinstance(e, tuple) else e if e is None or isinstance(e, str) else str(e)
+                         for e in sharding.spec]}
+    return _layout.sharding_to_json(sharding)
+
+
+def _target_shard_shape(rec: LeafRecord, sharding: jax.sharding.Sharding, source: _sources.Source) -> tuple[int, ...]:
+    """``sharding.shard_shape`` of the leaf (of a PRNG key's key shape, its key-data
+    dimension whole); an uneven split rounds up."""
+    key_ndim = rec.key_ndim if rec.kind == "prng_key" else len(rec.shape)
+    shape = tuple(rec.shape[:key_ndim])
+    if isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.spec) > len(shape):
+        raise CheckpointError(f"Checkpoint '{source.loc}': leaf '{rec.path}': sharding {sharding.spec} has more "
+                              f"entries than the array's {len(shape)} dimensions")
+    try:
+        shard = tuple(sharding.shard_shape(shape))
+    except ValueError:  # not evenly divisible: chunks as jax would split it, the last shorter
+        if not isinstance(sharding, jax.sharding.NamedSharding):
+            raise
+        shard = _shard_shape_of(LeafRecord(path=rec.path, kind="array", shape=shape), _sharding_json(sharding))
+    return shard + tuple(rec.shape[key_ndim:])
+
+
+# --- safetensors ----------------------------------------------------------------------
+
+
+class ExportResult(NamedTuple):
+    """What ``to_safetensors`` wrote.
+
+    Attributes:
+      files: the files written (the ``.safetensors`` files, then the index if any).
+      tensors: how many tensors they hold.
+      total_size: bytes of tensor data (the index's ``metadata.total_size``).
+      skipped: key paths of the selected leaves that are not tensors (PRNG keys, inline
+        values), left out.
+    """
+
+    files: tuple[str, ...]
+    tensors: int
+    total_size: int
+    skipped: tuple[str, ...]
+
+
+class _Tensor(NamedTuple):
+    rec: LeafRecord
+    name: str
+    dtype: str  # the dtype written
+    nbytes: int
+
+
+def to_safetensors(path: Any, out: str | os.PathLike, *, select: Any = None, dtype: Any = None,
+                   max_shard_bytes: int | None = None, progress: Progress | None = None) -> ExportResult:
+    """Export a checkpoint's arrays as safetensors (for inference, Hugging Face, PyTorch).
+
+    The tensors are consolidated from the saved shards and streamed one at a time: the
+    header is computed from the shapes, then each tensor is read whole and written, so
+    host memory stays near the largest tensor.
+
+    Names are the key paths below the selected prefix with ``.`` separators
+    (``params/dense/kernel`` with ``select="params"`` → ``dense.kernel``). PRNG keys and
+    inline values are not tensors and are skipped (their key paths are in
+    ``ExportResult.skipped``); export key data with ``jax.random.key_data`` before
+    saving if a consumer needs it.
+
+    Args:
+      path: the checkpoint (any format ``restore`` reads).
+      out: a file ending in ``.safetensors`` (one file), or a directory: there
+        ``model-0000k-of-0000N.safetensors`` shards, filled greedily in key path order up
+        to ``max_shard_bytes`` of tensor data each (a bigger tensor gets a shard of its
+        own), plus ``model.safetensors.index.json``. Existing files of those names are
+        never overwritten (it raises instead).
+      select: a key path prefix or a list of them (``"params"``); default: every leaf.
+      dtype: cast floating-point arrays to this dtype (``"bfloat16"``); integer and bool
+        arrays are written as they are.
+      max_shard_bytes: directory output only; default 5 GB (10^9 bytes), like Hugging Face.
+      progress: called with ``(bytes done, bytes total)`` after each tensor.
+
+    Returns:
+      An ``ExportResult``: the files written, tensor count, total size, skipped paths.
+
+    Example:
+      >>> convert.to_safetensors("/ckpt/1000", "/export/model", select="params", dtype="bfloat16")
+    """
+    source = _sources.open_source(path)
+    out = os.fspath(out)
+    single = out.endswith(".safetensors")
+    if single and max_shard_bytes is not None:
+        raise CheckpointError(f"max_shard_bytes shards a directory export; '{out}' is one .safetensors file")
+    if max_shard_bytes is not None and max_shard_bytes < 1:
+        raise CheckpointError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    tensors, skipped = _plan_tensors(source, select, _dtype_arg(dtype))
+    shards = [tensors] if single else _shard(tensors, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+    if single:
+        files = [out]
+    else:
+        os.makedirs(out, exist_ok=True)
+        files = [os.path.join(out, f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors") for k in range(len(shards))]
+    index = None if single else os.path.join(out, _safetensors.INDEX_FILE)
+    _write_files(source, list(zip(files, shards)), index, progress)
+    total = sum(t.nbytes for t in tensors)
+    return ExportResult(tuple(files) + ((index,) if index else ()), len(tensors), total, tuple(skipped))
+
+
+def _plan_tensors(source: _sources.Source, select: Any, dtype: str | None) -> tuple[list[_Tensor], list[str]]:
+    """The selected array leaves as named tensors (names checked unique, dtypes
+    checked writable) and the key paths skipped."""
+    indices, prefix_of = _select(source, select)
+    tensors, skipped, names = [], [], {}
+    for i in indices:
+        rec = source.manifest.leaves[i]
+        if rec.kind != "array":
+            skipped.append(rec.path)
+            continue
+        prefix = prefix_of[i]
+        below = rec.path[len(prefix):].lstrip("/") if prefix else rec.path
+        name = _safetensors.name_of(below or rec.path.rsplit("/", 1)[-1])
+        out_dtype = _cast_to(rec.dtype, dtype)
+        if out_dtype not in _safetensors.DTYPE_TO_ST:
+            raise CheckpointError(f"Checkpoint '{source.loc}': leaf '{rec.path}': dtype {out_dtype} has no "
+                                  "safetensors equivalent" + (" (pass dtype= to cast floats)" if _is_float(out_dtype) else ""))
+        if name in names:
+            raise CheckpointError(f"Checkpoint '{source.loc}': leaves '{names[name]}' and '{rec.path}' would both be "
+                                  f"tensor '{name}'; select them separately")
+        names[name] = rec.path
+        nbytes = math.prod(rec.shape) * _dtypes.DTYPES[out_dtype].itemsize
+        tensors.append(_Tensor(rec, name, out_dtype, nbytes))
+    return tensors, skipped
+
+
+def _shard(tensors: list[_Tensor], limit: int) -> list[list[_Tensor]]:
+    """Greedy, in order: a new shard when the next tensor would take this one past ``limit``."""
+    shards: list[list[_Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def _header(tensors: list[_Tensor]) -> bytes:
+    """The safetensors header: 8-byte length, then JSON padded with spaces to 8 bytes."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    at = 0
+    for t in tensors:
+        header[t.name] = {"dtype": _safetensors.DTYPE_TO_ST[t.dtype], "shape": list(t.rec.shape),
+                          "data_offsets": [at, at + t.nbytes]}
+        at += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def _write_files(source: _sources.Source, files: list[tuple[str, list[_Tensor]]], index: str | None,
+                 progress: Progress | None) -> None:
+    """Write every file under a temporary name, then rename them all, the index last;
+    nothing that exists is overwritten, and a failure leaves no partial file."""
+    final = [f for f, _ in files] + ([index] if index else [])
+    existing = [f for f in final if os.path.lexists(f)]
+    if existing:
+        raise CheckpointError(f"{', '.join(existing)} already exist(s); refusing to overwrite")
+    token = os.urandom(6).hex()
+    temps = {f: os.path.join(os.path.dirname(f) or ".", f".{os.path.basename(f)}.jaxckpt-tmp-{token}") for f in final}
+    total = sum(t.nbytes for _, ts in files for t in ts)
+    done = [0, total]
+    try:
+        for f, tensors in files:
+            _write_file(source, temps[f], tensors, progress, done)
+        if index:
+            weight_map = {t.name: os.path.basename(f) for f, ts in files for t in ts}
+            doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            with open(temps[index], "w") as fh:
+                json.dump(doc, fh, indent=2)
+        for f in final:
+            os.replace(temps[f], f)
+    finally:
+        for tmp in temps.values():
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+
+
+def _write_file(source: _sources.Source, tmp: str, tensors: list[_Tensor], progress: Progress | None,
+                done: list[int]) -> None:
+    with open(tmp, "wb") as fh:
+        fh.write(_header(tensors))
+        for t in tensors:
+            data = _read_leaf(source, t.rec)  # one tensor in memory
+            target = _dtypes.DTYPES[t.dtype]
+            for block in _stream.c_order_blocks(data, _CAST_BLOCK_BYTES):
+                block = np.ascontiguousarray(block if block.dtype == target else block.astype(target))
+                if sys.byteorder == "big" and target.itemsize > 1:
+                    block = block.byteswap()
+                fh.write(memoryview(block.reshape(-1).view(np.uint8)))
+            del data
+            done[0] += t.nbytes
+            if progress is not None:
+                progress(*done)
+        fh.flush()
+        os.fsync(fh.fileno())
