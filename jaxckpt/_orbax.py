@@ -1,6 +1,6 @@
 """orbax-checkpoint checkpoints as a ``_sources.Source`` (reading only; orbax is not imported).
 
-What is read (tested against orbax-checkpoint 0.12.8 with tensorstore 0.1.x):
+What is read (tested against orbax-checkpoint 0.12.8; ``tests/test_orbax.py``):
 
 * a PyTree item directory, as ``StandardCheckpointHandler`` (``StandardSave``) and
   ``PyTreeCheckpointHandler`` (``PyTreeSave``) write it: ``_METADATA`` (JSON: the tree,
@@ -32,6 +32,10 @@ How orbax's leaves map to jaxckpt's:
   (empty tuples as tuples, every non-empty sequence as a list, as orbax restores them).
   Dict keys are strings (orbax stores every key as its ``str``).
 
+Where: local directories and object stores (whatever ``_location`` resolves; tested on
+S3). Opening a checkpoint opens each array once (its zarr metadata gives shape and
+dtype); a reader then reads exactly the slices asked of it through those handles.
+
 The metadata files are untrusted input: JSON only (never unpickled), sizes capped,
 types, names and shapes checked; an orbax parameter name must stay inside its item
 (no ``/``, no ``.``/``..``). Whatever is wrong ends as ``CorruptCheckpointError``
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import math
 import os
 import stat
@@ -131,7 +136,7 @@ def _read_json(loc: Location, key: str, where: str) -> Any:
 
 def _safe_component(name: Any) -> bool:
     """A file or key name that stays where it is put: no separators, not ``.``/``..``."""
-    return (isinstance(name, str) and 0 < len(name) <= 1024 and name not in (".", "..")
+    return (isinstance(name, str) and 0 < len(name) <= 4096 and name not in (".", "..")
             and not any(c in name for c in "/\\") and all(ord(c) >= 32 for c in name))
 
 
@@ -205,7 +210,7 @@ def _tree_entries(doc: Any, where: str, item: str) -> list[_Entry]:
         for k in keys:
             name = k.get("key") if isinstance(k, dict) else None
             kind = k.get("key_type") if isinstance(k, dict) else None
-            if not isinstance(name, str) or kind not in (1, 2) or isinstance(kind, bool):
+            if not isinstance(name, str) or len(name) > 4096 or kind not in (1, 2) or isinstance(kind, bool):
                 raise _bad(where, f"{label}: key {str(k)[:100]}")
             if kind == 1 and not (name.isdigit() and name.isascii() and str(int(name)) == name):
                 raise _bad(where, f"{label}: sequence index {name[:100]!r}")
@@ -349,13 +354,19 @@ def _key_impls(item: _Item, where: str) -> dict[str, str]:
     return out
 
 
-def _key_data_shape(impl: str, where: str, path: str) -> tuple[int, ...]:
+@functools.lru_cache(maxsize=64)
+def _key_data_trailing(impl: str) -> tuple[int, ...]:
     import jax
 
+    return tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
+
+
+def _key_data_shape(impl: str, where: str, path: str) -> tuple[int, ...]:
+    """The trailing key-data dimensions of one key of ``impl`` (jax refuses unknown names)."""
     try:
-        return tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
+        return _key_data_trailing(impl)
     except Exception as e:  # noqa: BLE001 - jax refuses an unknown implementation name
-        raise _bad(where, f"leaf '{path}': PRNG key implementation {impl!r}: {e}") from None
+        raise _bad(where, f"leaf '{path}': PRNG key implementation {impl!r}: {str(e)[:200]}") from None
 
 
 # --- arrays -------------------------------------------------------------------------
@@ -541,7 +552,7 @@ class _Builder:
     def json_value(self, item: _Item, prefix: str) -> dict[str, Any]:
         """A ``JsonSave`` item: containers as containers, the rest as inline values."""
         if _manifest.nesting_exceeds(item.doc, _tree.MAX_DEPTH - 1):
-            raise _bad(where=self.where, msg=f"{item.name}/{JSON_ITEM} is nested too deeply")
+            raise _bad(self.where, f"{item.name}/{JSON_ITEM} is nested too deeply")
 
         def walk(v: Any, parts: list[str]) -> dict[str, Any]:
             if isinstance(v, dict):

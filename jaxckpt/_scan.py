@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _chunkfiles, _commit, _dtypes, _layout, _location, _reader, _sources, _storage, _tasks, _zarr
-from ._errors import CorruptCheckpointError
+from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ._location import Location
 from ._manifest import LeafRecord, Manifest, PackedArray
 
@@ -235,6 +235,9 @@ def verify(path: Any, *, progress: Progress | None = None) -> VerifyReport:
     except CorruptCheckpointError as e:
         problem = {"leaf": None, "chunk": "manifest.json", "message": str(e)}
         return VerifyReport(str(loc), False, 0, 0, 0, time.perf_counter() - start, [problem])
+    except CheckpointNotFoundError:
+        _refuse_foreign(loc)
+        raise
     problems = _Problems()
     spans = _packed_spans(man)
     _check_overlaps(spans, problems)
@@ -247,6 +250,16 @@ def verify(path: Any, *, progress: Progress | None = None) -> VerifyReport:
     _run_reads(reads, problems, meter)
     return VerifyReport(str(loc), not problems.items, len(man.leaves), n_chunks, meter.good,
                         time.perf_counter() - start, problems.sorted())
+
+
+def _refuse_foreign(loc: Location) -> None:
+    """A foreign checkpoint is not ours to verify: say so instead of "not found"."""
+    for module in _sources._foreign_formats():
+        if module.open_source(loc) is not None:
+            name = module.__name__.rsplit("_", 1)[-1]
+            raise CheckpointError(
+                f"'{loc}' is a {name} checkpoint: verify checks jaxckpt's format (layout and crc32c "
+                "of every chunk); convert it first (jaxckpt.convert) or read it with jaxckpt.open")
 
 
 def _cell_label(cell: Sequence[int]) -> str:

@@ -335,3 +335,38 @@ def test_step_without_readable_items(tmp_path):
     (step / "_CHECKPOINT_METADATA").write_text(json.dumps({"item_handlers": {"../x": "my.Handler"}}))
     with pytest.raises(CorruptCheckpointError):
         jaxckpt.restore(step)
+
+
+@pytest.mark.parametrize("how", ["ocdbt", "files"])
+def test_orbax_step_on_s3(tmp_path, s3_server, how):
+    """An orbax step copied to an object store reads through a kvstore spec."""
+    tree = _tree()
+    directory = os.path.abspath(tmp_path / "run")
+    handler = ocp.StandardCheckpointHandler(use_ocdbt=how == "ocdbt")
+    with ocp.CheckpointManager(directory, item_handlers=handler) as mgr:
+        mgr.save(2, args=ocp.args.StandardSave(tree))
+        mgr.wait_until_finished()
+    for root, _, files in os.walk(os.path.join(directory, "2")):
+        for name in files:
+            rel = os.path.relpath(os.path.join(root, name), directory)
+            s3_server.client.upload_file(os.path.join(root, name), "jaxckpt-test", f"orbax-{how}/{rel}")
+    spec = s3_server(f"orbax-{how}/2")
+    target = _mesh_target(tree)
+    ours = jaxckpt.restore(spec, target)
+    assert_same(ours, jaxckpt.restore(os.path.join(directory, "2"), target))
+    assert_bit_equal(ours["params"]["w"], np.asarray(tree["params"]["w"]))
+    assert jaxckpt.open(spec)["params/q"][1:3].shape == (2, 6)
+
+
+@pytest.mark.parametrize("impl", ["nope", "../x", 7])
+def test_hostile_prng_impl_is_corrupt(tmp_path, impl):
+    path = _save(tmp_path / "ckpt", {"rng": jax.random.key(5)}, "files")
+    (name,) = os.listdir(os.path.join(path, "array_metadatas"))
+    meta = os.path.join(path, "array_metadatas", name)
+    with open(meta) as f:
+        doc = json.load(f)
+    doc["array_metadatas"][0]["array_metadata"]["ext_metadata"]["random_key_impl"] = impl
+    with open(meta, "w") as f:
+        json.dump(doc, f)
+    with pytest.raises(CorruptCheckpointError, match="rng|random_key_impl"):
+        jaxckpt.metadata(path)

@@ -403,3 +403,12 @@ def test_stats_and_diff_read_foreign_formats_through_their_source(tmp_path):
     jaxckpt.save(tmp_path / "ours", {"params": {"w": w, "b": b}})
     report = jaxckpt.diff(tmp_path / "ours", tmp_path / "m.safetensors")
     assert report.identical and report.arrays["params/w"]["elements"] == w.size
+
+
+def test_verify_says_a_foreign_checkpoint_is_not_its_format(tmp_path):
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.ones(3, np.float32)}, str(tmp_path / "m.safetensors"))
+    with pytest.raises(jaxckpt.CheckpointError, match=f"'{tmp_path / 'm.safetensors'}' is a safetensors "
+                                                      "checkpoint: verify checks jaxckpt's format"):
+        jaxckpt.verify(tmp_path / "m.safetensors")
