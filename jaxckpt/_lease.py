@@ -74,11 +74,12 @@ class Lease:
         self._thread.start()
 
     @classmethod
-    def acquire(cls, directory: Location, lease_s: float = LEASE_S) -> Lease:
+    def acquire(cls, directory: Location, lease_s: float | None = None) -> Lease:
         """Take the directory's lease, waiting out a holder whose liveness is unknown.
 
         Raises ``CheckpointError`` naming the holder when it is alive.
         """
+        lease_s = LEASE_S if lease_s is None else lease_s
         token = uuid.uuid4().hex
         owner = {"host": _host(), "pid": os.getpid(), "token": token, "started": time.time(),
                  "renewed": time.time(), "count": 0, "lease_s": lease_s}
