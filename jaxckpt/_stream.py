@@ -1,32 +1,38 @@
 """Writing a checkpoint leaf by leaf from host data (offline conversion: ``convert``).
 
-``save`` snapshots a whole tree before it writes; a conversion cannot hold a whole
-checkpoint in memory. Here the caller gives the leaf records up front (path, dtype,
-shape, chunk shape, sharding description) and, per leaf, a function that hands out
-each chunk's data; the leaves are written one after another, so host memory stays near
-the largest leaf (the producer's buffer) plus a few bounded write buffers:
+``save`` snapshots a whole tree and then writes it (``_snapshot``, ``_writer``); a
+conversion cannot hold a whole checkpoint in memory. Here the caller gives the leaf
+records up front (path, dtype, shape, chunk shape, sharding description) and, per leaf,
+a function that hands out each chunk's data (a view of a leaf it read whole, or a
+chunk it reads when asked); leaves are written one after another, chunk by chunk, so
+host memory stays near the largest leaf plus a few bounded write buffers:
 
-* big leaves (≥ ``_snapshot.SMALL_LEAF_BYTES``): their zarr3 array through
-  ``_writer.write_data`` (whole chunks as chunk files, the rest through tensorstore).
-  A whole chunk that is a strided view (a column block of a row-major buffer) or needs
-  a cast is written to its chunk file a block at a time (``BLOCK_BYTES``), with the
-  same bytes and crc32c trailer as ``_chunkfiles.write_chunk_file``, instead of being
-  copied whole first.
+* big leaves (≥ ``_snapshot.SMALL_LEAF_BYTES``): a zarr3 array each, written the way
+  ``_writer`` writes (``_zarr.array_spec``; whole chunks on a local disk as chunk files
+  with ``_chunkfiles.write_chunk_file``; edge chunks and object stores through
+  tensorstore), but chunk by chunk as they are produced, at most
+  ``STREAM_BUDGET_BYTES`` of them in flight, instead of ``_writer.write_data``'s one
+  call with every buffer ready. A whole chunk that is a strided view (a column block of
+  a row-major leaf) or needs a cast goes to its chunk file ``BLOCK_BYTES`` at a time
+  (the same bytes and crc32c trailer) instead of being copied whole first.
 * small leaves: laid out as ``_snapshot`` lays them out (``_layout.pack_offsets``, one
   writing process), streamed into the packed array one stored chunk at a time.
 
 Then the manifest is written last and the staging location committed
-(``_commit.prepare``/``commit``). Single process only.
+(``_commit.prepare``/``commit``, ``_checkpoint.build_manifest``). Single process only.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+import mmap
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Union
 
 import crc32c
 import numpy as np
@@ -52,10 +58,18 @@ from ._snapshot import PACK_CHUNK_BYTES, SMALL_LEAF_BYTES, Snapshot
 
 # Bytes copied (or cast) at a time when a chunk is not a plain contiguous buffer.
 BLOCK_BYTES = 8 << 20
+# Bytes of chunks in flight per big leaf (at least one chunk): a producer that reads each
+# chunk when asked (an import) holds about this much besides the leaf being written.
+STREAM_BUDGET_BYTES = 64 << 20
+# See limit_malloc_retention.
+MMAP_THRESHOLD_BYTES = 1 << 20
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
-# chunk_data(i, record) -> a function from a chunk's index to its data (any dtype that
-# casts to the record's; a view is fine). Called once per array leaf, in order.
-ChunkData = Callable[[_layout.Index], np.ndarray]
+# What chunk_data(i, record) gives for one array leaf (called once per leaf, in order):
+# the whole leaf, held (chunks are written from views of it), or a function from a
+# chunk's index to its data, called when the chunk is written (at most
+# STREAM_BUDGET_BYTES of them in flight). Any dtype that casts to the record's.
+ChunkData = Union[np.ndarray, Callable[[_layout.Index], np.ndarray]]
 
 
 def write_checkpoint(path: Any, structure: dict[str, Any], leaves: Sequence[LeafRecord],
@@ -79,7 +93,7 @@ def write_checkpoint(path: Any, structure: dict[str, Any], leaves: Sequence[Leaf
     committed = False
     try:
         t0 = time.perf_counter()
-        _write_leaves(staging, records, packed, chunk_data, progress)
+        _write_leaves(staging, records, packed, chunk_data, progress, final)
         extra = {"write_seconds": round(time.perf_counter() - t0, 6), **(info or {})}
         manifest = build_manifest(Snapshot(structure, records, {}, packed, None, 0), metadata, extra)
         _commit.commit(final, staging, manifest.to_bytes(), token)
@@ -100,9 +114,9 @@ def plan(leaves: Sequence[LeafRecord]) -> tuple[list[LeafRecord], tuple[PackedAr
             out.append(LeafRecord(path=rec.path, kind="value", value=rec.value))
             continue
         itemsize = _dtypes.DTYPES[_dtypes.dtype_name(rec.dtype)].itemsize
-        chunk_shape = tuple(max(1, min(int(c), max(s, 1))) for c, s in zip(rec.chunk_shape, rec.shape))
-        if len(chunk_shape) != len(rec.shape):
+        if len(rec.chunk_shape) != len(rec.shape):
             raise CheckpointError(f"Leaf '{rec.path}': chunk shape {rec.chunk_shape} does not fit shape {rec.shape}")
+        chunk_shape = tuple(max(1, min(int(c), max(s, 1))) for c, s in zip(rec.chunk_shape, rec.shape))
         nbytes = math.prod(rec.shape) * itemsize
         store = "packed" if nbytes < SMALL_LEAF_BYTES else "file"
         out.append(LeafRecord(
@@ -134,7 +148,7 @@ def _cells(rec: LeafRecord) -> Iterator[tuple[tuple[int, ...], _layout.Index]]:
 
 def _write_leaves(staging: Location, records: list[LeafRecord], packed: tuple[PackedArray, ...],
                   chunk_data: Callable[[int, LeafRecord], ChunkData],
-                  progress: Callable[[int, int], None] | None) -> None:
+                  progress: Callable[[int, int], None] | None, final: Location) -> None:
     packer = _PackedStream(staging, packed[0]) if packed else None
     total = sum(r.nbytes for r in records)
     done = 0
@@ -143,8 +157,13 @@ def _write_leaves(staging: Location, records: list[LeafRecord], packed: tuple[Pa
             continue
         try:
             data = chunk_data(i, rec)
+            held = isinstance(data, np.ndarray)
+            if held and tuple(data.shape) != tuple(rec.shape):
+                raise CheckpointError(f"Leaf '{rec.path}': data of shape {data.shape}, expected {rec.shape}")
+            if held:
+                data = functools.partial(_view, data)
             if rec.store == "file":
-                _write_file_leaf(staging, rec, data)
+                _write_file_leaf(staging, rec, data, held)
             else:
                 for (_, offset), (_, region) in zip(rec.chunks, _cells(rec)):
                     packer.put(offset, _stored(rec, _chunk(rec, region, data)).view(np.uint8).reshape(-1))
@@ -152,7 +171,7 @@ def _write_leaves(staging: Location, records: list[LeafRecord], packed: tuple[Pa
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - named for the user, chained for the details
-            raise CheckpointError(f"Writing checkpoint '{staging}': leaf '{rec.path}' failed: {e}") from e
+            raise CheckpointError(f"Writing checkpoint '{final}': leaf '{rec.path}' failed: {e}") from e
         done += rec.nbytes
         if progress is not None:
             progress(done, total)
@@ -162,10 +181,36 @@ def _write_leaves(staging: Location, records: list[LeafRecord], packed: tuple[Pa
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - as above
-            raise CheckpointError(f"Writing checkpoint '{staging}': the packed small leaves failed: {e}") from e
+            raise CheckpointError(f"Writing checkpoint '{final}': the packed small leaves failed: {e}") from e
 
 
-def _chunk(rec: LeafRecord, region: _layout.Index, data: ChunkData) -> np.ndarray:
+def limit_malloc_retention(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Make glibc's malloc map every allocation of ``threshold`` bytes or more on its own
+    and unmap it when freed (``mallopt(M_MMAP_THRESHOLD)``); ``False`` where that is not
+    available (not glibc). Process-wide and for the rest of the process: the ``jaxckpt``
+    conversion commands and ``convert.from_orbax`` call it (unless ``JAXCKPT_KEEP_MALLOC``
+    is set); nothing else in the library does.
+
+    Why: chunks that tensorstore decodes on its threads (orbax's compressed chunks) are
+    freed into malloc's per-thread arenas, which keep them, and ``malloc_trim`` does not
+    get them back; an orbax import then peaks near 2× the largest leaf instead of 1×
+    (``benchmarks/convert_rss.py`` measures both). ``MALLOC_MMAP_THRESHOLD_=1048576`` in
+    the environment does the same for any process.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, int(threshold)))
+
+
+def _view(leaf: np.ndarray, index: _layout.Index) -> np.ndarray:
+    return leaf[_layout.index_to_slices(index)]
+
+
+def _chunk(rec: LeafRecord, region: _layout.Index, data: Callable[[_layout.Index], np.ndarray]) -> np.ndarray:
     """Chunk ``region`` of ``rec`` from the producer, its shape checked."""
     piece = data(region)
     if tuple(piece.shape) != _layout.index_shape(region):
@@ -180,62 +225,56 @@ def _stored(rec: LeafRecord, piece: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(piece).view(_dtypes.DTYPES[rec.storage_dtype])
 
 
-def _write_file_leaf(staging: Location, rec: LeafRecord, data: ChunkData) -> None:
-    """One big leaf: whole plain chunks through ``_writer`` (direct chunk files on a local
-    disk), strided or cast whole chunks to their chunk files a block at a time, the rest
-    (edge chunks, which zarr stores at full size; object stores) through tensorstore,
-    one copy at a time."""
-    dtype, storage = _dtypes.DTYPES[rec.dtype], _dtypes.DTYPES[rec.storage_dtype]
-    blockwise = staging.local is not None and (storage.itemsize == 1 or sys.byteorder == "little")
-    plain, blocked, copied = [], [], []
-    for cell, region in _cells(rec):
-        piece = _chunk(rec, region, data)
-        whole = _layout.index_shape(region) == tuple(rec.chunk_shape)
-        if whole and piece.dtype == dtype and piece.flags.c_contiguous:
-            plain.append((region, piece))
-        elif whole and blockwise:
-            blocked.append((_chunkfiles.chunk_file(staging, rec.key, cell), piece))
-        else:
-            copied.append((region, piece))
+def _write_file_leaf(staging: Location, rec: LeafRecord, data: Callable[[_layout.Index], np.ndarray],
+                     held: bool) -> None:
+    """One big leaf, chunk by chunk, on a few threads; when the chunks are not views of
+    a ``held`` leaf, fewer for big chunks (at most ``STREAM_BUDGET_BYTES`` in flight)."""
     spec = _zarr.array_spec(staging, rec.key, rec.shape, rec.chunk_shape, rec.storage_dtype)
-    ctx = _storage.context(staging)
-    if plain:  # _writer creates the array
-        _writer.write_data(staging, Snapshot({}, [rec], {0: plain}, (), None, 0))
-    else:
-        _zarr.open_array(spec, ctx, create=True).result()
-    if copied:
-        store = _zarr.open_array(spec, ctx, create=False).result()
-        for region, piece in copied:
-            _zarr.write_region(store, region, _stored(rec, piece), rec.key).result()
-    if blocked:
-        dirs = {os.path.dirname(p) for p, _ in blocked}
-        for d in dirs:
+    store = _zarr.open_array(spec, _storage.context(staging), create=True).result()
+    storage = _dtypes.DTYPES[rec.storage_dtype]
+    direct = (_writer.DIRECT_WRITES and staging.local is not None
+              and (storage.itemsize == 1 or sys.byteorder == "little"))
+    cells = list(_cells(rec))
+    dirs = set()
+    if direct:
+        dirs = {os.path.dirname(_chunkfiles.chunk_file(staging, rec.key, cell)) for cell, _ in cells}
+        for d in sorted(dirs):
             os.makedirs(d, exist_ok=True)
-        _tasks.run_tasks([_blocked_write(p, piece, dtype, storage, rec.key) for p, piece in blocked],
-                         _writer.WRITE_THREADS)
-        for d in _writer._parents_up_to(dirs, staging.local):
-            _storage.fsync_dir(d)
+    chunk_bytes = math.prod(rec.chunk_shape) * storage.itemsize
+    threads = _writer.WRITE_THREADS if held else max(1, min(_writer.WRITE_THREADS, STREAM_BUDGET_BYTES // chunk_bytes))
+    _tasks.run_tasks([functools.partial(_write_chunk, staging, rec, store, data, cell, region, direct)
+                      for cell, region in cells], threads)
+    for d in _writer._parents_up_to(dirs, staging.local):
+        _storage.fsync_dir(d)
 
 
-def _blocked_write(path: str, piece: np.ndarray, dtype: np.dtype, storage: np.dtype, key: str) -> Callable[[], None]:
-    def task() -> None:
-        write_chunk_blocks(path, piece, dtype, storage, key)
-
-    return task
+def _write_chunk(staging: Location, rec: LeafRecord, store: Any, data: Callable[[_layout.Index], np.ndarray],
+                 cell: tuple[int, ...], region: _layout.Index, direct: bool) -> None:
+    """One chunk: a whole one on a local disk straight to its chunk file (as ``_writer``
+    does; block by block when it is strided or needs a cast), anything else (edge
+    chunks, which zarr stores at full size; object stores) through tensorstore."""
+    piece = _chunk(rec, region, data)
+    dtype, storage = _dtypes.DTYPES[rec.dtype], _dtypes.DTYPES[rec.storage_dtype]
+    if direct and _layout.index_shape(region) == tuple(rec.chunk_shape):
+        path = _chunkfiles.chunk_file(staging, rec.key, cell)
+        if piece.dtype == dtype and piece.flags.c_contiguous:
+            _chunkfiles.write_chunk_file(path, piece.view(storage), rec.key)
+        else:
+            write_chunk_blocks(path, piece, dtype, storage, rec.key)
+        return
+    _zarr.write_region(store, region, _stored(rec, piece), rec.key).result()
 
 
 def write_chunk_blocks(path: str, piece: np.ndarray, dtype: np.dtype, storage: np.dtype, key: str) -> None:
     """Write one whole zarr3 chunk (``bytes`` + ``crc32c``) from a strided or uncast view,
     ``BLOCK_BYTES`` at a time: the bytes ``_chunkfiles.write_chunk_file`` writes."""
     _iostats.fault("write", key)
-    nbytes = piece.size * dtype.itemsize
-    _iostats.count(bytes_written=nbytes, writes=1)
+    _iostats.count(bytes_written=piece.size * dtype.itemsize, writes=1)
     crc = 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        for block in c_order_blocks(piece, BLOCK_BYTES):
-            out = np.ascontiguousarray(block if block.dtype == dtype else block.astype(dtype)).view(storage)
-            view = memoryview(out.reshape(-1).view(np.uint8))
+        for block in cast_blocks(piece, dtype, BLOCK_BYTES):
+            view = memoryview(block.view(storage).reshape(-1).view(np.uint8))
             crc = crc32c.crc32c(view, crc)
             done = 0
             while done < len(view):
@@ -244,6 +283,28 @@ def write_chunk_blocks(path: str, piece: np.ndarray, dtype: np.dtype, storage: n
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def cast_blocks(x: np.ndarray, dtype: np.dtype, limit: int) -> Iterator[np.ndarray]:
+    """``x`` as C-contiguous arrays of ``dtype``, in C order: views of ``x`` where it is
+    contiguous and of ``dtype`` already, otherwise copies of at most ``limit`` bytes into
+    one scratch buffer (each valid until the next is asked for).
+
+    The scratch buffer is an anonymous mapping of its own, unmapped when done: copies
+    made with ``numpy`` on a few threads, leaf after leaf, otherwise stay in malloc's
+    per-thread arenas and the process grows by that much per leaf.
+    """
+    scratch = None
+    for block in c_order_blocks(x, limit):
+        if block.dtype == dtype and block.flags.c_contiguous:
+            yield block
+            continue
+        nbytes = block.size * dtype.itemsize
+        if scratch is None or len(scratch) < nbytes:
+            scratch = np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), np.uint8)
+        out = scratch[:nbytes].view(dtype).reshape(block.shape)
+        np.copyto(out, block, casting="unsafe")
+        yield out
 
 
 def c_order_blocks(x: np.ndarray, limit: int) -> Iterator[np.ndarray]:

@@ -372,6 +372,188 @@ def gc_command(directory: str, yes: bool) -> None:
         click.echo("run again with --yes to remove them")
 
 
+@main.command("import-orbax")
+@click.argument("src")
+@click.argument("dest")
+@click.option("--overwrite", is_flag=True, help="Replace a checkpoint already at DEST.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def import_orbax_command(src: str, dest: str, overwrite: bool, as_json: bool) -> None:
+    """Convert the orbax checkpoint SRC into a jaxckpt checkpoint at DEST, leaf by leaf."""
+    from . import convert
+
+    _limit_malloc_retention()
+    with _progress("import") as progress:
+        convert.from_orbax(src, dest, overwrite=overwrite, progress=progress)
+    _print_written(src, dest, as_json)
+
+
+@main.command("export")
+@click.argument("path")
+@click.argument("out")
+@click.option("--select", "select", multiple=True, metavar="PREFIX",
+              help="Export only the leaves under this key path prefix (repeatable); names are below it.")
+@click.option("--dtype", default=None, help="Cast floating-point arrays to this dtype (e.g. bfloat16).")
+@click.option("--max-shard-bytes", "max_shard", default=None, metavar="N",
+              help="Directory OUT: tensor bytes per file (default 5GB; suffixes KB MB GB KiB MiB GiB).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def export_command(path: str, out: str, select: tuple[str, ...], dtype: str | None, max_shard: str | None,
+                   as_json: bool) -> None:
+    """Export the arrays of PATH as safetensors: OUT ending in .safetensors is one file,
+    otherwise a directory of model-0000k-of-0000N.safetensors shards and their index."""
+    from . import convert
+
+    _limit_malloc_retention()
+    with _progress("export") as progress:
+        result = convert.to_safetensors(path, out, select=list(select) or None, dtype=dtype,
+                                        max_shard_bytes=_parse_bytes(max_shard), progress=progress)
+    if as_json:
+        _emit_json(result._asdict())
+        return
+    for f in result.files:
+        click.echo(f"{f}  {_human(os.path.getsize(f))}")
+    click.echo(f"{result.tensors} tensors, {_human(result.total_size)}"
+               + (f"; not tensors, skipped: {', '.join(result.skipped)}" if result.skipped else ""))
+
+
+def _limit_malloc_retention() -> None:
+    """This process only converts: keep decoded chunks from piling up in malloc's
+    arenas (see ``_stream.limit_malloc_retention``)."""
+    from . import _stream
+
+    _stream.limit_malloc_retention()
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def _parse_bytes(text: str | None) -> int | None:
+    if text is None:
+        return None
+    number = text.strip().rstrip("BbIiKkMmGgTt")
+    unit = text.strip()[len(number):].upper()
+    try:
+        n = float(number) * _SIZE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise _Exit(EXIT_USAGE, f"--max-shard-bytes: {text!r} is not a byte count (e.g. 5GB, 500MiB, 1000000)") from None
+    if n < 1:
+        raise _Exit(EXIT_USAGE, f"--max-shard-bytes must be positive, got {text!r}")
+    return int(n)
+
+
+@main.command("convert")
+@click.argument("src")
+@click.argument("dest")
+@click.option("--mesh", "mesh", default=None, metavar="AXIS=SIZE,...",
+              help="The target mesh, e.g. a=2,b=4 (no devices needed).")
+@click.option("--spec", "specs", multiple=True, metavar="[GLOB=]SPEC",
+              help="A PartitionSpec on --mesh, e.g. 'a,None'; GLOB= limits it to matching key paths (repeatable).")
+@click.option("--dtype", default=None, help="Cast floating-point arrays to this dtype (e.g. bfloat16).")
+@click.option("--select", "select", multiple=True, metavar="PREFIX",
+              help="Keep only the leaves under this key path prefix (repeatable).")
+@click.option("--overwrite", is_flag=True, help="Replace a checkpoint already at DEST (DEST may be SRC).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def convert_command(src: str, dest: str, mesh: str | None, specs: tuple[str, ...], dtype: str | None,
+                    select: tuple[str, ...], overwrite: bool, as_json: bool) -> None:
+    """Rewrite the checkpoint SRC at DEST with its chunks laid out for another mesh,
+    floats cast, or a subset of its leaves, one leaf at a time.
+
+    SPEC has one entry per dimension, comma-separated: a mesh axis, None, or axes joined
+    by + (a+b: split over both); '' replicates. An array with fewer dimensions than its
+    SPEC is replicated. With GLOB=SPEC the spec applies to the key paths matching GLOB
+    (fnmatch, e.g. 'params/*/kernel'); the first matching GLOB wins, then a plain SPEC;
+    leaves matching none keep their recorded layout. Example:
+
+    \b
+    jaxckpt convert ckpt/1000 ckpt/1000-tp --mesh data=2,model=4 \\
+        --spec '*/embed=model,None' --spec 'None,model'
+    """
+    from . import convert
+
+    shardings = _layout_from_options(src, mesh, specs)
+    _limit_malloc_retention()
+    with _progress("convert") as progress:
+        convert.relayout(src, dest, shardings=shardings, dtype=dtype, select=list(select) or None,
+                         overwrite=overwrite, progress=progress)
+    _print_written(src, dest, as_json)
+
+
+def _layout_from_options(src: str, mesh: str | None, specs: tuple[str, ...]) -> Any:
+    """A PyTree of shardings on the abstract ``--mesh`` for the leaves of ``src`` (``None``:
+    keep), from the ``--spec`` rules; ``None`` without options."""
+    if not specs and mesh is None:
+        return None
+    if mesh is None:
+        raise _Exit(EXIT_USAGE, "--spec needs --mesh (the mesh its axes name)")
+    if not specs:
+        raise _Exit(EXIT_USAGE, "--mesh needs at least one --spec")
+    import fnmatch
+
+    import jax
+
+    import jaxckpt
+
+    from . import _tree
+
+    abstract = _parse_mesh(mesh)
+    rules = [(glob or None, _parse_spec(spec, abstract)) for glob, _, spec in (s.rpartition("=") for s in specs)]
+    info = jaxckpt.metadata(src)
+    is_leaf = lambda x: x is None or isinstance(x, jaxckpt.LeafInfo)  # noqa: E731 - LeafInfo is a NamedTuple
+    flat, treedef = jax.tree_util.tree_flatten_with_path(info.tree, is_leaf=is_leaf)
+    out = []
+    for keys, leaf in flat:
+        path = _tree.keypath_to_str(keys)
+        spec = None
+        if isinstance(leaf, jaxckpt.LeafInfo):
+            spec = next((sp for g, sp in rules if g is not None and fnmatch.fnmatchcase(path, g)),
+                        next((sp for g, sp in rules if g is None), None))
+        if spec is not None and len(spec) > len(leaf.shape):
+            spec = jax.sharding.PartitionSpec()
+        out.append(None if spec is None else jax.sharding.NamedSharding(abstract, spec))
+    return _tree.unflatten(treedef, out)
+
+
+def _parse_mesh(text: str) -> Any:
+    import jax
+
+    names, sizes = [], []
+    for part in text.split(","):
+        name, _, size = part.strip().partition("=")
+        if not name or not size.isdigit() or int(size) < 1 or name in names:
+            raise _Exit(EXIT_USAGE, f"--mesh {text!r}: expected distinct AXIS=SIZE pairs, e.g. a=2,b=4")
+        names.append(name)
+        sizes.append(int(size))
+    return jax.sharding.AbstractMesh(tuple(sizes), tuple(names))
+
+
+def _parse_spec(text: str, mesh: Any) -> Any:
+    import jax
+
+    entries: list[Any] = []
+    for part in (p.strip() for p in text.split(",")) if text.strip() else ():
+        axes = tuple(a.strip() for a in part.split("+"))
+        if part in ("None", "none", "-"):
+            entries.append(None)
+            continue
+        for a in axes:
+            if a not in mesh.axis_names:
+                raise _Exit(EXIT_USAGE, f"--spec {text!r}: axis '{a}' is not in the mesh "
+                                        f"({', '.join(mesh.axis_names)})")
+        entries.append(axes[0] if len(axes) == 1 else axes)
+    return jax.sharding.PartitionSpec(*entries)
+
+
+def _print_written(src: str, dest: str, as_json: bool) -> None:
+    import jaxckpt
+
+    info = jaxckpt.metadata(dest)
+    tree = _describe(info.tree, "", 0, 0)
+    if as_json:
+        _emit_json({"src": src, "dest": info.path, "leaves": tree["leaves"], "bytes": tree["bytes"]})
+        return
+    click.echo(f"{src} -> {info.path}: {tree['leaves']} leaves, {_human(tree['bytes'])}")
+
+
 def run(argv: list[str] | None = None) -> int:
     """The console script: every error is one line on stderr, never a traceback."""
     import jaxckpt

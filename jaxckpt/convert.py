@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -48,6 +49,13 @@ def from_orbax(src: Any, dest: Any, *, overwrite: bool = False, progress: Progre
     recorded), so a restore onto the same mesh reads each chunk once. Leaves are read
     and written one at a time.
 
+    Memory: tensorstore decodes orbax's compressed chunks on its own threads, and
+    glibc's malloc keeps what those threads free in per-thread arenas, so the import
+    would peak near 2.5× the largest leaf. This function therefore sets
+    ``mallopt(M_MMAP_THRESHOLD, 1 MiB)`` for the process first (big buffers then go back
+    to the system when freed; it peaks near 1×). Set ``JAXCKPT_KEEP_MALLOC=1`` to leave
+    malloc alone.
+
     Args:
       src: an orbax step directory (or item directory) or URL.
       dest: where the jaxckpt checkpoint goes (committed atomically, manifest last).
@@ -66,6 +74,8 @@ def from_orbax(src: Any, dest: Any, *, overwrite: bool = False, progress: Progre
         raise CheckpointError(
             f"'{source.loc}' is a {source.format} checkpoint, not an orbax-checkpoint one; from_orbax "
             "imports orbax checkpoints (relayout rewrites a jaxckpt checkpoint)")
+    if not os.environ.get("JAXCKPT_KEEP_MALLOC"):
+        _stream.limit_malloc_retention()
     import_source(source, dest, overwrite=overwrite, progress=progress)
 
 
@@ -80,29 +90,39 @@ def import_source(source: _sources.Source, dest: Any, *, overwrite: bool = False
 
 def _copy(source: _sources.Source, dest: Any, structure: dict[str, Any], indices: list[int],
           leaves: list[LeafRecord], overwrite: bool, progress: Progress | None) -> None:
-    """Write source leaves ``indices`` as ``leaves`` (their new records, same order)."""
+    """Write source leaves ``indices`` as ``leaves`` (their new records, same order).
+
+    A big leaf whose new chunks are unions of whole saved chunks is read chunk by chunk
+    as the writer asks (each saved chunk read once, a few in flight); any other leaf is
+    read whole once and written from views of that buffer (one leaf in memory)."""
     saved = [source.manifest.leaves[i] for i in indices]
 
     def chunk_data(i: int, rec: LeafRecord) -> _stream.ChunkData:
-        full = _read_leaf(source, saved[i])  # the one leaf held in memory
-
-        def chunk(index: _layout.Index) -> np.ndarray:
-            return full[_layout.index_to_slices(index)]  # a view; the writer casts
-
-        return chunk
+        if rec.store == "file" and _aligned(saved[i], rec):
+            return functools.partial(_read_region, source, saved[i])
+        return _read_leaf(source, saved[i])  # the writer writes views of it, casting
 
     info = {"converted_from": {"path": str(source.loc), "format": source.format}}
     _stream.write_checkpoint(dest, structure, leaves, chunk_data, metadata=source.manifest.metadata,
                              overwrite=overwrite, info=info, progress=progress)
 
 
+def _aligned(saved: LeafRecord, rec: LeafRecord) -> bool:
+    """Whether every chunk of ``rec`` covers whole saved chunks of ``saved``."""
+    return len(saved.chunk_shape) == len(rec.shape) and all(
+        c % s == 0 or c >= n for c, s, n in zip(rec.chunk_shape, saved.chunk_shape, rec.shape))
+
+
+def _read_region(source: _sources.Source, rec: LeafRecord, index: _layout.Index) -> np.ndarray:
+    reader = source.new_reader()
+    reader.add(rec, index)
+    reader.run()
+    return reader.get(rec, index)
+
+
 def _read_leaf(source: _sources.Source, rec: LeafRecord) -> np.ndarray:
     """The whole of one saved leaf, as a host array of its saved dtype."""
-    full = tuple((0, d) for d in rec.shape)
-    reader = source.new_reader()
-    reader.add(rec, full)
-    reader.run()
-    return reader.get(rec, full)
+    return _read_region(source, rec, tuple((0, d) for d in rec.shape))
 
 
 def _retarget(rec: LeafRecord, sharding: dict[str, Any] | None, dtype: str | None,
@@ -491,16 +511,18 @@ def _write_file(source: _sources.Source, tmp: str, tensors: list[_Tensor], progr
     with open(tmp, "wb") as fh:
         fh.write(_header(tensors))
         for t in tensors:
-            data = _read_leaf(source, t.rec)  # one tensor in memory
-            target = _dtypes.DTYPES[t.dtype]
-            for block in _stream.c_order_blocks(data, _CAST_BLOCK_BYTES):
-                block = np.ascontiguousarray(block if block.dtype == target else block.astype(target))
-                if sys.byteorder == "big" and target.itemsize > 1:
-                    block = block.byteswap()
-                fh.write(memoryview(block.reshape(-1).view(np.uint8)))
-            del data
+            _write_tensor(fh, _read_leaf(source, t.rec), _dtypes.DTYPES[t.dtype])  # one tensor in memory
             done[0] += t.nbytes
             if progress is not None:
                 progress(*done)
         fh.flush()
         os.fsync(fh.fileno())
+
+
+def _write_tensor(fh: Any, data: np.ndarray, target: np.dtype) -> None:
+    """``data`` as ``target``, little endian, C order, cast a block at a time (no view of
+    it outlives this call, so the leaf's buffer goes before the next one is read)."""
+    for block in _stream.cast_blocks(data, target, _CAST_BLOCK_BYTES):
+        if sys.byteorder == "big" and target.itemsize > 1:
+            block = block.byteswap()
+        fh.write(memoryview(block.reshape(-1).view(np.uint8)))
