@@ -466,3 +466,30 @@ def test_location_of_a_relayout_onto_itself_on_an_object_store_is_refused():
     jaxckpt.save("memory://x", {"w": np.zeros(4)})
     with pytest.raises(jaxckpt.CheckpointError, match="works on a local disk only"):
         convert.relayout("memory://x", "memory://x", overwrite=True)
+
+
+def test_from_orbax_of_a_two_item_manager_step_equals_orbax_restore(tmp_path):
+    import orbax.checkpoint as ocp
+
+    m = mesh((4,), ("x",))
+    state = {"w": sharded(np.arange(256 * 64, dtype=np.float32).reshape(256, 64), (4,), ("x",), ("x", None)),
+             "repl": jax.device_put(np.linspace(0, 1, 64, dtype=np.float32), NamedSharding(m, P())),
+             "half": jax.device_put(np.ones((8, 8), ml_dtypes.bfloat16), NamedSharding(m, P(None, "x"))),
+             "q": np.arange(-4, 4, dtype=np.int8), "rng": jax.random.key(11), "count": 3}
+    with ocp.CheckpointManager(str(tmp_path / "orbax")) as mgr:
+        mgr.save(7, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                            extra=ocp.args.JsonSave({"lr": 0.1, "name": "run"})))
+        mgr.wait_until_finished()
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                                if isinstance(x, jax.Array) else x, state)
+        theirs = mgr.restore(7, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+    convert.from_orbax(tmp_path / "orbax" / "7", tmp_path / "ours")
+    assert jaxckpt.verify(tmp_path / "ours").ok
+    ours = jaxckpt.restore(tmp_path / "ours", {"state": abstract, "extra": {"lr": 0.0, "name": ""}})
+    assert ours["extra"] == {"lr": 0.1, "name": "run"}
+    for key in ("w", "repl", "half", "q"):
+        assert_bit_equal(ours["state"][key], theirs[key])
+        if isinstance(theirs[key], jax.Array):
+            assert ours["state"][key].sharding == theirs[key].sharding
+    assert_bit_equal(jax.random.key_data(ours["state"]["rng"]), jax.random.key_data(theirs["rng"]))
+    assert ours["state"]["count"] == theirs["count"] == 3
