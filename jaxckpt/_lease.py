@@ -84,9 +84,11 @@ class Lease:
         owner = {"host": _host(), "pid": os.getpid(), "token": token, "started": time.time(),
                  "renewed": time.time(), "count": 0, "lease_s": lease_s}
         watched: tuple[bytes | None, float] | None = None
+        known: dict[str, Any] = {}  # the last readable lease (one read may catch a rewrite)
         while True:
             data = _storage.read_blob(directory, LEASE_FILE)
             holder = _parse(data)
+            known = holder or known
             if holder is None:
                 if _create(directory, owner):
                     return cls(directory, owner)
@@ -97,7 +99,7 @@ class Lease:
             if verdict == "alive":
                 raise CheckpointError(
                     f"'{directory}' is being written by another CheckpointManager: "
-                    f"{describe_owner(holder)}. Stop it first, or open this directory with "
+                    f"{describe_owner(holder or known)}. Stop it first, or open this directory with "
                     "CheckpointManager(..., read_only=True) to list and restore without writing. "
                     f"(If you are sure that writer is gone, delete '{directory.url}/{LEASE_FILE}'.)")
             if verdict == "unknown":

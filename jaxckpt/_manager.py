@@ -136,6 +136,7 @@ class CheckpointManager:
         else:
             self._start_writer()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
+        self._deleter = _Deleter(self._dir)
         ref = weakref.ref(self)
         self._atexit = lambda: (m := ref()) is not None and m._finish_at_exit()
         atexit.register(self._atexit)
@@ -162,6 +163,9 @@ class CheckpointManager:
                     for attempt in _commit.stale_attempts(self._dir):
                         _log.info("jaxckpt: removing attempt %s left by a writer that is gone", attempt)
                         _storage.delete_tree(self._dir.child(attempt))
+                    # On an object store: data prefixes inside steps that no manifest names.
+                    for key in _commit.remove_dead_step_data(self._dir):
+                        _log.info("jaxckpt: removed data %s left by a writer that is gone", key)
                 except BaseException as e:
                     if self._lease is not None:
                         self._lease.release()
@@ -441,9 +445,8 @@ class CheckpointManager:
             doomed -= busy
             for s in doomed:
                 self._steps.pop(s, None)
-        if _distributed.process_index() == 0:
-            for s in sorted(doomed):
-                _commit.delete_step(self._dir, s, _commit.new_token())
+        if _distributed.process_index() == 0 and doomed:
+            self._deleter.submit(sorted(doomed))
 
     # --- restore ---------------------------------------------------------------------
 
@@ -550,6 +553,7 @@ class CheckpointManager:
                 self._settle(oldest)
             except CheckpointError as e:
                 first = first or e
+        self._deleter.wait()
         if first is not None:
             raise first
 
@@ -562,6 +566,7 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._executor.shutdown(wait=True)
+            self._deleter.close()
             if self._lease is not None:
                 self._lease.release()
             atexit.unregister(self._atexit)
@@ -592,6 +597,54 @@ class CheckpointManager:
             infos = {s: m.info for s, m in self._steps.items()}
         mode = "read-only" if self._read_only else "writer"
         return _render_html(str(self._dir), mode, infos, self._clock(), self._advice)
+
+
+class _Deleter:
+    """Retention's deletes, on a thread of their own: a slow delete (an object store
+    deletes object by object) never holds up the next save. Each step is made
+    invisible first (``_commit.delete_step``); a failure is logged and the step, still
+    committed on disk, is found again by the next ``reload``/start."""
+
+    def __init__(self, directory: Any):
+        self._dir = directory
+        self._queue: list[int] = []
+        self._cond = threading.Condition()
+        self._busy = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, steps: list[int]) -> None:
+        with self._cond:
+            self._queue.extend(s for s in steps if s not in self._queue)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="jaxckpt-delete", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue:
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
+                batch, self._queue = self._queue, []
+                self._busy = True
+            for step in batch:
+                try:
+                    _commit.delete_step(self._dir, step, _commit.new_token())
+                except Exception as e:  # noqa: BLE001 - logged; the step is still committed on disk
+                    _log.warning("jaxckpt: deleting step %d in '%s' failed: %s", step, self._dir, e)
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def wait(self) -> None:
+        """Until every submitted delete has run."""
+        with self._cond:
+            while self._queue or self._busy or self._thread is not None:
+                self._cond.wait()
+
+    close = wait
 
 
 def _check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:

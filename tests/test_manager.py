@@ -239,6 +239,7 @@ def test_retention_spares_a_step_being_restored(tmp_path, monkeypatch):
     assert mgr.all_steps() == [1, 2]
     mgr.save(3, {"x": np.zeros(2)})  # now step 1 (deferred) and 2 go
     assert mgr.all_steps() == [3]
+    mgr.wait_until_finished()  # deletes run on their own thread
     assert visible(tmp_path) == ["3"]
     mgr.close()
     assert sorted(os.listdir(tmp_path)) == ["3", "history.jsonl"]  # the lease is released on close
@@ -630,3 +631,30 @@ def test_attempts_say_whether_their_writer_is_gone(tmp_path):
     (tmp_path / ".jaxckpt-writer.json").write_text(json.dumps({**dead, "host": "elsewhere"}))
     assert [a["writer_alive"] for a in reader.attempts()] == [True, True]
     assert (tmp_path / ".jaxckpt-writer.json").exists() and stale.exists()  # reading changed nothing
+
+
+def test_a_slow_delete_never_delays_the_next_save(tmp_path, monkeypatch):
+    from jaxckpt import _commit
+
+    release, started = threading.Event(), threading.Event()
+    real = _commit.delete_step
+
+    def slow_delete(directory, step, token):  # an object store deleting object by object
+        started.set()
+        release.wait(30)
+        real(directory, step, token)
+
+    monkeypatch.setattr(_commit, "delete_step", slow_delete)
+    with jaxckpt.CheckpointManager(tmp_path, max_to_keep=1) as mgr:
+        mgr.save(1, {"x": np.ones(4)})
+        mgr.save(2, {"x": np.ones(4) * 2})
+        mgr.save(3, {"x": np.ones(4) * 3})  # settles step 2, whose retention started deleting step 1
+        assert started.wait(10)
+        try:
+            mgr.save(4, {"x": np.ones(4) * 4})  # settles step 3 while the delete of step 1 still hangs
+            assert not release.is_set() and mgr.all_steps() == [3]
+            assert visible(tmp_path) == ["1", "2", "3"]  # step 1's delete hangs; step 2's waits behind it
+        finally:
+            release.set()
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [4] and visible(tmp_path) == ["4"]
