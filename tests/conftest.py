@@ -74,3 +74,110 @@ def s3_server():
     yield spec
     server.terminate()
     server.wait(10)
+
+
+# gcp-storage-emulator (2026.7.19) ignores the JSON API's ``startOffset``/``endOffset``
+# list parameters and answers with every object of the bucket. tensorstore's ``gcs``
+# driver lists a prefix with exactly those (``?startOffset=run%2F2%2F&endOffset=run%2F20``,
+# no ``prefix``) and cuts its path prefix off each returned name: a foreign name shorter
+# than that prefix aborts the whole process (``std::out_of_range: basic_string_view::substr``),
+# a longer one is listed as a key of the wrong prefix. So the emulator is started with its
+# list handler filtering by those two parameters, as Cloud Storage does.
+_GCS_EMULATOR = """
+import sys
+from gcp_storage_emulator.handlers import objects
+
+_ls = objects.ls
+
+
+def ls(request, response, storage, *args, **kwargs):
+    start = (request.query.get("startOffset") or [None])[0]
+    end = (request.query.get("endOffset") or [None])[0]
+
+    def keep(name):
+        return (start is None or name >= start) and (end is None or name < end)
+
+    class Offsets:
+        def __getattr__(self, name):
+            return getattr(storage, name)
+
+        def get_file_list(self, *a, **kw):
+            files, prefixes = storage.get_file_list(*a, **kw)
+            return [f for f in files if keep(f["name"])], [p for p in prefixes if keep(p)]
+
+    return _ls(request, response, Offsets(), *args, **kwargs)
+
+
+objects.ls = ls  # before the server module builds its routing table
+
+from gcp_storage_emulator.__main__ import main
+
+main(sys.argv[1:])
+"""
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """A local GCS JSON API (gcp-storage-emulator, in memory) on 127.0.0.1 with one bucket.
+
+    tensorstore's ``gcs`` driver is pointed at it through ``TENSORSTORE_GCS_HTTP_URL``, and
+    ``GOOGLE_AUTH_TOKEN_FOR_TESTING`` makes its auth use a fixed token instead of looking
+    for Google credentials or the metadata server. Both are set before any ``gs://`` access,
+    so a plain ``gs://jaxckpt-test/...`` URL never leaves this machine. Yields a maker of
+    such URLs; ``.keys(prefix)`` lists the bucket's object names through the emulator."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.parse
+    import urllib.request
+
+    bucket = "jaxckpt-test"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-c", _GCS_EMULATOR, "start", "-H", "127.0.0.1", "--port", str(port), "--in-memory",
+                               "--default-bucket", bucket, "-q"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def get(path):
+        with urllib.request.urlopen(endpoint + path, timeout=10) as r:
+            return json.loads(r.read())
+
+    for _ in range(200):
+        try:
+            get(f"/storage/v1/b/{bucket}")
+            break
+        except OSError:  # not up yet (refused, or the bucket not made yet)
+            time.sleep(0.05)
+    else:
+        server.terminate()
+        raise RuntimeError("gcp-storage-emulator did not start")
+    saved = {k: os.environ.get(k) for k in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING")}
+    os.environ["TENSORSTORE_GCS_HTTP_URL"] = endpoint
+    os.environ["GOOGLE_AUTH_TOKEN_FOR_TESTING"] = "testing"
+
+    def url(prefix):
+        return f"gs://{bucket}/{prefix}"
+
+    def keys(prefix):
+        names, token = [], None
+        while True:
+            query = {"prefix": prefix, **({"pageToken": token} if token else {})}
+            page = get(f"/storage/v1/b/{bucket}/o?" + urllib.parse.urlencode(query))
+            names += [o["name"] for o in page.get("items", [])]
+            token = page.get("nextPageToken")
+            if not token:
+                return sorted(names)
+
+    url.bucket, url.endpoint, url.keys = bucket, endpoint, keys
+    yield url
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    server.terminate()
+    server.wait(10)
