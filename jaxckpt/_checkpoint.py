@@ -29,7 +29,9 @@ from ._writer import write_data
 
 
 def build_manifest(snap: Snapshot, metadata: dict[str, Any] | None,
-                   extra_info: dict[str, Any] | None = None) -> Manifest:
+                   extra_info: dict[str, Any] | None = None, data: str = "") -> Manifest:
+    """The manifest of a save; ``data`` is its data prefix (``_commit.data_key``): a
+    checkpoint with one is format version 2, one without (local disks) version 1."""
     from importlib.metadata import version as dist_version  # ~10 ms to import: only when saving
 
     from ._version import __version__
@@ -44,13 +46,14 @@ def build_manifest(snap: Snapshot, metadata: dict[str, Any] | None,
     }
     info.update(extra_info or {})
     return Manifest(
-        format_version=_manifest.FORMAT_VERSION,
+        format_version=_manifest.DATA_PREFIX_VERSION if data else _manifest.FORMAT_VERSION,
         structure=snap.structure,
         leaves=tuple(snap.records),
         metadata=metadata or {},
         process_count=_distributed.process_count(),
         info=info,
         packed=snap.packed,
+        data=data,
     )
 
 
@@ -105,7 +108,7 @@ def _save_as_coordinator(op: _distributed.Operation, final: Location, snap: Snap
                          overwrite: bool, info: Callable[[], dict[str, Any]] | None) -> Manifest:
     staging = None
     try:
-        token = _commit.new_token()
+        token = _commit.new_token(final)
         staging = _commit.prepare(final, token, overwrite)
     except BaseException as e:  # noqa: BLE001 - reported to every process, then re-raised
         op.broadcast("staged", e)
@@ -113,17 +116,17 @@ def _save_as_coordinator(op: _distributed.Operation, final: Location, snap: Snap
     committed = False
     try:
         t0 = time.perf_counter()
-        write_data(staging, snap)
+        write_data(_commit.data_location(final, token), snap)
         write_seconds = time.perf_counter() - t0
         op.wait_for("written", list(range(1, _distributed.process_count())))
         extra = {"write_seconds": round(write_seconds, 6), **(info() if info is not None else {})}
-        manifest = build_manifest(snap, metadata, extra)
+        manifest = build_manifest(snap, metadata, extra, _commit.data_key(final, token))
         data = manifest.to_bytes()
         _commit.commit(final, staging, data, token)
         committed = True
     except BaseException as e:
         if not committed:
-            _commit.abort(final, staging)
+            _commit.abort(final, staging, token)
         op.post("outcome", e)
         raise
     op.post("outcome", data)
@@ -133,7 +136,7 @@ def _save_as_coordinator(op: _distributed.Operation, final: Location, snap: Snap
 def _save_as_follower(op: _distributed.Operation, final: Location, snap: Snapshot) -> Manifest:
     try:
         token = op.broadcast("staged", None).decode()
-        write_data(_commit.staging_location(final, token), snap)
+        write_data(_commit.data_location(final, token), snap)
     except BaseException as e:  # process 0 must hear of any failure, not wait it out
         op.post("written", e)
         raise

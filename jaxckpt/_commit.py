@@ -3,29 +3,46 @@ committed checkpoints.
 
 On a local file system a checkpoint is written under a hidden temporary sibling
 (``.<name>.jaxckpt-tmp-<token>``) and renamed into place after its manifest is durable.
-On an object store there is no rename: data goes straight under the final prefix and
-the manifest, written last, is the commit marker.
+On an object store there is no rename: each attempt writes its data under a prefix of
+its own inside the checkpoint (``<name>/d/<token>/``), and the manifest, written last
+(one atomic PUT), names that prefix and is the commit. The data the replaced manifest
+named is deleted only after that PUT, so at every instant the old or the new checkpoint
+is restorable, and two attempts never share a chunk (docs/format.md, "Commit").
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import stat
+import time
 import uuid
 
-from . import _location, _manifest, _storage
+from . import _iostats, _location, _manifest, _storage, _tasks
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ._location import Location
 
 TMP_MARK = ".jaxckpt-tmp-"
-DATA_DIRS = {"arrays", "packed"}  # what a checkpoint holds besides its manifest
+DATA_DIRS = {"arrays", "packed"}  # a checkpoint's data when it has no data prefix (format 1)
+DATA_PREFIX_DIR = _manifest.DATA_PREFIX_DIR  # object stores: <checkpoint>/d/<token>/ per attempt
 OLD_MARK = ".jaxckpt-old-"
+# A plain save (no writer lease) removes another attempt's data prefix only when that
+# attempt started longer ago than this (by the time in its name): it may still be writing.
+ATTEMPT_GRACE_S = 24 * 3600.0
+CLEAN_THREADS = 8  # steps looked at at once by a manager cleaning dead data at its start
+_TIMED_TOKEN = re.compile(r"^([0-9]{1,12})-[0-9a-f]{12}$")
 _log = logging.getLogger("jaxckpt")
 
 
-def new_token() -> str:
-    return uuid.uuid4().hex[:12]
+def new_token(final: Location | None = None) -> str:
+    """A fresh attempt token. On an object store (``final`` given, not local) it starts
+    with the attempt's start time in Unix seconds, ``<seconds>-<12 hex>``: its data
+    prefix's age, which a later plain save reads to tell a dead attempt from a live one."""
+    token = uuid.uuid4().hex[:12]
+    if final is not None and final.local is None:
+        return f"{int(time.time())}-{token}"
+    return token
 
 
 def is_temporary_name(name: str) -> bool:
@@ -33,11 +50,25 @@ def is_temporary_name(name: str) -> bool:
 
 
 def staging_location(final: Location, token: str) -> Location:
-    """Where the data of a save to ``final`` is written before the commit."""
+    """Where a save to ``final`` stages before the commit: a hidden local sibling that is
+    renamed at the commit; on an object store ``final`` itself (no rename there: the data
+    goes to ``data_location``)."""
     if final.local is None:
         return final
     parent, name = os.path.split(final.local)
     return _location.resolve(os.path.join(parent, f".{name}{TMP_MARK}{token}"))
+
+
+def data_key(final: Location, token: str) -> str:
+    """The data prefix (relative to the checkpoint) that the manifest of attempt ``token``
+    names: ``d/<token>`` on an object store, ``""`` (data at the root) on a local disk."""
+    return "" if final.local is not None else f"{DATA_PREFIX_DIR}/{token}"
+
+
+def data_location(final: Location, token: str) -> Location:
+    """Where attempt ``token`` writes its array data (every process computes the same)."""
+    key = data_key(final, token)
+    return final.child(key) if key else staging_location(final, token)
 
 
 def has_manifest(loc: Location) -> bool:
@@ -45,13 +76,17 @@ def has_manifest(loc: Location) -> bool:
 
 
 def prepare(final: Location, token: str, overwrite: bool) -> Location:
-    """Check the destination and create the staging location (process 0 only)."""
+    """Check the destination and create the staging location (process 0 only).
+
+    Nothing that exists is deleted here: on a local disk the old checkpoint is renamed
+    aside at the commit; on an object store its data goes after the new manifest.
+    """
     children = set(_storage.list_children(final))
     if children:
-        # On object stores data is written in place, so our own data dirs without a
-        # manifest are an attempt that died before its commit: not a checkpoint, and
-        # ours to clear. (Locally a dead attempt stays in its hidden staging directory.)
-        dead_attempt = final.local is None and children <= DATA_DIRS
+        # On an object store, data prefixes (and format-1 data dirs) without a manifest
+        # are attempts that died before their commit: not a checkpoint, and no obstacle.
+        # (Locally a dead attempt stays in its hidden staging directory.)
+        dead_attempt = final.local is None and children <= DATA_DIRS | {DATA_PREFIX_DIR}
         if not dead_attempt and not has_manifest(final):
             raise CheckpointError(
                 f"'{final}' exists and is not a jaxckpt checkpoint (no manifest.json); "
@@ -61,12 +96,6 @@ def prepare(final: Location, token: str, overwrite: bool) -> Location:
             raise CheckpointError(
                 f"Checkpoint '{final}' already exists; pass overwrite=True to replace it"
             )
-        if final.local is None:
-            # Un-commit first (no manifest = not visible), then clear the data so stale
-            # chunks cannot mix with the new ones. Unlike a local overwrite, the old
-            # checkpoint is gone before the new one is complete.
-            _storage.delete_blob(final, _manifest.MANIFEST)
-            _storage.delete_tree(final)
     staging = staging_location(final, token)
     if staging.local is not None:
         os.makedirs(os.path.dirname(staging.local), exist_ok=True)
@@ -76,9 +105,10 @@ def prepare(final: Location, token: str, overwrite: bool) -> Location:
 
 def commit(final: Location, staging: Location, manifest_bytes: bytes, token: str) -> None:
     """Write the manifest last, then make the checkpoint visible (process 0 only)."""
-    _storage.write_blob(staging, _manifest.MANIFEST, manifest_bytes)
     if final.local is None:
+        _commit_object_store(final, manifest_bytes, token)
         return
+    _storage.write_blob(staging, _manifest.MANIFEST, manifest_bytes)
     parent, name = os.path.split(final.local)
     old = None
     if os.path.lexists(final.local):
@@ -90,10 +120,92 @@ def commit(final: Location, staging: Location, manifest_bytes: bytes, token: str
         _storage.delete_tree(_location.resolve(old))
 
 
-def abort(final: Location, staging: Location) -> None:
-    """Remove what a failed save wrote (best effort; never touches a committed step)."""
+def _commit_object_store(final: Location, manifest_bytes: bytes, token: str) -> None:
+    """The manifest PUT (atomic: readers see the old manifest or the new one) is the
+    commit; the data the replaced manifest named is deleted after it, then dead attempts
+    older than ``ATTEMPT_GRACE_S``. Nothing after the PUT raises: the save is committed."""
+    ours = data_key(final, token)
+    replaced = named_data(final)  # read just before the PUT: what this commit replaces
+    where = str(final)
+    _iostats.fault("commit:before-manifest", where)
+    _storage.write_blob(final, _manifest.MANIFEST, manifest_bytes)
+    try:
+        _iostats.fault("commit:after-manifest", where)
+        if replaced is not None and replaced != ours:
+            _delete_data(final, replaced)
+        _iostats.fault("commit:after-old-delete", where)
+        remove_dead_data(final, ours, ATTEMPT_GRACE_S)
+    except Exception as e:  # noqa: BLE001 - committed; what is left is removed by a later writer
+        _log.warning("jaxckpt: '%s' is committed, but removing the data it replaced failed: %s", final, e)
+
+
+def named_data(loc: Location) -> str | None:
+    """The data prefix the manifest at ``loc`` names (``""``: data at the root, format 1),
+    or ``None`` when there is no manifest or it does not validate."""
+    data = _read_manifest_bytes(loc)  # a storage error raises
+    if data is None:
+        return None
+    try:
+        return _manifest.parse(data, str(loc)).data
+    except CorruptCheckpointError:
+        return None
+
+
+def _delete_data(loc: Location, key: str) -> None:
+    if key:
+        _storage.delete_tree(loc.child(key))
+        return
+    for name in sorted(DATA_DIRS):
+        _storage.delete_tree(loc.child(name))
+
+
+def _attempt_age(name: str, now: float) -> float | None:
+    """Seconds since attempt ``name`` (a timed token) started; ``None`` when unknown."""
+    m = _TIMED_TOKEN.match(name)
+    return None if m is None else now - int(m.group(1))
+
+
+def remove_dead_data(loc: Location, keep: str | None, grace_s: float | None) -> list[str]:
+    """Remove the data under checkpoint ``loc`` (an object store) that ``keep`` (the data
+    prefix its manifest names; ``""``: the root; ``None``: no manifest) does not name.
+
+    ``grace_s=None`` (a writer holding the lease: every other writer is gone) removes
+    all of it; otherwise only prefixes whose timed token is older than ``grace_s``, plus
+    format-1 data dirs at the root when ``keep`` is a prefix (their writers cleared a
+    checkpoint before writing; none can be in the middle of a commit). Returns the keys
+    removed.
+    """
+    children = set(_storage.list_children(loc))
+    removed = []
+    if keep != "":
+        removed += sorted(children & DATA_DIRS)
+    if DATA_PREFIX_DIR in children:
+        now = time.time()
+        for name in _storage.list_children(loc.child(DATA_PREFIX_DIR)):
+            key = f"{DATA_PREFIX_DIR}/{name}"
+            age = _attempt_age(name, now)
+            if key != keep and (grace_s is None or (age is not None and age > grace_s)):
+                removed.append(key)
+    for key in removed:
+        _storage.delete_tree(loc.child(key))
+    return removed
+
+
+def abort(final: Location, staging: Location, token: str | None = None) -> None:
+    """Remove what a failed save wrote (best effort; never touches a committed step).
+
+    On an object store that is attempt ``token``'s data prefix, unless the manifest
+    names it (a PUT that reported an error may still have landed)."""
     if staging.local is not None and staging.local != final.local:
         _storage.delete_tree(staging)
+        return
+    if final.local is None and token is not None:
+        key = data_key(final, token)
+        try:
+            if named_data(final) != key:
+                _storage.delete_tree(final.child(key))
+        except Exception as e:  # noqa: BLE001 - best effort: the save's own error is what matters
+            _log.warning("jaxckpt: removing the data of a failed save to '%s' failed: %s", final, e)
 
 
 def read_manifest(loc: Location) -> _manifest.Manifest:
@@ -207,5 +319,38 @@ def delete_step(directory: Location, step: int, token: str) -> None:
         _storage.fsync_dir(directory.local)
         _storage.delete_tree(_location.resolve(doomed))
         return
+    # No rename on an object store: the manifest goes first (the step is unlisted at
+    # once; a crash here leaves data that is no checkpoint), then everything under it.
     _storage.delete_blob(loc, _manifest.MANIFEST)
+    _iostats.fault("delete:after-manifest", str(loc))
     _storage.delete_tree(loc)
+
+
+def remove_dead_step_data(directory: Location) -> list[str]:
+    """Remove, under every step of manager ``directory`` on an object store, the data no
+    manifest names: attempts that died before their commit, or whose replaced data was
+    never deleted. Only for a writer holding the directory's lease (every earlier writer
+    is gone). A step whose manifest does not validate is left alone. Steps are looked at
+    on a few threads (one or two listings each). Returns the keys removed, relative to
+    ``directory``."""
+    if directory.local is not None:
+        return []  # local attempts live in hidden siblings: ``stale_attempts``
+    removed: list[str] = []
+    names = [n for n in _storage.list_children(directory) if _step_of(n) is not None]
+    _tasks.run_tasks([lambda n=n: removed.extend(_remove_dead_in_step(directory, n)) for n in names],
+                     CLEAN_THREADS)
+    return sorted(removed)
+
+
+def _remove_dead_in_step(directory: Location, name: str) -> list[str]:
+    loc = directory.child(name)
+    children = set(_storage.list_children(loc))
+    candidates = 1 if children & DATA_DIRS else 0
+    if DATA_PREFIX_DIR in children:
+        candidates += len(_storage.list_children(loc.child(DATA_PREFIX_DIR)))
+    if not candidates or (candidates == 1 and _manifest.MANIFEST in children):
+        return []  # nothing, or only the data its manifest names
+    keep = named_data(loc)
+    if keep is None and _manifest.MANIFEST in children:
+        return []  # a manifest that does not validate: not ours to judge
+    return [f"{name}/{key}" for key in remove_dead_data(loc, keep, None)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -21,7 +22,18 @@ from ._errors import CorruptCheckpointError
 
 MANIFEST = "manifest.json"
 FORMAT = "jaxckpt"
+# The version written for a checkpoint whose data lies at its root (arrays/, packed/):
+# every local checkpoint (renamed into place at its commit). Synthetic manifests of
+# foreign formats (orbax, safetensors) use it too.
 FORMAT_VERSION = 1
+# The version written for a checkpoint whose data lies under the prefix named by its
+# manifest's ``data`` field (object stores: one prefix per save attempt). A reader of
+# version 1 only would look for arrays/ at the root and fail (missing chunks), so the
+# field bumps the version (docs/format.md, "Format versions").
+DATA_PREFIX_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
+DATA_PREFIX_DIR = "d"  # data prefixes are d/<name>: one component below d/
+_DATA_KEY = re.compile(r"^d/[A-Za-z0-9_.-]{1,64}$")
 
 KINDS = ("array", "prng_key", "value")
 STORES = ("file", "packed")
@@ -120,11 +132,18 @@ class Manifest:
     process_count: int
     info: dict[str, Any] = field(default_factory=dict)  # versions, times, stats
     packed: tuple[PackedArray, ...] = ()
+    data: str = ""  # the data prefix, relative to the checkpoint; "" = the root (version 1)
+
+    def data_root(self, loc: _location.Location) -> _location.Location:
+        """Where this checkpoint's ``arrays/`` and ``packed/`` are, ``loc`` being the
+        checkpoint's own location (the manifest's directory or prefix)."""
+        return loc.child(self.data) if self.data else loc
 
     def to_bytes(self) -> bytes:
         doc = {
             "format": FORMAT,
             "format_version": self.format_version,
+            **({"data": self.data} if self.data else {}),
             **self.info,
             "process_count": self.process_count,
             "packed": [p._asdict() for p in self.packed],
@@ -256,8 +275,10 @@ def _parse_document(data: bytes, bad) -> Manifest:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise bad("not a jaxckpt manifest (field 'format' is missing or wrong)")
     version = doc.get("format_version")
-    if not _is_int(version) or version != FORMAT_VERSION:  # 1.0 and true equal 1 in Python
-        raise bad(f"format_version {version!r} is not supported (this jaxckpt reads {FORMAT_VERSION})")
+    if not _is_int(version) or version not in SUPPORTED_VERSIONS:  # 1.0 and true equal 1 in Python
+        readable = ", ".join(map(str, SUPPORTED_VERSIONS))
+        raise bad(f"format_version {version!r} is not supported (this jaxckpt reads {readable})")
+    data = _parse_data_prefix(doc, version, bad)
     process_count = doc.get("process_count")
     if not _is_int(process_count) or not 1 <= process_count <= 1 << 20:
         raise bad(f"process_count {process_count!r}")
@@ -286,14 +307,28 @@ def _parse_document(data: bytes, bad) -> Manifest:
     structure = doc.get("structure")
     _check_structure(structure, len(leaves), bad)
     info = {k: v for k, v in doc.items()
-            if k not in ("format", "format_version", "process_count", "packed", "metadata", "structure",
-                         "leaves")}
+            if k not in ("format", "format_version", "data", "process_count", "packed", "metadata",
+                         "structure", "leaves")}
     # Handed to users and to code that walks them recursively (inspect, the CLI).
     for name, value in (("metadata", metadata), *info.items()):
         if nesting_exceeds(value, MAX_DEPTH):
             raise bad(f"field '{name[:100]}' is nested deeper than {MAX_DEPTH} levels")
     return Manifest(version, structure, tuple(leaves), metadata, process_count, info,
-                    tuple(packed[k] for k in sorted(packed)))
+                    tuple(packed[k] for k in sorted(packed)), data)
+
+
+def _parse_data_prefix(doc: dict[str, Any], version: int, bad) -> str:
+    """The ``data`` field: absent in version 1; in version 2 a prefix ``d/<name>`` (one
+    component of ``[A-Za-z0-9_.-]``, not ``.``/``..``) inside the checkpoint."""
+    if version == 1:
+        if "data" in doc:
+            raise bad("field 'data' (a data prefix) needs format_version 2")
+        return ""
+    data = doc.get("data")
+    if not isinstance(data, str) or not _DATA_KEY.match(data) or not _location.is_safe_key(data):
+        shown = repr(data)[:100]
+        raise bad(f"data prefix {shown} is not 'd/<name>' inside the checkpoint (format_version 2)")
+    return data
 
 
 def _parse_packed(raw: Any, process_count: int, bad) -> dict[int, PackedArray]:

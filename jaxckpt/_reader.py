@@ -42,7 +42,8 @@ DIRECT_READS = True
 
 class Reader:
     def __init__(self, loc: Location, man: Manifest):
-        self.loc, self.man = loc, man
+        self.loc, self.man = loc, man  # ``loc``: the checkpoint, as messages name it
+        self.root = man.data_root(loc)  # where its arrays/ and packed/ are
         self.ctx = _storage.context(loc)  # shared by every reader of this store
         self._stores: dict[str, Any] = {}
         self._packed = {p.process: p for p in man.packed}
@@ -95,7 +96,7 @@ class Reader:
         ranges: dict[int, list[tuple[int, int, np.ndarray]]] = {}
         for proc, spans in needed.items():
             info = self._packed[proc]
-            store = self._store(_zarr.packed_spec(self.loc, proc, info.nbytes, info.chunk_bytes), f"p{proc}")
+            store = self._store(_zarr.packed_spec(self.root, proc, info.nbytes, info.chunk_bytes), f"p{proc}")
             merged: list[list[int]] = []
             chunk = info.chunk_bytes
             for offset, nbytes in sorted(spans):
@@ -133,7 +134,7 @@ class Reader:
 
     def _plan_file_leaf(self, rec: LeafRecord, indices: list[_layout.Index], ops) -> None:
         storage = _dtypes.DTYPES[rec.storage_dtype]
-        spec = _zarr.array_spec(self.loc, rec.key, rec.shape, rec.chunk_shape, rec.storage_dtype)
+        spec = _zarr.array_spec(self.root, rec.key, rec.shape, rec.chunk_shape, rec.storage_dtype)
         store = self._store(spec, f"a{rec.key}")
         direct = DIRECT_READS and (storage.itemsize == 1 or sys.byteorder == "little")
         users: dict[tuple[int, ...], list[tuple[_layout.Index, _layout.Index]]] = collections.defaultdict(list)
@@ -145,7 +146,7 @@ class Reader:
                  done: Callable[[np.ndarray], None] | None = None) -> _Op:
             # zarr stores an edge chunk at full size: only interior chunks map 1:1 to files
             whole = whole and _layout.index_shape(region) == tuple(rec.chunk_shape)
-            path = _chunkfiles.chunk_file(self.loc, rec.key, cell) if direct and whole else None
+            path = _chunkfiles.chunk_file(self.root, rec.key, cell) if direct and whole else None
             contiguous = not isinstance(dest, np.ndarray) or dest.flags.c_contiguous
             nbytes = _layout.index_size(region) * storage.itemsize
             return _Op(nbytes, [rec.path], dest, path if contiguous else None, store, region, done)

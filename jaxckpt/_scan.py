@@ -204,8 +204,10 @@ def verify(path: Any, *, progress: Progress | None = None) -> VerifyReport:
     stored, and alone: packed byte ranges of small leaves may not overlap (the
     manifest's validation keeps them inside their packed array); on a local disk every
     chunk file must exist with its exact size and no unexpected file may lie under
-    ``arrays/`` or ``packed/``. (On an object store the listing checks are skipped; a
-    missing chunk still fails its read.)
+    ``arrays/`` or ``packed/`` (below the manifest's data prefix, in format 2). (On an
+    object store the listing checks are skipped; a missing chunk still fails its read.
+    Data prefixes the manifest does not name, attempts dead or in flight, are not the
+    checkpoint's and are not checked.)
 
     Memory stays near ``SCAN_BUDGET_BYTES`` (one chunk, when chunks are bigger).
 
@@ -243,9 +245,10 @@ def verify(path: Any, *, progress: Progress | None = None) -> VerifyReport:
     _check_overlaps(spans, problems)
     owners = _packed_owners(spans, man.packed)
     skip: set[str] = set()
-    if loc.local is not None:
-        skip = _check_files(loc.local, man, _expected_files(man, owners), problems)
-    reads, n_chunks = _plan_reads(loc, man, owners, skip)
+    root = man.data_root(loc)  # file names below are relative to it
+    if root.local is not None:
+        skip = _check_files(root.local, man, _expected_files(man, owners), problems)
+    reads, n_chunks = _plan_reads(root, man, owners, skip)
     meter = _Meter(sum(r.nbytes for r in reads), progress)
     _run_reads(reads, problems, meter)
     return VerifyReport(str(loc), not problems.items, len(man.leaves), n_chunks, meter.good,

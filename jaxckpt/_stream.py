@@ -88,19 +88,20 @@ def write_checkpoint(path: Any, structure: dict[str, Any], leaves: Sequence[Leaf
                               f"{_distributed.process_count()} (run it outside the training job)")
     final = _location.resolve(path)
     records, packed = plan(leaves)
-    token = _commit.new_token()
+    token = _commit.new_token(final)
     staging = _commit.prepare(final, token, overwrite)
     committed = False
     try:
         t0 = time.perf_counter()
-        _write_leaves(staging, records, packed, chunk_data, progress, final)
+        _write_leaves(_commit.data_location(final, token), records, packed, chunk_data, progress, final)
         extra = {"write_seconds": round(time.perf_counter() - t0, 6), **(info or {})}
-        manifest = build_manifest(Snapshot(structure, records, {}, packed, None, 0), metadata, extra)
+        manifest = build_manifest(Snapshot(structure, records, {}, packed, None, 0), metadata, extra,
+                                  _commit.data_key(final, token))
         _commit.commit(final, staging, manifest.to_bytes(), token)
         committed = True
     finally:
         if not committed:
-            _commit.abort(final, staging)
+            _commit.abort(final, staging, token)
     return manifest
 
 

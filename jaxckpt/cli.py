@@ -135,7 +135,7 @@ def ls_command(directory: str, as_json: bool, mtbf: float | None) -> None:
     if attempts:
         click.echo("\nuncommitted attempts (not checkpoints; `jaxckpt gc` removes dead ones):")
         _table(["name", "step", "size", "state"],
-               [[a["name"], a["step"], _human(a.get("bytes", 0)), "in use by a live writer" if a.get("writer_alive") else "dead"]
+               [[a["name"], a["step"], _human(a.get("bytes") or 0), "in use by a live writer" if a.get("writer_alive") else "dead"]
                 for a in attempts])
     if advice is not None:
         _print_advice(advice)
