@@ -365,7 +365,7 @@ def gc_command(directory: str, yes: bool) -> None:
         click.echo("nothing to remove")
         return
     for a in attempts:
-        click.echo(f"{'removing' if yes else 'would remove'} {a['name']} ({_human(a.get('bytes', 0))})")
+        click.echo(f"{'removing' if yes else 'would remove'} {a['name']} ({_human(a.get('bytes') or 0)})")
     if yes:
         jaxckpt.CheckpointManager(directory).close()  # a writer cleans dead attempts when it starts
     else:
