@@ -2,6 +2,11 @@
 small blobs (the manifest, the writer lease), listing and deleting, and storage errors
 reported as a ``CheckpointError`` naming the URL with a short cause.
 
+Object-store I/O fails, never hangs: ``JAXCKPT_IO_TIMEOUT_S`` (default 60) bounds how
+long a wait for the store may go without an answer, and sizes tensorstore's retries
+(``s3_request_retries`` / ``gcs_request_retries``) and HTTP timeouts to give up well
+within it (docs/storage.md, "Failing, never hanging").
+
 Array data goes through ``_zarr`` (tensorstore) and ``_chunkfiles`` (direct local chunk
 files); locations are resolved by ``_location``; I/O is counted by ``_iostats``.
 """
@@ -10,10 +15,12 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import re
 import sys
 import threading
+import time
 import types
 from typing import Any
 
@@ -42,10 +49,12 @@ _kvstores: collections.OrderedDict[str, ts.KvStore] = collections.OrderedDict()
 
 
 def _store_identity(root: Location) -> str:
-    """The kvstore spec without its ``path``: what decides which context a location uses."""
+    """What decides which context a location uses: the kvstore spec without its
+    ``path``, the context resources it needs, and the I/O bound (object stores)."""
     spec = root.kvstore
     spec.pop("path", None)
-    return json.dumps(spec, sort_keys=True, default=str)
+    bound = io_timeout_s() if spec.get("driver") in _RETRIES else None
+    return json.dumps([spec, root.context_spec, bound], sort_keys=True, default=str)
 
 
 def _cached(cache: collections.OrderedDict, key: str, make: Any, limit: int,
@@ -64,18 +73,142 @@ def _cached(cache: collections.OrderedDict, key: str, make: Any, limit: int,
 
 def context(root: Location) -> ts.Context:
     """The tensorstore context of ``root``'s store, shared by every location there."""
-    return _cached(_contexts, _store_identity(root), ts.Context, _MAX_CONTEXTS,
-                   keep=lambda key: json.loads(key).get("driver") == "memory")
+    return _cached(_contexts, _store_identity(root), lambda: _new_context(root), _MAX_CONTEXTS,
+                   keep=lambda key: json.loads(key)[0].get("driver") == "memory")
+
+
+def _new_context(root: Location) -> ts.Context:
+    resources = root.context_spec
+    driver = root.kvstore.get("driver")
+    bound = io_timeout_s()
+    if driver in _RETRIES and bound is not None:
+        resources.setdefault(_RETRIES[driver], request_retries(bound))
+        _http_defaults(bound)
+    return ts.Context(resources)
 
 
 new_context = context  # the name callers used when every call made a fresh context
 
 
 def _kvstore(root: Location) -> ts.KvStore:
-    return _cached(_kvstores, json.dumps(root.kvstore, sort_keys=True, default=str),
-                   lambda: call(root, "opening", "", lambda: ts.KvStore.open(
-                       root.kvstore, context=context(root)).result()),
+    key = json.dumps([root.kvstore, _store_identity(root)], sort_keys=True, default=str)
+    return _cached(_kvstores, key,
+                   lambda: wait(ts.KvStore.open(root.kvstore, context=context(root)), root, "opening", ""),
                    _MAX_KVSTORES)
+
+
+# --- bounded waits ----------------------------------------------------------------
+
+IO_TIMEOUT_ENV = "JAXCKPT_IO_TIMEOUT_S"
+DEFAULT_IO_TIMEOUT_S = 60.0
+# The context resource holding each object store's retry policy.
+_RETRIES = {"s3": "s3_request_retries", "gcs": "gcs_request_retries"}
+
+
+def io_timeout_s() -> float | None:
+    """The I/O bound in seconds (``JAXCKPT_IO_TIMEOUT_S``, default 60); ``None`` when
+    set to ``0``, ``inf`` or ``none`` (tensorstore's own retries, no bound: ~15 min)."""
+    text = os.environ.get(IO_TIMEOUT_ENV, "").strip().lower()
+    if not text:
+        return DEFAULT_IO_TIMEOUT_S
+    if text in ("0", "inf", "none"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or math.isinf(value):
+        raise CheckpointError(f"{IO_TIMEOUT_ENV} must be a positive number of seconds (or 0 for no bound), "
+                              f"got {text!r}")
+    return value
+
+
+def request_retries(bound: float) -> dict[str, Any]:
+    """tensorstore's retry policy for object-store requests, sized so that its backoff
+    delays add up to at most a third of ``bound`` even with the most jitter: a dead
+    endpoint then fails with tensorstore's own cause, well within the bound.
+
+    tensorstore waits ``min(initial * 2**i + U(0, initial), max)`` before retry ``i``;
+    its default (32 retries, 1 s to 32 s) adds up to about 15 minutes.
+    """
+    initial = min(1.0, bound / 60)
+    largest = max(initial, bound / 6)
+    retries, total = 0, 0.0
+    while retries < 32:
+        total += min(initial * 2 ** retries + initial, largest)
+        if total > bound / 3:
+            break
+        retries += 1
+    return {"max_retries": max(1, retries), "initial_delay": f"{initial * 1000:.0f}ms",
+            "max_delay": f"{largest * 1000:.0f}ms"}
+
+
+def _http_defaults(bound: float) -> None:
+    """Stalled HTTP requests are dropped (and retried) by curl itself: a connect timeout
+    and a low-speed limit, unless the user set them. tensorstore reads these once, when
+    it makes its HTTP transport, so the first object-store context of a process decides."""
+    os.environ.setdefault("TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS", str(max(1, round(bound / 12))))
+    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", str(max(2, round(bound / 8))))
+
+
+# Monotonic time of the last answer (a result or an error) to a storage request of this
+# process. A wait fails once neither its own request nor any other was answered for the
+# bound. After one gave up, the store counts as silent until it answers again: later
+# waits (a failed save's clean-up) get only ``_grace_s`` for their own request, so one
+# dead store does not cost the bound once per request.
+_last_answer = time.monotonic()
+_silent_since: float | None = None  # ``_last_answer`` when a wait last gave up
+# A big request gets this much more time per byte (1 s per 8 MiB): a whole-shard chunk
+# of GiBs may take minutes on a slow link. A stalled one is dropped sooner by curl's
+# low-speed limit (see ``_http_defaults``) and retried within tensorstore's budget.
+SECONDS_PER_BYTE = 1 / (8 << 20)
+
+
+def _grace_s(bound: float) -> float:
+    return min(bound, max(1.0, bound / 20))
+
+
+def _answered(future: Any = None) -> None:
+    global _last_answer
+    if future is None or not future.cancelled():  # a cancelled request was not answered
+        _last_answer = time.monotonic()
+
+
+def track(future: Any) -> Any:
+    """Count ``future``'s completion as an answer from the store; returns it."""
+    future.add_done_callback(_answered)
+    return future
+
+
+def wait(future: Any, root: Any, doing: str, key: str, issued: float | None = None, nbytes: int = 0) -> Any:
+    """``future.result()``, with its error a ``CheckpointError`` naming the URL (``root``:
+    anything with a ``url``); and one when, for ``io_timeout_s()`` seconds (plus 1 s per
+    8 MiB of ``nbytes``) since ``issued`` (default: now), the store answered no request of
+    this process. The abandoned request is cancelled."""
+    global _silent_since
+    bound = io_timeout_s()
+    now = time.monotonic()
+    start = now if issued is None else issued
+    allowed = None if bound is None else bound + nbytes * SECONDS_PER_BYTE
+    if allowed is not None and _silent_since is not None and _silent_since == _last_answer:
+        start, allowed = now, _grace_s(bound)  # still silent since a wait gave up
+    while True:
+        remaining = None if allowed is None else max(_last_answer, start) + allowed - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            _silent_since = _last_answer
+            future.cancel()
+            raise storage_error(root, doing, key, f"no answer from the store in {allowed:.3g} s "
+                                                  f"({IO_TIMEOUT_ENV}={bound:g})")
+        try:
+            return future.result(timeout=remaining)
+        except TimeoutError:
+            if not future.done():
+                continue  # others may have been answered meanwhile: look again
+            return call(root, doing, key, future.result)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - tensorstore reports I/O errors as ValueError and others
+            raise storage_error(root, doing, key, e) from None
 
 
 # --- storage errors -------------------------------------------------------------------
@@ -85,7 +218,7 @@ _XML_FIELD = re.compile(r"<(Code|Message)>(.*?)</\1>", re.S)
 _PAYLOAD = re.compile(r"\s*(\[[A-Za-z0-9_. -]+='|<\?xml|<Error>)")
 
 
-def storage_cause(error: BaseException) -> str:
+def storage_cause(error: BaseException | str) -> str:
     """A short cause from a tensorstore error: the S3 ``Code: Message`` of an XML error
     body when there is one, else tensorstore's message without its attached payloads."""
     text = str(error)
@@ -99,12 +232,12 @@ def storage_cause(error: BaseException) -> str:
     return head[:500] or type(error).__name__
 
 
-def storage_error(root: Location, doing: str, key: str, error: BaseException) -> CheckpointError:
+def storage_error(root: Any, doing: str, key: str, error: BaseException | str) -> CheckpointError:
     what = f"'{key}' in '{root.url}'" if key else f"'{root.url}'"
     return CheckpointError(f"{doing.capitalize()} {what} failed: {storage_cause(error)}")
 
 
-def call(root: Location, doing: str, key: str, fn: Any) -> Any:
+def call(root: Any, doing: str, key: str, fn: Any) -> Any:
     """``fn()``, with a tensorstore error turned into a ``CheckpointError`` naming the URL."""
     try:
         return fn()
@@ -134,7 +267,7 @@ def write_blob(root: Location, key: str, data: bytes) -> None:
         fsync_dir(root.local)
         return
     kv = _kvstore(root)
-    call(root, "writing", key, lambda: kv.write(key, data).result())
+    wait(track(kv.write(key, data)), root, "writing", key)
 
 
 def read_blob(root: Location, key: str) -> bytes | None:
@@ -146,14 +279,14 @@ def read_blob(root: Location, key: str) -> bytes | None:
         except (FileNotFoundError, NotADirectoryError):
             return None
     kv = _kvstore(root)
-    result = call(root, "reading", key, lambda: kv.read(key).result())
+    result = wait(track(kv.read(key)), root, "reading", key)
     if result.state == "value":
         return bytes(result.value)
     if root.kvstore["driver"] in ("s3", "gcs"):
         # Object stores answer a read from a missing bucket like one of a missing object
         # (404, which tensorstore reports as "no value"). A listing of just this key tells
         # them apart: it fails for a missing bucket. One request, on a miss only.
-        call(root, "reading", key, lambda: kv.list(ts.KvStore.KeyRange(key, key + "\x00")).result())
+        wait(track(kv.list(ts.KvStore.KeyRange(key, key + "\x00"))), root, "reading", key)
     return None
 
 
@@ -165,7 +298,7 @@ def delete_blob(root: Location, key: str) -> None:
             pass
         return
     kv = _kvstore(root)
-    call(root, "deleting", key, lambda: kv.delete_range(ts.KvStore.KeyRange(key, key + "\x00")).result())
+    wait(track(kv.delete_range(ts.KvStore.KeyRange(key, key + "\x00"))), root, "deleting", key)
 
 
 def list_children(root: Location) -> list[str]:
@@ -188,36 +321,27 @@ def list_children(root: Location) -> list[str]:
             return names
     kv = _kvstore(root)
     names = set()
-    for key in call(root, "listing", "", lambda: kv.list().result()):
+    for key in wait(track(kv.list()), root, "listing", ""):
         k = key.decode() if isinstance(key, bytes) else key
         names.add(k.split("/", 1)[0])
     return sorted(names)
 
 
-_S3_TIMEOUT_S = 30
-
-
 def _s3_children(root: Location) -> list[str] | None:
     """One level below ``root`` on S3 through boto3 (``Delimiter="/"``), or ``None`` when
-    boto3 is missing or has no credentials (the caller falls back to tensorstore)."""
+    boto3 is missing or has no credentials (the caller falls back to tensorstore). The
+    client uses the location's endpoint, region and credentials, within the I/O bound."""
     try:
-        import boto3
-        import botocore.config
         import botocore.exceptions
     except ImportError:
         return None
     spec = root.kvstore
-    config = botocore.config.Config(connect_timeout=_S3_TIMEOUT_S, read_timeout=_S3_TIMEOUT_S,
-                                    retries={"max_attempts": 3})
-    kwargs: dict[str, Any] = {"config": config}
-    if spec.get("endpoint"):
-        kwargs["endpoint_url"] = spec["endpoint"]
-    if spec.get("aws_region"):
-        kwargs["region_name"] = spec["aws_region"]
     prefix = spec.get("path", "")
     names: set[str] = set()
     try:
-        client = boto3.session.Session().client("s3", **kwargs)
+        client = _s3_client(root)
+        if client is None:
+            return None
         pages = client.get_paginator("list_objects_v2").paginate(
             Bucket=spec["bucket"], Prefix=prefix, Delimiter="/")
         for page in pages:
@@ -227,9 +351,53 @@ def _s3_children(root: Location) -> list[str] | None:
         err = e.response.get("Error", {})
         cause = f"{err.get('Code', '?')}: {err.get('Message', '')}".rstrip(": ")
         raise CheckpointError(f"Listing '{root.url}' failed: {cause}") from None
-    except (botocore.exceptions.NoCredentialsError, botocore.exceptions.NoRegionError):
+    except (botocore.exceptions.NoCredentialsError, botocore.exceptions.NoRegionError,
+            botocore.exceptions.ProfileNotFound):
         return None
+    except botocore.exceptions.BotoCoreError as e:  # unreachable, timed out, ...
+        raise CheckpointError(f"Listing '{root.url}' failed: {e}") from None
     return sorted(n for n in names if n)
+
+
+def _s3_client(root: Location) -> Any:
+    """A boto3 S3 client for ``root``: the endpoint, region and credentials tensorstore
+    uses there (``None`` without boto3), with timeouts and retries within the bound."""
+    try:
+        import boto3
+        import botocore
+        import botocore.config
+        import botocore.session
+    except ImportError:
+        return None
+    spec = root.kvstore
+    bound = io_timeout_s() or DEFAULT_IO_TIMEOUT_S
+    step = max(1.0, bound / 6)  # 3 attempts, each timing out once: about half the bound
+    options: dict[str, Any] = {"connect_timeout": step, "read_timeout": step,
+                               "retries": {"total_max_attempts": 3, "mode": "standard"}}
+    given = spec.get("context") if isinstance(spec.get("context"), dict) else {}
+    credentials = spec.get("aws_credentials") or given.get("aws_credentials") \
+        or root.context_spec.get("aws_credentials") or {}
+    kind = credentials.get("type") if isinstance(credentials, dict) else None
+    kwargs: dict[str, Any] = {}
+    session = botocore.session.Session()
+    if kind == "anonymous":
+        options["signature_version"] = botocore.UNSIGNED
+    elif kind == "environment":
+        kwargs.update(aws_access_key_id=os.environ.get("AWS_ACCESS_KEY_ID"),
+                      aws_secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY"),
+                      aws_session_token=os.environ.get("AWS_SESSION_TOKEN") or None)
+    elif kind in ("profile", "default"):
+        for name, value in (("profile", credentials.get("profile")),
+                            ("credentials_file", credentials.get("credentials_file")),
+                            ("config_file", credentials.get("config_file"))):
+            if value and not (name == "profile" and value == "default"):
+                session.set_config_variable(name, value)
+    if spec.get("endpoint"):
+        kwargs["endpoint_url"] = spec["endpoint"]
+    if spec.get("aws_region"):
+        kwargs["region_name"] = spec["aws_region"]
+    config = botocore.config.Config(**options)
+    return boto3.session.Session(botocore_session=session).client("s3", config=config, **kwargs)
 
 
 def delete_tree(root: Location) -> None:
@@ -240,7 +408,7 @@ def delete_tree(root: Location) -> None:
         shutil.rmtree(root.local, ignore_errors=True)
         return
     kv = _kvstore(root)
-    call(root, "deleting", "", lambda: kv.delete_range(ts.KvStore.KeyRange()).result())
+    wait(track(kv.delete_range(ts.KvStore.KeyRange())), root, "deleting", "")
 
 
 def fsync_dir(path: str) -> None:

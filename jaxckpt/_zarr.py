@@ -12,7 +12,8 @@ Two stores hold array data inside a checkpoint:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -70,19 +71,69 @@ def _fill_value(storage_dtype: str) -> Any:
 
 class _Opening:
     """A pending ``ts.open``: ``result()`` gives the ``ts.TensorStore`` or raises a
-    ``CheckpointError`` naming the array's URL."""
+    ``CheckpointError`` naming the array's URL (within the I/O bound, see ``_storage``)."""
 
-    __slots__ = ("_future", "_kvstore")
+    __slots__ = ("_future", "_kvstore", "_issued")
 
     def __init__(self, future: ts.Future, kvstore: dict[str, Any]):
-        self._future, self._kvstore = future, kvstore
+        self._future, self._kvstore = _storage.track(future), kvstore
+        self._issued = time.monotonic()
 
     def result(self, timeout: float | None = None) -> ts.TensorStore:
-        return _storage.call(resolve(self._kvstore), "opening array", "",
-                     lambda: self._future.result(timeout=timeout))
+        if timeout is not None:
+            return _storage.call(resolve(self._kvstore), "opening array", "",
+                                 lambda: self._future.result(timeout=timeout))
+        return _storage.wait(self._future, _ArrayLocation(self._kvstore), "opening array", "", self._issued)
 
     def done(self) -> bool:
         return self._future.done()
+
+
+
+class _Pending:
+    """A started read or write of array data: ``result()`` waits for it within the I/O
+    bound and raises a ``CheckpointError`` naming the array's URL."""
+
+    __slots__ = ("_future", "_store", "_doing", "_nbytes", "_issued")
+
+    def __init__(self, future: Any, store: ts.TensorStore, doing: str, nbytes: int):
+        self._future, self._store, self._doing = _storage.track(future), store, doing
+        self._nbytes, self._issued = nbytes, time.monotonic()
+
+    def result(self, timeout: float | None = None) -> Any:
+        if timeout is not None:
+            return self._future.result(timeout=timeout)
+        return _storage.wait(self._future, _ArrayLocation(self._store), self._doing, "", self._issued,
+                             self._nbytes)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def cancel(self) -> bool:
+        return self._future.cancel()
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        self._future.add_done_callback(lambda _: callback(self))
+
+
+
+class _ArrayLocation:
+    """The location of an array's kvstore (a ``ts.TensorStore`` or a kvstore spec),
+    worked out only when an error names it."""
+
+    def __init__(self, where: ts.TensorStore | dict[str, Any]):
+        self._where = where
+
+    def _resolved(self) -> Location:
+        try:
+            spec = self._where if isinstance(self._where, dict) else self._where.kvstore.spec().to_json()
+            return resolve(spec)
+        except Exception:  # noqa: BLE001 - a name for a message; never fail on it
+            return resolve("memory://array")
+
+    @property
+    def url(self) -> str:
+        return self._resolved().url
 
 
 
@@ -94,17 +145,18 @@ def open_array(spec: dict[str, Any], ctx: ts.Context, *, create: bool) -> _Openi
 
 
 def write_region(store: ts.TensorStore, index: Sequence[tuple[int, int]], data: np.ndarray,
-                 key: str) -> ts.WriteFutures:
+                 key: str) -> _Pending:
     """Start writing ``data`` (already in the storage dtype) to ``store[index]``."""
     _iostats.fault("write", key)
     _iostats.count(bytes_written=data.nbytes, writes=1)
-    return store[_layout.index_to_slices(index)].write(data) if index else store.write(data)
+    future = store[_layout.index_to_slices(index)].write(data) if index else store.write(data)
+    return _Pending(future, store, "writing", data.nbytes)
 
 
 
-def read_into(dest: np.ndarray, store: ts.TensorStore, index: Sequence[tuple[int, int]]) -> ts.Future:
+def read_into(dest: np.ndarray, store: ts.TensorStore, index: Sequence[tuple[int, int]]) -> _Pending:
     """Start reading ``store[index]`` straight into ``dest`` (a numpy array or view)."""
     _iostats.count(bytes_read=dest.nbytes, reads=1)
     target = ts.array(dest, copy=False, write=True)
-    return target.write(store[_layout.index_to_slices(index)] if index else store)
-
+    return _Pending(target.write(store[_layout.index_to_slices(index)] if index else store), store, "reading",
+                    dest.nbytes)

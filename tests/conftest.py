@@ -181,3 +181,99 @@ def gcs_server():
             os.environ[k] = v
     server.terminate()
     server.wait(10)
+
+
+def free_port():
+    """A port on 127.0.0.1 that nothing listens on (closed right after it was picked)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MotoServer:
+    """A local S3 API (moto) of its own on 127.0.0.1, with the bucket ``jaxckpt-test``.
+
+    ``env`` is added to the server's environment (``INITIAL_NO_AUTH_ACTION_COUNT`` turns
+    authentication on); ``stop()`` / ``resume()`` pause and continue the process
+    (SIGSTOP / SIGCONT): a store that stops answering, with its connections open.
+    """
+
+    def __init__(self, env=None, bucket=True):
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
+        self.proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env=dict(os.environ, **(env or {})))
+        self._wait_until_up()
+        if bucket:
+            self.client().create_bucket(Bucket="jaxckpt-test")
+
+    def _wait_until_up(self):
+        import socket
+        import time
+
+        for _ in range(200):
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        self.close()
+        raise RuntimeError("moto_server did not start")
+
+    def client(self, service="s3", key="testing", secret="testing"):
+        import boto3
+        import botocore.config
+
+        config = botocore.config.Config(connect_timeout=5, read_timeout=10, retries={"max_attempts": 2})
+        return boto3.client(service, endpoint_url=self.endpoint, region_name="us-east-1", config=config,
+                            aws_access_key_id=key, aws_secret_access_key=secret)
+
+    def stop(self):
+        import signal
+
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self):
+        import signal
+
+        self.proc.send_signal(signal.SIGCONT)
+
+    def close(self):
+        self.resume()
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def moto_server():
+    """A fresh local S3 server of this test's own (see ``MotoServer``)."""
+    server = MotoServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def s3_auth_server():
+    """A local S3 server that checks credentials: only ``server.key``/``server.secret``
+    (an IAM user allowed everything) are valid there."""
+    import json
+
+    server = MotoServer(env={"INITIAL_NO_AUTH_ACTION_COUNT": "4"}, bucket=False)
+    try:
+        iam = server.client("iam")
+        iam.create_user(UserName="ci")
+        iam.put_user_policy(UserName="ci", PolicyName="all", PolicyDocument=json.dumps(
+            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}))
+        key = iam.create_access_key(UserName="ci")["AccessKey"]
+        server.key, server.secret = key["AccessKeyId"], key["SecretAccessKey"]
+        server.client().create_bucket(Bucket="jaxckpt-test")  # the 4th and last unchecked request
+        yield server
+    finally:
+        server.close()

@@ -1,0 +1,298 @@
+"""Plain ``s3://`` URLs configured the usual AWS way, through environment variables only
+(no spec dicts), and object-store I/O that fails within a bound instead of hanging.
+
+Every endpoint here is on 127.0.0.1: a local moto server, or a closed port.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from conftest import MotoServer, assert_bit_equal, free_port
+
+import jaxckpt
+from jaxckpt import _location, _storage
+
+BOUND_S = 5.0  # the I/O bound the failure tests configure (JAXCKPT_IO_TIMEOUT_S)
+SLACK_S = 4.0  # what a busy 2-core machine may add to it (process start not included)
+AWS_NOISE = ("Failed to open file", ".aws/config", ".aws/credentials", "AuthCredentialsProvider",
+             "common-io", "Profile credentials")
+
+
+@pytest.fixture
+def aws_env(monkeypatch, tmp_path):
+    """A clean AWS environment: keys in the environment, no profile files, no endpoint."""
+    for name in list(os.environ):
+        if name.startswith("AWS_") or name == "JAXCKPT_IO_TIMEOUT_S":
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    return monkeypatch
+
+
+def endpoint_of(s3_server):
+    return s3_server("x")["endpoint"]
+
+
+def state(seed=0):
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((256, 128)).astype(np.float32), "b": np.arange(7), "step": seed}
+
+
+def check_round_trip(url):
+    tree = state(1)
+    jaxckpt.save(url, tree)
+    back = jaxckpt.restore(url, tree)
+    assert_bit_equal(back["w"], tree["w"])
+    assert back["step"] == 1
+    assert jaxckpt.metadata(url).tree["w"].shape == (256, 128)
+
+
+def check_manager(url):
+    with jaxckpt.CheckpointManager(url, max_to_keep=2) as mgr:
+        for step in range(3):
+            mgr.save(step, state(step))
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 2]
+    mgr = jaxckpt.CheckpointManager(url, read_only=True)
+    assert mgr.latest_step() == 2
+    assert_bit_equal(mgr.restore()["w"], state(2)["w"])
+
+
+# --- the endpoint, the region and the credentials from the environment ---------------
+
+
+def test_aws_endpoint_url(s3_server, aws_env):
+    aws_env.setenv("AWS_ENDPOINT_URL", endpoint_of(s3_server))
+    loc = _location.resolve("s3://jaxckpt-test/env/a/ckpt")
+    assert loc.kvstore["endpoint"] == endpoint_of(s3_server)
+    assert loc.context_spec == {"aws_credentials": {"type": "environment"}}
+    check_round_trip("s3://jaxckpt-test/env/a/ckpt")
+    check_manager("s3://jaxckpt-test/env/a/run")
+
+
+def test_aws_endpoint_url_s3_wins_over_aws_endpoint_url(s3_server, aws_env):
+    aws_env.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    aws_env.setenv("AWS_ENDPOINT_URL_S3", endpoint_of(s3_server))
+    assert _location.resolve("s3://jaxckpt-test/env/b").kvstore["endpoint"] == endpoint_of(s3_server)
+    check_round_trip("s3://jaxckpt-test/env/b/ckpt")
+    check_manager("s3://jaxckpt-test/env/b/run")
+
+
+def test_a_spec_dict_wins_over_the_environment(s3_server, aws_env):
+    aws_env.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    aws_env.setenv("AWS_REGION", "eu-west-3")
+    spec = {"driver": "s3", "bucket": "jaxckpt-test", "path": "env/c/ckpt", "endpoint": endpoint_of(s3_server),
+            "aws_region": "us-east-1", "aws_credentials": {"type": "environment"}}
+    loc = _location.resolve(spec)
+    assert loc.kvstore == dict(spec, path="env/c/ckpt/") and loc.context_spec == {}
+    jaxckpt.save(spec, {"x": np.arange(3)})
+    assert jaxckpt.restore(spec)["x"].tolist() == [0, 1, 2]
+
+
+def test_aws_region_over_aws_default_region(aws_env, tmp_path):
+    def region():
+        return _location.resolve("s3://jaxckpt-test/r").kvstore.get("aws_region")
+
+    assert region() is None
+    config = tmp_path / "config"
+    config.write_text("[default]\nregion = ap-south-1\n[profile other]\nregion = sa-east-1\n")
+    aws_env.setenv("AWS_CONFIG_FILE", str(config))
+    assert region() == "ap-south-1"  # the profile's region, as the AWS CLI would
+    aws_env.setenv("AWS_PROFILE", "other")
+    assert region() == "sa-east-1"
+    aws_env.setenv("AWS_DEFAULT_REGION", "us-west-2")
+    assert region() == "us-west-2"
+    aws_env.setenv("AWS_REGION", "eu-west-3")
+    assert region() == "eu-west-3"
+    loc = _location.resolve({"driver": "s3", "bucket": "jaxckpt-test", "aws_region": "us-east-1"})
+    assert loc.kvstore["aws_region"] == "us-east-1"  # given explicitly: kept
+
+
+def test_a_profile_from_a_shared_credentials_file(s3_auth_server, aws_env, tmp_path):
+    # a server that checks keys: only the profile's are valid there
+    aws_env.delenv("AWS_ACCESS_KEY_ID")
+    aws_env.delenv("AWS_SECRET_ACCESS_KEY")
+    credentials = tmp_path / "credentials"
+    credentials.write_text(f"[default]\naws_access_key_id = nobody\naws_secret_access_key = x\n\n"
+                           f"[ci]\naws_access_key_id = {s3_auth_server.key}\n"
+                           f"aws_secret_access_key = {s3_auth_server.secret}\n")
+    aws_env.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    aws_env.setenv("AWS_PROFILE", "ci")
+    aws_env.setenv("AWS_ENDPOINT_URL", s3_auth_server.endpoint)
+    aws_env.setenv("AWS_REGION", "us-east-1")
+    loc = _location.resolve("s3://jaxckpt-test/env/p")
+    assert loc.context_spec == {"aws_credentials": {
+        "type": "profile", "profile": "ci", "credentials_file": str(credentials), "config_file": os.devnull}}
+    check_round_trip("s3://jaxckpt-test/env/p/ckpt")
+    check_manager("s3://jaxckpt-test/env/p/run")
+    # the listing (boto3) signs with the profile too: the default profile's key is refused
+    aws_env.setenv("AWS_PROFILE", "default")
+    with pytest.raises(jaxckpt.CheckpointError, match="InvalidAccessKeyId"):
+        jaxckpt.save("s3://jaxckpt-test/env/p/other", {"x": 1})
+
+
+def test_credential_sources_in_the_order_of_the_aws_sdks(aws_env, tmp_path):
+    def credentials():
+        return _location.resolve("s3://jaxckpt-test/c").context_spec.get("aws_credentials")
+
+    assert credentials() == {"type": "environment"}
+    aws_env.delenv("AWS_SECRET_ACCESS_KEY")
+    assert credentials() is None  # nothing configured: tensorstore's default chain
+    config = tmp_path / "config"
+    config.write_text("[profile sso]\nsso_session = corp\n[profile role]\nrole_arn = arn:aws:iam::1:role/r\n"
+                      "source_profile = default\n")
+    aws_env.setenv("AWS_CONFIG_FILE", str(config))
+    aws_env.setenv("AWS_PROFILE", "role")
+    assert credentials() == {"type": "profile", "profile": "role", "credentials_file": os.devnull,
+                             "config_file": str(config)}
+    aws_env.setenv("AWS_PROFILE", "sso")  # a kind the profile provider does not make: the default chain
+    assert credentials() == {"type": "default", "profile": "sso"}
+    aws_env.delenv("AWS_PROFILE")
+    aws_env.setenv("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "/v2/credentials/x")
+    assert credentials() == {"type": "ecs"}
+    aws_env.setenv("AWS_WEB_IDENTITY_TOKEN_FILE", str(tmp_path / "token"))
+    assert credentials() == {"type": "default", "profile": "default"}
+    given = {"driver": "s3", "bucket": "b", "aws_credentials": {"type": "anonymous"}}
+    assert _location.resolve(given).context_spec == {}
+
+
+NOISE_SCRIPT = textwrap.dedent("""
+    import numpy as np
+    import jaxckpt
+
+    tree = {"w": np.arange(1 << 16, dtype=np.float32), "b": np.arange(3)}
+    jaxckpt.save("s3://jaxckpt-test/noise/{name}/ckpt", tree)
+    assert jaxckpt.restore("s3://jaxckpt-test/noise/{name}/ckpt")["w"].tolist() == tree["w"].tolist()
+    with jaxckpt.CheckpointManager("s3://jaxckpt-test/noise/{name}/run") as mgr:
+        mgr.save(1, tree)
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("source", ["environment", "profile"])
+def test_no_aws_sdk_noise_on_stderr(s3_server, tmp_path, source):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(HOME=str(tmp_path), AWS_ENDPOINT_URL=endpoint_of(s3_server), AWS_REGION="us-east-1",
+               JAX_PLATFORMS="cpu")
+    if source == "environment":
+        env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+    else:
+        (tmp_path / "credentials").write_text("[ci]\naws_access_key_id = a\naws_secret_access_key = b\n")
+        env.update(AWS_PROFILE="ci", AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "credentials"))
+    out = subprocess.run([sys.executable, "-c", NOISE_SCRIPT.replace("{name}", source)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+    noise = [line for line in out.stderr.splitlines() if any(n in line for n in AWS_NOISE)]
+    assert noise == []
+
+
+# --- failing, never hanging ---------------------------------------------------------
+
+
+def test_request_retries_fit_the_bound():
+    for bound in (1, 5, 60, 600):
+        r = _storage.request_retries(bound)
+        initial, largest = float(r["initial_delay"][:-2]) / 1000, float(r["max_delay"][:-2]) / 1000
+        worst = sum(min(initial * 2 ** i + initial, largest) for i in range(r["max_retries"]))
+        assert 1 <= r["max_retries"] <= 32 and (worst <= bound / 3 or r["max_retries"] == 1)
+    assert _storage.request_retries(60)["max_retries"] >= 4
+
+
+def test_the_bound_is_configured_by_the_environment(monkeypatch):
+    monkeypatch.delenv("JAXCKPT_IO_TIMEOUT_S", raising=False)
+    assert _storage.io_timeout_s() == 60.0
+    monkeypatch.setenv("JAXCKPT_IO_TIMEOUT_S", "7.5")
+    assert _storage.io_timeout_s() == 7.5
+    monkeypatch.setenv("JAXCKPT_IO_TIMEOUT_S", "0")
+    assert _storage.io_timeout_s() is None
+    monkeypatch.setenv("JAXCKPT_IO_TIMEOUT_S", "soon")
+    with pytest.raises(jaxckpt.CheckpointError, match="JAXCKPT_IO_TIMEOUT_S"):
+        _storage.io_timeout_s()
+
+
+def timed(fn, *args, **kwargs):
+    t = time.monotonic()
+    with pytest.raises(jaxckpt.CheckpointError) as e:
+        fn(*args, **kwargs)
+    return time.monotonic() - t, str(e.value)
+
+
+def test_an_unreachable_endpoint_fails_within_the_bound(aws_env):
+    aws_env.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    aws_env.setenv("JAXCKPT_IO_TIMEOUT_S", str(BOUND_S))
+    url = "s3://jaxckpt-test/unreachable/ckpt"
+    calls = [(jaxckpt.save, url, {"x": np.arange(3)}), (jaxckpt.restore, url), (jaxckpt.metadata, url),
+             (jaxckpt.CheckpointManager, "s3://jaxckpt-test/unreachable/run")]
+    for fn, *args in calls:
+        elapsed, message = timed(fn, *args)
+        assert elapsed < BOUND_S + SLACK_S, (fn.__name__, elapsed, message)
+        assert "s3://jaxckpt-test/unreachable/" in message and "onnect" in message, message
+    elapsed, message = timed(lambda: jaxckpt.CheckpointManager("s3://jaxckpt-test/unreachable/run",
+                                                               read_only=True).all_steps())
+    assert elapsed < BOUND_S + SLACK_S and "s3://jaxckpt-test/unreachable/run" in message
+
+
+def test_the_cli_fails_within_the_bound(aws_env):
+    aws_env.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    aws_env.setenv("JAXCKPT_IO_TIMEOUT_S", str(BOUND_S))
+    for command in ("show", "ls"):
+        t = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "jaxckpt", command, "s3://jaxckpt-test/cli/ckpt"],
+                             capture_output=True, text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        elapsed = time.monotonic() - t
+        assert out.returncode == 1, (out.returncode, out.stderr)
+        assert "s3://jaxckpt-test/cli/ckpt" in out.stderr and "onnect" in out.stderr, out.stderr
+        assert elapsed < BOUND_S + SLACK_S + 10  # + starting python and importing jax
+
+
+def test_a_server_that_stops_answering_fails_the_save_within_the_bound(moto_server, aws_env):
+    aws_env.setenv("AWS_ENDPOINT_URL", moto_server.endpoint)
+    aws_env.setenv("JAXCKPT_IO_TIMEOUT_S", str(BOUND_S))
+    url = "s3://jaxckpt-test/stalled/run"
+
+    def stop_at_first_chunk(op, key):
+        if op == "write":
+            moto_server.stop()
+
+    with jaxckpt.CheckpointManager(url, async_save=False) as mgr:
+        mgr.save(1, state(1))
+        aws_env.setattr(_storage, "fault_hook", stop_at_first_chunk)
+        try:
+            elapsed, message = timed(mgr.save, 2, state(2))
+        finally:
+            aws_env.setattr(_storage, "fault_hook", None)
+            moto_server.resume()
+    assert elapsed < BOUND_S + SLACK_S, (elapsed, message)
+    assert "Saving step 2 to 's3://jaxckpt-test/stalled/run' failed" in message
+    assert "no answer from the store" in message, message
+    # the store is back: step 1 is there, step 2 was never committed
+    with jaxckpt.CheckpointManager(url, read_only=True) as mgr:
+        assert mgr.all_steps() == [1]
+        assert_bit_equal(mgr.restore(1)["w"], state(1)["w"])
+    elapsed, message = timed(jaxckpt.restore, f"{url}/2")
+    assert "manifest.json" in message
+
+
+def test_a_server_that_stops_answering_fails_a_restore_within_the_bound(aws_env):
+    server = MotoServer()
+    try:
+        aws_env.setenv("AWS_ENDPOINT_URL", server.endpoint)
+        aws_env.setenv("JAXCKPT_IO_TIMEOUT_S", str(BOUND_S))
+        url = "s3://jaxckpt-test/stalled/ckpt"
+        jaxckpt.save(url, state(3))
+        server.stop()
+        elapsed, message = timed(jaxckpt.restore, url)
+        assert elapsed < BOUND_S + SLACK_S, (elapsed, message)
+        assert url in message and "no answer from the store" in message, message
+        server.resume()
+        assert_bit_equal(jaxckpt.restore(url)["w"], state(3)["w"])
+    finally:
+        server.close()
