@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from . import _chunkfiles, _dtypes, _layout, _storage, _tasks, _zarr
-from ._errors import CorruptCheckpointError
+from ._errors import CheckpointError, CorruptCheckpointError
 from ._location import Location
 from ._manifest import LeafRecord, Manifest
 
@@ -191,9 +191,18 @@ class _Op:
             self.done(buf)
 
 
-def _corrupt(loc: Location, op: _Op, e: BaseException) -> CorruptCheckpointError:
+# What tensorstore (and read_chunk_file) say when the stored bytes are wrong or missing;
+# anything else (a store that does not answer, refused credentials) is not corruption.
+_DATA_ERRORS = ("DATA_LOSS", "NOT_FOUND", "digest", "checksum", "crc32c", "Error decoding", "INVALID_ARGUMENT",
+                "FAILED_PRECONDITION", "OUT_OF_RANGE")
+
+
+def _corrupt(loc: Location, op: _Op, e: BaseException) -> CheckpointError:
     names = ", ".join(f"'{p}'" for p in op.leaves[:5]) + (" ..." if len(op.leaves) > 5 else "")
-    return CorruptCheckpointError(f"Checkpoint '{loc}': leaf {names} could not be read: {e}")
+    if isinstance(e, CorruptCheckpointError) or any(mark in str(e) for mark in _DATA_ERRORS):
+        return CorruptCheckpointError(f"Checkpoint '{loc}': leaf {names} could not be read: {e}")
+    cause = e if isinstance(e, CheckpointError) else _storage.storage_cause(e)
+    return CheckpointError(f"Checkpoint '{loc}': reading leaf {names} failed: {cause}")
 
 
 def _direct_task(op: _Op, loc: Location) -> Callable[[], None]:

@@ -76,3 +76,15 @@ def test_edge_chunks_written_by_other_zarr_writers_are_read(ckpt):
     _storage.reset_io_stats()
     assert_bit_equal(jaxckpt.restore(ckpt)["w"], host)
     assert _storage.io_stats()["reads"] == 3
+
+
+def test_a_store_that_fails_is_not_reported_as_corruption():
+    from jaxckpt import _errors, _location, _reader
+
+    op = _reader._Op(8, ["params/w"], None, None, None, ((0, 2),))
+    loc = _location.resolve("s3://b/ckpt")
+    bad = _reader._corrupt(loc, op, ValueError("DATA_LOSS: Digest mismatch, stored digest is 0x1"))
+    assert type(bad) is _errors.CorruptCheckpointError and "leaf 'params/w' could not be read" in str(bad)
+    gone = _reader._corrupt(loc, op, ValueError("UNAVAILABLE: Failed to connect to 127.0.0.1 port 9"))
+    assert type(gone) is _errors.CheckpointError
+    assert str(gone) == "Checkpoint 's3://b/ckpt': reading leaf 'params/w' failed: UNAVAILABLE: Failed to connect to 127.0.0.1 port 9"
