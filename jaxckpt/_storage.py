@@ -359,7 +359,22 @@ def _s3_children(root: Location) -> list[str] | None:
     return sorted(n for n in names if n)
 
 
+_S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+           "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE")
+_s3_clients: collections.OrderedDict[str, Any] = collections.OrderedDict()
+
+
 def _s3_client(root: Location) -> Any:
+    """A boto3 S3 client for ``root``'s store, made once per store and settings (making
+    one costs ~0.1 s: discovery and cleaning list many prefixes) and shared by threads."""
+    spec = root.kvstore
+    spec.pop("path", None)
+    key = json.dumps([spec, root.context_spec, io_timeout_s(), [os.environ.get(v) for v in _S3_ENV]],
+                     sort_keys=True, default=str)
+    return _cached(_s3_clients, key, lambda: _new_s3_client(root), _MAX_KVSTORES)
+
+
+def _new_s3_client(root: Location) -> Any:
     """A boto3 S3 client for ``root``: the endpoint, region and credentials tensorstore
     uses there (``None`` without boto3), with timeouts and retries within the bound."""
     try:

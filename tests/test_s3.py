@@ -141,3 +141,28 @@ def test_discovery_lists_one_level_on_s3(s3_server, monkeypatch):
         assert mgr.all_steps() == [1, 2, 3]
     # one request, the three step prefixes: not the 111 keys under them
     assert calls == [("/", 0, 3)]
+
+
+def test_two_hundred_steps_are_discovered_with_one_listing(s3_server, monkeypatch):
+    import botocore.client
+
+    spec = s3_server("runs/many")
+    jaxckpt.save(dict(spec, path="runs/many/0"), {"w": np.ones(100, np.float32), "s": 1})
+    made = keys(s3_server, "runs/many/0/")
+    for step in range(1, 200):  # copies of step 0's objects: 199 more committed steps
+        for k in made:
+            s3_server.client.copy_object(Bucket="jaxckpt-test", Key=k.replace("/0/", f"/{step}/", 1),
+                                         CopySource={"Bucket": "jaxckpt-test", "Key": k})
+    calls = []
+    real = botocore.client.BaseClient._make_api_call
+
+    def spy(self, name, params):
+        calls.append((name, params.get("Prefix")))
+        return real(self, name, params)
+
+    monkeypatch.setattr(botocore.client.BaseClient, "_make_api_call", spy)
+    with jaxckpt.CheckpointManager(spec, read_only=True) as mgr:
+        assert mgr.all_steps() == list(range(200))
+    assert calls == [("ListObjectsV2", "runs/many/")]  # one delimiter listing, no probe per step
+    restored = jaxckpt.CheckpointManager(spec, read_only=True).restore(199)
+    assert restored["s"] == 1 and restored["w"].tolist() == [1.0] * 100
