@@ -166,3 +166,27 @@ def test_two_hundred_steps_are_discovered_with_one_listing(s3_server, monkeypatc
     assert calls == [("ListObjectsV2", "runs/many/")]  # one delimiter listing, no probe per step
     restored = jaxckpt.CheckpointManager(spec, read_only=True).restore(199)
     assert restored["s"] == 1 and restored["w"].tolist() == [1.0] * 100
+
+
+def test_retention_deletes_a_step_in_one_batch_request(s3_server, monkeypatch):
+    import botocore.client
+
+    spec = s3_server("runs/batched")
+    calls = []
+    real = botocore.client.BaseClient._make_api_call
+
+    def spy(self, name, params):
+        if name == "DeleteObjects":
+            calls.append(len(params["Delete"]["Objects"]))
+        return real(self, name, params)
+
+    monkeypatch.setattr(botocore.client.BaseClient, "_make_api_call", spy)
+    tree = {f"w{i}": sharded(np.full(1 << 18, i, np.float32), (8,), ("x",), ("x",)) for i in range(4)}
+    with jaxckpt.CheckpointManager(spec, max_to_keep=1) as mgr:
+        mgr.save(1, tree)
+        mgr.save(2, tree)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [2]
+    assert not keys(s3_server, "runs/batched/1/")
+    # step 1: 4 leaves x (zarr.json + 8 chunks) under its data prefix, removed in one request
+    assert calls == [36]
