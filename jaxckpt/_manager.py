@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import functools
 import html
 import logging
 import os
@@ -30,6 +31,7 @@ from . import (
     _retention,
     _snapshot,
     _storage,
+    _tiers,
 )
 from ._errors import CheckpointError, CheckpointNotFoundError
 from ._manifest import Manifest
@@ -66,6 +68,11 @@ class CheckpointManager:
       timeout_s: multi-process: how long processes wait for a peer that has not
         started the same save (a peer still writing is waited for while it is alive).
       clock: returns the time in seconds; inject a fake one in tests.
+      persistent_directory: a second, durable tier (e.g. an ``s3://`` URL). Every
+        ``persistent_interval_steps``-th committed step is copied there in the
+        background from the committed local files, with its own manifest-last commit
+        and retention (``persistent_max_to_keep``). ``restore()`` takes the newest step
+        of either tier (the local copy when both have it). Single process for now.
       read_only: list, restore and inspect only: never write, delete or clean. Any
         number of read-only managers (notebooks, evaluators) may watch a directory that
         a training run is writing.
@@ -106,6 +113,9 @@ class CheckpointManager:
         timeout_s: float = _distributed.DEFAULT_TIMEOUT_S,
         clock: Callable[[], float] = time.time,
         read_only: bool = False,
+        persistent_directory: Any = None,
+        persistent_interval_steps: int | None = None,
+        persistent_max_to_keep: int | None = None,
     ):
         self._policy = _retention.RetentionPolicy.make(
             max_to_keep=max_to_keep, keep_period=keep_period, keep_time_interval=keep_time_interval,
@@ -131,6 +141,8 @@ class CheckpointManager:
         self._lease: _lease.Lease | None = None
         self._advice: _cadence.CadenceAdvice | None = None  # the last advise_interval()
         self._check_directory()
+        self._persistent = self._make_persistent(persistent_directory, persistent_interval_steps,
+                                                 persistent_max_to_keep)
         if read_only:
             self._steps: dict[int, Manifest] = dict(_commit.discover_steps(self._dir))
         else:
@@ -140,6 +152,21 @@ class CheckpointManager:
         ref = weakref.ref(self)
         self._atexit = lambda: (m := ref()) is not None and m._finish_at_exit()
         atexit.register(self._atexit)
+
+    def _make_persistent(self, directory: Any, interval: int | None, max_to_keep: int | None) -> Any:
+        if directory is None:
+            if interval is not None or max_to_keep is not None:
+                raise CheckpointError("persistent_interval_steps/persistent_max_to_keep need persistent_directory")
+            return None
+        if _distributed.process_count() > 1:
+            raise CheckpointError(
+                "two tiers (persistent_directory) run in a single process in this version; "
+                f"this job has {_distributed.process_count()}")
+        if interval is None and self._read_only:
+            interval = 1  # a reader only lists and restores
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise CheckpointError(f"persistent_interval_steps must be a positive int, got {interval!r}")
+        return _tiers.PersistentTier(_location.resolve(directory), interval, max_to_keep)
 
     def _check_directory(self) -> None:
         local = self._dir.local
@@ -182,14 +209,24 @@ class CheckpointManager:
         return str(self._dir)
 
     def all_steps(self) -> list[int]:
-        """Committed steps, ascending."""
+        """Committed steps (of either tier), ascending."""
         with self._lock:
-            return sorted(self._steps)
+            return sorted(set(self._steps) | set(self._persistent_steps()))
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or ``None``."""
+        """The newest committed step (of either tier), or ``None``."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def step_tiers(self) -> dict[int, tuple[str, ...]]:
+        """Which tiers hold each committed step: ``("local",)``, ``("persistent",)`` or both."""
         with self._lock:
-            return max(self._steps) if self._steps else None
+            local, durable = set(self._steps), set(self._persistent_steps())
+        return {s: tuple(t for t, held in (("local", s in local), ("persistent", s in durable)) if held)
+                for s in sorted(local | durable)}
+
+    def _persistent_steps(self) -> dict[int, Manifest]:
+        return dict(self._persistent.steps) if self._persistent is not None else {}
 
     def metrics(self, step: int) -> dict[str, Any] | None:
         """The metrics saved with ``step`` (``None`` if it had none)."""
@@ -228,6 +265,10 @@ class CheckpointManager:
         finally:
             with self._lock:
                 ours, self._scanning = self._scanning, None
+        if self._persistent is not None:
+            durable = _commit.discover_steps(self._persistent.dir)
+            with self._lock:
+                self._persistent.steps = dict(durable)
         with self._lock:
             # a step this manager committed while the scan ran may be missing from it
             for s in ours or ():
@@ -237,9 +278,10 @@ class CheckpointManager:
 
     def _manifest(self, step: int) -> Manifest:
         with self._lock:
-            if step not in self._steps:
-                raise CheckpointNotFoundError(f"No committed step {step} in '{self._dir}'")
-            return self._steps[step]
+            man = self._steps.get(step) or self._persistent_steps().get(step)
+        if man is None:
+            raise CheckpointNotFoundError(f"No committed step {step} in '{self._dir}'")
+        return man
 
     def _step_infos(self) -> list[_retention.StepInfo]:
         with self._lock:
@@ -431,10 +473,27 @@ class CheckpointManager:
                 _history.append(self._dir, step, manifest.info)
             except Exception as e:  # noqa: BLE001 - the step is committed; the log is a convenience
                 _log.warning("jaxckpt: recording step %d in the history of '%s' failed: %s", step, self._dir, e)
+        if self._persistent is not None and self._persistent.wants(step):
+            self._pin(step)  # retention keeps the local copy until the persistent one is done
+            self._persistent.submit(step, final, functools.partial(self._unpin, step))
         try:
             self._apply_retention()
         except Exception as e:  # noqa: BLE001 - the step is committed; a failed delete is retried next time
             _log.warning("jaxckpt: retention in '%s' after step %d failed: %s", self._dir, step, e)
+
+    def _pin(self, step: int) -> None:
+        with self._lock:
+            self._reading[step] = self._reading.get(step, 0) + 1
+
+    def _unpin(self, step: int) -> None:
+        with self._lock:
+            self._reading[step] -= 1
+            deferred = not self._reading[step] and step in self._deferred_delete
+        if deferred:  # retention wanted it gone while it was being copied
+            try:
+                self._apply_retention()
+            except Exception as e:  # noqa: BLE001 - retried after the next save
+                _log.warning("jaxckpt: retention in '%s' after copying step %d failed: %s", self._dir, step, e)
 
     def _apply_retention(self) -> None:
         doomed = _retention.steps_to_delete(self._step_infos(), self._policy)
@@ -458,22 +517,31 @@ class CheckpointManager:
         Raises:
           CheckpointNotFoundError: no committed step (or not this one).
         """
-        with self._lock:
-            if step is None:
-                if not self._steps:
-                    raise CheckpointNotFoundError(f"No committed step in '{self._dir}'")
-                step = max(self._steps)
-            elif step not in self._steps:
-                raise CheckpointNotFoundError(
-                    f"No committed step {step} in '{self._dir}' (committed: {sorted(self._steps)})")
-            self._reading[step] = self._reading.get(step, 0) + 1
+        where, step = self._restore_location(step)
         try:
-            return _checkpoint.restore(self._dir.child(_commit.step_name(step)), target,
-                                       shardings=shardings, partial=partial, allow_narrowing=allow_narrowing,
-                                       key_map=key_map, missing=missing)
+            return _checkpoint.restore(where, target, shardings=shardings, partial=partial,
+                                       allow_narrowing=allow_narrowing, key_map=key_map, missing=missing)
         finally:
             with self._lock:
                 self._reading[step] -= 1
+
+    def _restore_location(self, step: int | None) -> tuple[Any, int]:
+        """Where to read ``step`` (default: the newest of either tier): the local copy when
+        there is one. Pins it against retention until the caller unpins."""
+        with self._lock:
+            durable = self._persistent_steps()
+            known = set(self._steps) | set(durable)
+            if step is None:
+                if not known:
+                    raise CheckpointNotFoundError(f"No committed step in '{self._dir}'")
+                step = max(known)
+            elif step not in known:
+                raise CheckpointNotFoundError(
+                    f"No committed step {step} in '{self._dir}' (committed: {sorted(known)})")
+            self._reading[step] = self._reading.get(step, 0) + 1
+            if step in self._steps:
+                return self._dir.child(_commit.step_name(step)), step
+            return self._persistent.dir.child(_commit.step_name(step)), step
 
     # --- deleting and attempts ---------------------------------------------------------
 
@@ -553,6 +621,10 @@ class CheckpointManager:
                 self._settle(oldest)
             except CheckpointError as e:
                 first = first or e
+        if self._persistent is not None:  # copies first: finishing one may queue local deletes
+            for step, error in self._persistent.wait():
+                first = first or CheckpointError(
+                    f"Copying step {step} to the persistent tier '{self._persistent.dir}' failed: {error}")
         self._deleter.wait()
         if first is not None:
             raise first

@@ -108,7 +108,9 @@ def _is_checkpoint(path: str) -> bool:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--mtbf", type=float, default=None, metavar="SECONDS",
               help="Mean time between failures: also print the advised save interval.")
-def ls_command(directory: str, as_json: bool, mtbf: float | None) -> None:
+@click.option("--persistent", default=None, metavar="URL",
+              help="The run's persistent tier: list its steps too, with the tier holding each.")
+def ls_command(directory: str, as_json: bool, mtbf: float | None, persistent: str | None) -> None:
     """The committed steps of a manager DIRECTORY (or one checkpoint), and dead attempts."""
     import jaxckpt
 
@@ -123,8 +125,9 @@ def ls_command(directory: str, as_json: bool, mtbf: float | None) -> None:
         return
     if not os.path.isdir(directory) and "://" not in directory:
         raise _Exit(EXIT_USAGE, f"'{directory}' is not a checkpoint or a manager directory")
-    with jaxckpt.CheckpointManager(directory, read_only=True) as mgr:
-        steps = [_step_row(mgr, s) for s in mgr.all_steps()]
+    with jaxckpt.CheckpointManager(directory, read_only=True, persistent_directory=persistent) as mgr:
+        tiers = mgr.step_tiers()
+        steps = [{**_step_row(mgr, s), "tiers": list(tiers[s])} for s in mgr.all_steps()]
         attempts = mgr.attempts()
         advice = mgr.advise_interval(mtbf_s=mtbf) if mtbf is not None else None
     if as_json:
@@ -159,8 +162,11 @@ def _print_steps(directory: str, steps: list[dict[str, Any]]) -> None:
             s["commit_time"]).strftime("%Y-%m-%d %H:%M:%S")
         metrics = " ".join(f"{k}={_short(v)}" for k, v in (s["metrics"] or {}).items())
         save = "-" if s["total_seconds"] is None else f"{s['total_seconds']:.2f}s"
-        rows.append([s["step"], when, _age(s["age_s"]), _human(s["bytes"] or 0), save, metrics])
-    _table(["step", "committed", "age", "size", "save", "metrics"], rows)
+        tiers = [",".join(s["tiers"])] if "tiers" in s and any(t != ["local"] for t in
+                                                                 (x["tiers"] for x in steps)) else []
+        rows.append([s["step"], when, _age(s["age_s"]), _human(s["bytes"] or 0), save, *tiers, metrics])
+    show_tiers = any(s.get("tiers", ["local"]) != ["local"] for s in steps)
+    _table(["step", "committed", "age", "size", "save", *(["tier"] if show_tiers else []), "metrics"], rows)
 
 
 def _short(v: Any) -> str:

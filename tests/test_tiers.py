@@ -1,0 +1,117 @@
+"""Two tiers: every step commits locally; every K-th is copied to a persistent tier (the
+local S3 server here) with its own commit and retention; restore takes either."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from conftest import assert_bit_equal, sharded
+
+import jaxckpt
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def state(i):
+    return {"w": sharded(np.full((256, 64), i, np.float32), (4,), ("x",), ("x", None)),
+            "b": np.arange(8, dtype=np.int32) + i, "step": i}
+
+
+def test_every_kth_step_is_copied_and_kept_by_its_own_retention(tmp_path, s3_server):
+    durable = s3_server("tiers/a")
+    with jaxckpt.CheckpointManager(tmp_path / "local", max_to_keep=1, persistent_directory=durable,
+                                   persistent_interval_steps=2, persistent_max_to_keep=2) as mgr:
+        for i in range(1, 7):
+            mgr.save(i, state(i))
+        mgr.wait_until_finished()
+        assert mgr.step_tiers() == {4: ("persistent",), 6: ("local", "persistent")}
+        assert mgr.all_steps() == [4, 6] and mgr.latest_step() == 6
+        assert sorted(n for n in os.listdir(tmp_path / "local") if n.isdigit()) == ["6"]
+        back = mgr.restore(4, state(0))  # only in the persistent tier
+        assert_bit_equal(back["w"], np.full((256, 64), 4, np.float32))
+        assert back["step"] == 4
+        assert mgr.restore()["step"] == 6
+    assert jaxckpt.verify(dict(durable, path="tiers/a/6")).ok
+    info = jaxckpt.metadata(dict(durable, path="tiers/a/4")).info
+    assert info["step"] == 4 and info["copied_from"] == str(tmp_path / "local" / "4")
+
+
+def test_a_lost_local_directory_restores_from_the_persistent_tier(tmp_path, s3_server):
+    durable = s3_server("tiers/b")
+    with jaxckpt.CheckpointManager(tmp_path / "local", persistent_directory=durable,
+                                   persistent_interval_steps=3) as mgr:
+        for i in range(1, 5):
+            mgr.save(i, state(i))
+    shutil.rmtree(tmp_path / "local")  # a new machine
+    with jaxckpt.CheckpointManager(tmp_path / "local", persistent_directory=durable,
+                                   persistent_interval_steps=3) as mgr:
+        assert mgr.step_tiers() == {3: ("persistent",)}
+        back = mgr.restore(None, state(0))
+        assert_bit_equal(back["w"], np.full((256, 64), 3, np.float32))
+        assert_bit_equal(back["b"], np.arange(8, dtype=np.int32) + 3)
+
+
+def test_a_copy_killed_midway_leaves_no_persistent_step(tmp_path, s3_server):
+    durable = s3_server("tiers/c")
+    code = f"""
+        import os, threading
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+        import numpy as np, jaxckpt
+        from jaxckpt import _storage
+        durable = {durable!r}
+        def hook(op, key):
+            if threading.current_thread().name == "jaxckpt-persist":
+                print("COPYING", flush=True)
+                os.kill(os.getpid(), 9)
+        _storage.fault_hook = hook
+        mgr = jaxckpt.CheckpointManager({str(tmp_path / "local")!r}, persistent_directory=durable,
+                                        persistent_interval_steps=2)
+        mgr.save(1, {{"w": np.ones((512, 1024), np.float32)}})
+        mgr.save(2, {{"w": np.full((512, 1024), 2.0, np.float32)}})
+        mgr.wait_until_finished()
+        print("NOT KILLED", flush=True)
+    """
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    child = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL and "COPYING" in child.stdout, child.stderr[-2000:]
+    with jaxckpt.CheckpointManager(tmp_path / "local", persistent_directory=durable,
+                                   persistent_interval_steps=2, read_only=True) as mgr:
+        assert mgr.step_tiers() == {1: ("local",), 2: ("local",)}  # nothing partial is persistent
+        assert_bit_equal(mgr.restore()["w"], np.full((512, 1024), 2.0, np.float32))
+
+
+def test_two_tier_arguments_are_checked(tmp_path):
+    with pytest.raises(jaxckpt.CheckpointError, match="need persistent_directory"):
+        jaxckpt.CheckpointManager(tmp_path, persistent_interval_steps=2)
+    with pytest.raises(jaxckpt.CheckpointError, match="persistent_interval_steps must be a positive int, got None"):
+        jaxckpt.CheckpointManager(tmp_path, persistent_directory=str(tmp_path / "p"))
+
+
+def test_ls_says_which_tier_holds_each_step(tmp_path, s3_server):
+    import json
+
+    durable = s3_server("tiers/d")
+    with jaxckpt.CheckpointManager(tmp_path / "local", max_to_keep=1, persistent_directory=durable,
+                                   persistent_interval_steps=2) as mgr:
+        for i in range(1, 4):
+            mgr.save(i, state(i))
+    exe = os.path.join(os.path.dirname(sys.executable), "jaxckpt")
+    url = "s3://jaxckpt-test/tiers/d"
+    env = dict(os.environ, AWS_ENDPOINT_URL=durable["endpoint"], AWS_REGION="us-east-1")
+    out = subprocess.run([exe, "ls", str(tmp_path / "local"), "--persistent", url, "--json"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert [(s["step"], s["tiers"]) for s in json.loads(out.stdout)["steps"]] == [
+        (2, ["persistent"]), (3, ["local"])]
+    out = subprocess.run([exe, "ls", str(tmp_path / "local"), "--persistent", url], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.stdout.splitlines()[0].split() == ["step", "committed", "age", "size", "save", "tier", "metrics"]
+    step2, step3 = out.stdout.splitlines()[1:3]
+    assert step2.split()[0] == "2" and step2.split()[-1] == "persistent"  # no metrics were saved
+    assert step3.split()[0] == "3" and step3.split()[-1] == "local"
