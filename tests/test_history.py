@@ -163,7 +163,7 @@ def test_to_json_and_to_pandas(tmp_path, monkeypatch):
 
 
 def test_plot_history_draws_the_recorded_values(tmp_path, monkeypatch):
-    matplotlib = pytest.importorskip("matplotlib")
+    import matplotlib  # a test dependency (pyproject [test])
     matplotlib.use("Agg")
     hist = run(tmp_path, range(5), max_to_keep=2)
     fig = jaxckpt.plot_history(tmp_path)

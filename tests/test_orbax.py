@@ -7,6 +7,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp  # noqa: E402 - a test dependency (pyproject [test])
 import pytest
 from conftest import assert_bit_equal, mesh, sharded
 from jax.sharding import NamedSharding
@@ -15,8 +16,6 @@ from jax.sharding import PartitionSpec as P
 import jaxckpt
 from jaxckpt import _iostats, _orbax, _sources
 from jaxckpt._errors import CheckpointError, CorruptCheckpointError
-
-ocp = pytest.importorskip("orbax.checkpoint")
 
 
 def _tree():

@@ -9,14 +9,13 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+import safetensors.numpy as st_numpy  # noqa: E402 - a test dependency (pyproject [test])
 from conftest import assert_bit_equal, mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import _location, _safetensors, _storage
-
-st_numpy = pytest.importorskip("safetensors.numpy")
 
 
 def _tensors():
