@@ -31,6 +31,7 @@ from . import (
     _retention,
     _snapshot,
     _storage,
+    _tasks,
     _tiers,
 )
 from ._errors import CheckpointError, CheckpointNotFoundError
@@ -679,42 +680,21 @@ class _Deleter:
 
     def __init__(self, directory: Any):
         self._dir = directory
-        self._queue: list[int] = []
-        self._cond = threading.Condition()
-        self._busy = False
-        self._thread: threading.Thread | None = None
+        self._worker = _tasks.Worker("jaxckpt-delete", self._delete)
 
     def submit(self, steps: list[int]) -> None:
-        with self._cond:
-            self._queue.extend(s for s in steps if s not in self._queue)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="jaxckpt-delete", daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
+        for step in steps:
+            self._worker.submit(step)
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                if not self._queue:
-                    self._thread = None
-                    self._cond.notify_all()
-                    return
-                batch, self._queue = self._queue, []
-                self._busy = True
-            for step in batch:
-                try:
-                    _commit.delete_step(self._dir, step, _commit.new_token())
-                except Exception as e:  # noqa: BLE001 - logged; the step is still committed on disk
-                    _log.warning("jaxckpt: deleting step %d in '%s' failed: %s", step, self._dir, e)
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
+    def _delete(self, step: int) -> None:
+        try:
+            _commit.delete_step(self._dir, step, _commit.new_token())
+        except Exception as e:  # noqa: BLE001 - logged; the step is still committed on disk
+            _log.warning("jaxckpt: deleting step %d in '%s' failed: %s", step, self._dir, e)
 
     def wait(self) -> None:
         """Until every submitted delete has run."""
-        with self._cond:
-            while self._queue or self._busy or self._thread is not None:
-                self._cond.wait()
+        self._worker.wait()
 
     close = wait
 

@@ -73,3 +73,39 @@ def run_bounded(jobs: Iterable[tuple[int, Callable[[], Any], Callable[[Any], Non
                 future.result()
             except Exception:  # noqa: BLE001, S110 - the first error is the one reported
                 pass
+
+
+class Worker:
+    """A background thread that runs ``fn(item)`` for each submitted item, in order,
+    started on demand and gone when idle. ``wait()`` returns once every item ran.
+
+    The manager's retention deletes and its persistent-tier copies each have one, so a
+    slow delete or copy never holds up a save."""
+
+    def __init__(self, name: str, fn: Callable[[Any], None]):
+        self._name, self._fn = name, fn
+        self._cond = threading.Condition()
+        self._queue: collections.deque = collections.deque()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, item: Any) -> None:
+        with self._cond:
+            self._queue.append(item)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue:
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
+                item = self._queue.popleft()
+            self._fn(item)  # fn handles its own errors
+
+    def wait(self) -> None:
+        with self._cond:
+            while self._thread is not None:
+                self._cond.wait()

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from . import _commit, _retention, _sources, _stream
+from . import _commit, _retention, _sources, _stream, _tasks
 from ._location import Location
 from ._manifest import LeafRecord, Manifest
 
@@ -51,9 +51,8 @@ class PersistentTier:
     def __init__(self, directory: Location, interval_steps: int, max_to_keep: int | None):
         self.dir, self.interval, self.max_to_keep = directory, interval_steps, max_to_keep
         self.steps: dict[int, Manifest] = dict(_commit.discover_steps(directory))
-        self._cond = threading.Condition()
-        self._queue: list[tuple[int, Location, Callable[[], None]]] = []
-        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._worker = _tasks.Worker("jaxckpt-persist", self._run)
         self.errors: list[tuple[int, BaseException]] = []
 
     def wants(self, step: int) -> bool:
@@ -61,32 +60,22 @@ class PersistentTier:
 
     def submit(self, step: int, local: Location, done: Callable[[], None]) -> None:
         """Copy committed local ``step`` in the background; ``done()`` runs after it."""
-        with self._cond:
-            self._queue.append((step, local, done))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="jaxckpt-persist", daemon=True)
-                self._thread.start()
+        self._worker.submit((step, local, done))
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                if not self._queue:
-                    self._thread = None
-                    self._cond.notify_all()
-                    return
-                step, local, done = self._queue.pop(0)
-            try:
-                self._copy(step, local)
-            except Exception as e:  # noqa: BLE001 - raised by the manager's next wait
-                _log.warning("jaxckpt: copying step %d to '%s' failed: %s", step, self.dir, e)
-                with self._cond:
-                    self.errors.append((step, e))
-            finally:
-                done()
+    def _run(self, item: tuple[int, Location, Callable[[], None]]) -> None:
+        step, local, done = item
+        try:
+            self._copy(step, local)
+        except Exception as e:  # noqa: BLE001 - raised by the manager's next wait
+            _log.warning("jaxckpt: copying step %d to '%s' failed: %s", step, self.dir, e)
+            with self._lock:
+                self.errors.append((step, e))
+        finally:
+            done()
 
     def _copy(self, step: int, local: Location) -> None:
         man = copy_step(local, self.dir.child(_commit.step_name(step)))
-        with self._cond:
+        with self._lock:
             self.steps[step] = man
         self._apply_retention()
 
@@ -97,14 +86,13 @@ class PersistentTier:
                  for s, m in self.steps.items()]
         policy = _retention.RetentionPolicy.make(max_to_keep=self.max_to_keep)
         for s in _retention.steps_to_delete(infos, policy):
-            with self._cond:
+            with self._lock:
                 self.steps.pop(s, None)
             _commit.delete_step(self.dir, s, _commit.new_token())
 
     def wait(self) -> list[tuple[int, BaseException]]:
         """Until every submitted copy ran; returns (and forgets) the failures."""
-        with self._cond:
-            while self._queue or self._thread is not None:
-                self._cond.wait()
+        self._worker.wait()
+        with self._lock:
             errors, self.errors = self.errors, []
         return errors

@@ -7,7 +7,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp  # noqa: E402 - a test dependency (pyproject [test])
+import orbax.checkpoint as ocp  # a test dependency (pyproject [test])
 import pytest
 from conftest import assert_bit_equal, mesh, sharded
 from jax.sharding import NamedSharding

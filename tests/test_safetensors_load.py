@@ -9,7 +9,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-import safetensors.numpy as st_numpy  # noqa: E402 - a test dependency (pyproject [test])
+import safetensors.numpy as st_numpy  # a test dependency (pyproject [test])
 from conftest import assert_bit_equal, mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
