@@ -26,6 +26,7 @@ from . import (
     _commit,
     _distributed,
     _history,
+    _html,
     _lease,
     _location,
     _retention,
@@ -789,7 +790,7 @@ def _render_html(directory: str, mode: str, infos: Mapping[int, Mapping[str, Any
     total_bytes = sum(_num(i.get("bytes")) or 0 for i in infos.values())
     blocking = sum(_num(i.get("blocking_seconds")) or 0.0 for i in infos.values())
     total_s = sum(_num(i.get("total_seconds")) or 0.0 for i in infos.values())
-    summary = (f"{len(steps)} committed step{'s' if len(steps) != 1 else ''}, {_human_bytes(total_bytes)}; "
+    summary = (f"{len(steps)} committed step{'s' if len(steps) != 1 else ''}, {_html.human_bytes(total_bytes)}; "
                f"saves blocked {blocking:.3g} s in all, {total_s:.3g} s from save to commit in all")
     table = (f"<table style='border-collapse:collapse;color:inherit;text-align:right'><thead><tr>{head}</tr></thead>"
              f"<tbody>{rows}</tbody></table>") if steps else "<div>no committed step yet</div>"
@@ -808,7 +809,7 @@ def _html_row(step: int, info: Mapping[str, Any], names: list[str], now: float) 
     age = _human_age(now - when) if when is not None else "?"
     size = _num(info.get("bytes"))
     metrics = _info_metrics(info)
-    cells = [str(step), committed, age, _human_bytes(size) if size is not None else "?",
+    cells = [str(step), committed, age, _html.human_bytes(size) if size is not None else "?",
              _fmt(info.get("blocking_seconds")), _fmt(info.get("total_seconds")),
              *(_fmt(metrics.get(n)) for n in names)]
     return f"<tr style='{_TR}'>" + "".join(f"<td style='{_TD}'>{esc(c)}</td>" for c in cells) + "</tr>"
@@ -842,14 +843,6 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.6g}"
     return str(v)
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _human_age(seconds: float) -> str:

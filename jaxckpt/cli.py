@@ -43,11 +43,9 @@ def _json_default(x: Any) -> Any:
 
 
 def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
+    from ._html import human_bytes
+
+    return human_bytes(n)
 
 
 def _age(seconds: float | None) -> str:

@@ -9,7 +9,7 @@
     >>> k[:2, :4]                            # reads only the chunks this slice touches
     array([[...]], dtype=float32)
 
-In a notebook the view renders as a table (``_repr_html_``).
+In a notebook the view renders as a collapsible tree (``_repr_html_``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes, _layout, _location, _reader, _scan, _sources, _tree
+from . import _dtypes, _html, _layout, _location, _reader, _scan, _sources, _tree
 from ._manifest import LeafRecord, Manifest
 from ._scan import LeafStats
 
@@ -265,20 +265,10 @@ class CheckpointView:
         return self._new_reader or (lambda: _reader.Reader(self._loc, self._man))
 
     def __repr__(self) -> str:
-        return f"CheckpointView('{self._loc}', {len(self)} leaves, {_human(self.nbytes)})"
+        return f"CheckpointView('{self._loc}', {len(self)} leaves, {_html.human_bytes(self.nbytes)})"
 
     def _repr_html_(self) -> str:
-        from . import _html
-
         return _html.render_view(self)
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def open(path: Any) -> CheckpointView:  # noqa: A001 - the public name is jaxckpt.open
