@@ -165,7 +165,7 @@ def _attempt_age(name: str, now: float) -> float | None:
     return None if m is None else now - int(m.group(1))
 
 
-def remove_dead_data(loc: Location, keep: str | None, grace_s: float | None) -> list[str]:
+def remove_dead_data(loc: Location, keep: str | None, grace_s: float | None, *, dry_run: bool = False) -> list[str]:
     """Remove the data under checkpoint ``loc`` (an object store) that ``keep`` (the data
     prefix its manifest names; ``""``: the root; ``None``: no manifest) does not name.
 
@@ -186,7 +186,7 @@ def remove_dead_data(loc: Location, keep: str | None, grace_s: float | None) -> 
             age = _attempt_age(name, now)
             if key != keep and (grace_s is None or (age is not None and age > grace_s)):
                 removed.append(key)
-    for key in removed:
+    for key in () if dry_run else removed:
         _storage.delete_tree(loc.child(key))
     return removed
 
@@ -326,23 +326,23 @@ def delete_step(directory: Location, step: int, token: str) -> None:
     _storage.delete_tree(loc)
 
 
-def remove_dead_step_data(directory: Location) -> list[str]:
+def remove_dead_step_data(directory: Location, *, dry_run: bool = False) -> list[str]:
     """Remove, under every step of manager ``directory`` on an object store, the data no
     manifest names: attempts that died before their commit, or whose replaced data was
     never deleted. Only for a writer holding the directory's lease (every earlier writer
     is gone). A step whose manifest does not validate is left alone. Steps are looked at
     on a few threads (one or two listings each). Returns the keys removed, relative to
-    ``directory``."""
+    ``directory`` (``dry_run``: the keys it would remove, removing nothing)."""
     if directory.local is not None:
         return []  # local attempts live in hidden siblings: ``stale_attempts``
     removed: list[str] = []
     names = [n for n in _storage.list_children(directory) if _step_of(n) is not None]
-    _tasks.run_tasks([lambda n=n: removed.extend(_remove_dead_in_step(directory, n)) for n in names],
+    _tasks.run_tasks([lambda n=n: removed.extend(_remove_dead_in_step(directory, n, dry_run)) for n in names],
                      CLEAN_THREADS)
     return sorted(removed)
 
 
-def _remove_dead_in_step(directory: Location, name: str) -> list[str]:
+def _remove_dead_in_step(directory: Location, name: str, dry_run: bool = False) -> list[str]:
     loc = directory.child(name)
     children = set(_storage.list_children(loc))
     candidates = 1 if children & DATA_DIRS else 0
@@ -353,4 +353,4 @@ def _remove_dead_in_step(directory: Location, name: str) -> list[str]:
     keep = named_data(loc)
     if keep is None and _manifest.MANIFEST in children:
         return []  # a manifest that does not validate: not ours to judge
-    return [f"{name}/{key}" for key in remove_dead_data(loc, keep, None)]
+    return [f"{name}/{key}" for key in remove_dead_data(loc, keep, None, dry_run=dry_run)]

@@ -583,8 +583,10 @@ class CheckpointManager:
         """The hidden, uncommitted attempts in the directory (read-only managers too).
 
         Each is a save in progress or left by a crash (``.<step>.jaxckpt-tmp-*``), or a
-        step being deleted (``.<step>.jaxckpt-old-*``). A writing manager removes those
-        of a writer that is gone when it starts.
+        step being deleted (``.<step>.jaxckpt-old-*``); on an object store, a data prefix
+        under a step that its manifest does not name (``<step>/d/<token>``, kind
+        ``"data"``). A writing manager removes those of a writer that is gone when it
+        starts.
 
         Returns:
           One dict per attempt, by name: ``step``, ``name``, ``kind`` (``"tmp"`` or
@@ -607,6 +609,9 @@ class CheckpointManager:
                 "kind": "tmp" if _commit.TMP_MARK in name else "old",
                 "bytes": size, "mtime": mtime, "writer": writer, "writer_alive": not gone,
             })
+        for key in _commit.remove_dead_step_data(self._dir, dry_run=True):  # object stores only
+            out.append({"step": _commit.parse_step_name(key.split("/", 1)[0]), "name": key, "kind": "data",
+                        "bytes": None, "mtime": None, "writer": writer, "writer_alive": not gone})
         return out
 
     # --- lifecycle -------------------------------------------------------------------

@@ -190,3 +190,19 @@ def test_retention_deletes_a_step_in_one_batch_request(s3_server, monkeypatch):
     assert not keys(s3_server, "runs/batched/1/")
     # step 1: 4 leaves x (zarr.json + 8 chunks) under its data prefix, removed in one request
     assert calls == [36]
+
+
+def test_dead_data_prefixes_are_listed_as_attempts_and_collected(s3_server):
+    spec = s3_server("runs/dead")
+    with jaxckpt.CheckpointManager(spec) as mgr:
+        mgr.save(1, {"w": np.ones(8, np.float32)})
+    dead = "runs/dead/1/d/1700000000-0123456789ab/packed/p0/c/0"
+    s3_server.client.put_object(Bucket="jaxckpt-test", Key=dead, Body=b"x" * 10)
+    with jaxckpt.CheckpointManager(spec, read_only=True) as reader:
+        (attempt,) = reader.attempts()
+    assert (attempt["step"], attempt["name"], attempt["kind"], attempt["writer_alive"]) == (
+        1, "1/d/1700000000-0123456789ab", "data", False)
+    assert dead in keys(s3_server, "runs/dead/1/")
+    jaxckpt.CheckpointManager(spec).close()  # a writer starting removes what no manifest names
+    assert dead not in keys(s3_server, "runs/dead/1/")
+    assert jaxckpt.CheckpointManager(spec, read_only=True).restore(1)["w"].tolist() == [1.0] * 8
