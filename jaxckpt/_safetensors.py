@@ -13,12 +13,13 @@ Names: a jaxckpt key path with ``/`` replaced by ``.`` (``params/dense/kernel`` 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 import stat
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -127,9 +128,10 @@ def _bad(where: str) -> Callable[[str], CorruptCheckpointError]:
     return bad
 
 
-def _read_capped(path: str, limit: int, bad: Callable[[str], CorruptCheckpointError]) -> bytes:
-    """A small metadata file's bytes; refused before reading when it is not a regular
-    file (a FIFO would block) or larger than ``limit``."""
+@contextlib.contextmanager
+def _open_regular(path: str, bad: Callable[[str], CorruptCheckpointError]) -> Iterator[tuple[Any, os.stat_result]]:
+    """The open file and its stat, refused before any read when it is not a regular
+    file (opened non-blocking: a FIFO must not hang us)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
@@ -138,6 +140,13 @@ def _read_capped(path: str, limit: int, bad: Callable[[str], CorruptCheckpointEr
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             raise bad("is not a regular file")
+        yield f, st
+
+
+def _read_capped(path: str, limit: int, bad: Callable[[str], CorruptCheckpointError]) -> bytes:
+    """A small metadata file's bytes; refused before reading when it is not a regular
+    file (a FIFO would block) or larger than ``limit``."""
+    with _open_regular(path, bad) as (f, st):
         if st.st_size > limit:
             raise bad(f"{st.st_size} bytes is more than the {limit} it may have")
         return f.read(limit + 1)
@@ -191,14 +200,7 @@ def _load_tensors(files: list[str], weight_map: dict[str, str] | None) -> tuple[
 def _read_header(path: str) -> tuple[list[_Tensor], dict[str, str]]:
     """The validated tensors and ``__metadata__`` of one file (only its header is read)."""
     bad = _bad(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError as e:
-        raise bad(f"cannot be opened: {e}") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise bad("is not a regular file")
+    with _open_regular(path, bad) as (f, st):
         if st.st_size < 8:
             raise bad(f"{st.st_size} bytes is too short for a safetensors header")
         n = int.from_bytes(f.read(8), "little")

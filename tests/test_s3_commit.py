@@ -15,7 +15,6 @@ import sys
 import textwrap
 import threading
 
-import jax
 import numpy as np
 import pytest
 from conftest import assert_bit_equal, mesh, sharded
@@ -28,7 +27,7 @@ from jaxckpt import _commit, _iostats, _location, _manifest, _storage, convert
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 V2 = os.path.join(FIXTURES, "v2")
 sys.path.insert(0, FIXTURES)
-from make_v1 import expected  # noqa: E402 - v2 holds the same tree as v1
+from test_format_versions import assert_fixture  # noqa: E402
 
 BUCKET = "jaxckpt-test"
 N = 1 << 18  # elements per row of the big leaf: 4 rows, one 1 MiB chunk each
@@ -70,34 +69,6 @@ def assert_is(got, v):
 # --- the format-2 fixture (DESIGN.md rule 8) -------------------------------------------
 
 
-def _assert_fixture(got):
-    want = expected()
-    for key in ("big", "small", "half", "nibbles"):
-        assert_bit_equal(got["params"][key], want["params"][key])
-    assert type(got["opt"][0]["count"]) is np.int32 and got["opt"][0]["count"] == 7
-    assert type(got["opt"][0]["lr"]) is np.float64 and got["opt"][0]["lr"] == 0.125
-    assert got["opt"][1] == () and got["opt"][2] is None
-    assert_bit_equal(jax.random.key_data(got["rng"]), want["rng"])
-    assert (got["step"], got["name"], got["flag"]) == (1000, "fixture", True)
-
-
-def test_v2_fixture_restores_bit_for_bit_onto_another_mesh_and_verifies():
-    _assert_fixture(jaxckpt.restore(V2))
-    info = jaxckpt.metadata(V2)
-    assert info.format_version == 2 and info.metadata == {"made_by": "tests/fixtures/make_v2.py"}
-    assert info.tree["params"]["big"].sharding.mesh_shape == {"x": 4}
-    s = NamedSharding(mesh((2,), ("y",)), P(None, "y"))
-    target = jax.tree.map(lambda x: x, expected(), is_leaf=lambda x: x is None)
-    target["params"]["big"] = jax.ShapeDtypeStruct((512, 512), np.float32, sharding=s)
-    target["rng"] = jax.random.key(0)
-    got = jaxckpt.restore(V2, target)
-    assert got["params"]["big"].sharding == s
-    assert_bit_equal(got["params"]["big"], expected()["params"]["big"])
-    report = jaxckpt.verify(V2)
-    assert report.ok and report.leaves == 11 and report.chunks == 5, report.problems
-    assert_bit_equal(jaxckpt.open(V2)["params/small"][1], expected()["params"]["small"][1])
-
-
 def test_v2_fixture_uploaded_to_s3_restores(s3_server):
     for root, _, files in os.walk(V2):
         for f in files:
@@ -105,7 +76,7 @@ def test_v2_fixture_uploaded_to_s3_restores(s3_server):
             with open(os.path.join(root, f), "rb") as fh:
                 s3_server.client.put_object(Bucket=BUCKET, Key=f"fixtures/v2/{rel}", Body=fh.read())
     spec = s3_server("fixtures/v2")
-    _assert_fixture(jaxckpt.restore(spec))
+    assert_fixture(jaxckpt.restore(spec))
     assert jaxckpt.verify(spec).ok
 
 
