@@ -11,6 +11,8 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import logging
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -26,6 +28,8 @@ from ._location import Location
 from ._manifest import LeafRecord, Manifest
 from ._snapshot import Snapshot, snapshot
 from ._writer import write_data
+
+_log = logging.getLogger("jaxckpt")
 
 
 def build_manifest(snap: Snapshot, metadata: dict[str, Any] | None,
@@ -109,7 +113,7 @@ def _save_as_coordinator(op: _distributed.Operation, final: Location, snap: Snap
     staging = None
     try:
         token = _commit.new_token(final)
-        staging = _commit.prepare(final, token, overwrite)
+        staging = _prepare_host_copy(final, token) if _per_host(snap) else _commit.prepare(final, token, overwrite)
     except BaseException as e:  # noqa: BLE001 - reported to every process, then re-raised
         op.broadcast("staged", e)
     op.broadcast("staged", token.encode())
@@ -134,15 +138,61 @@ def _save_as_coordinator(op: _distributed.Operation, final: Location, snap: Snap
 
 
 def _save_as_follower(op: _distributed.Operation, final: Location, snap: Snapshot) -> Manifest:
+    staging = token = None
+    # per-host directories: the first process of each group commits its host's copy
+    leader = _per_host(snap) and snap.group[0] == _distributed.process_index()
     try:
         token = op.broadcast("staged", None).decode()
+        if _per_host(snap):
+            staging = _prepare_host_copy(final, token)
         write_data(_commit.data_location(final, token), snap)
     except BaseException as e:  # process 0 must hear of any failure, not wait it out
         op.post("written", e)
+        if leader and staging is not None:
+            _commit.abort(final, staging, token)
         raise
     op.post("written")
-    data = op.wait_for("outcome", [0])[0]
+    try:
+        data = op.wait_for("outcome", [0])[0]
+    except BaseException:
+        if leader:
+            _commit.abort(final, staging, token)
+        raise
+    if leader:
+        _commit_host_copy(final, staging, data, token)
     return _manifest.parse(data, str(final))
+
+
+def _per_host(snap: Snapshot) -> bool:
+    """Whether the processes of this save write to directories of their own (one per
+    group of processes sharing a host's disk) rather than all to one."""
+    return bool(snap.group) and len(snap.group) < _distributed.process_count()
+
+
+def _prepare_host_copy(final: Location, token: str) -> Location:
+    """This host's staging directory for attempt ``token`` (per-host directories; every
+    process of the group calls it). A committed copy of the step already there (left by
+    a job whose other hosts lost theirs) is replaced at the commit."""
+    if final.local is None:
+        raise CheckpointError(f"'{final}': directories of their own per host must be local directories")
+    if os.path.lexists(final.local) and not _commit.has_manifest(final):
+        raise CheckpointError(f"'{final}' exists and is not a jaxckpt checkpoint (no manifest.json); "
+                              "refusing to overwrite it")
+    staging = _commit.staging_location(final, token)
+    os.makedirs(staging.local, exist_ok=True)
+    return staging
+
+
+def _commit_host_copy(final: Location, staging: Location, data: bytes, token: str) -> None:
+    """Commit this host's copy of a step process 0 committed. The job's step stands
+    either way: a host whose copy failed is found by the restore's agreement, which
+    then reads the persistent tier."""
+    try:
+        _commit.commit(final, staging, data, token)
+    except Exception as e:  # noqa: BLE001 - logged: the step is committed on process 0's host
+        _log.warning("jaxckpt: committing this host's copy '%s' failed (restores of it fall back "
+                     "to the persistent tier): %s", final, e)
+        _commit.abort(final, staging, token)
 
 
 def save(path: Any, tree: Any, *, metadata: dict[str, Any] | None = None,

@@ -152,18 +152,20 @@ def _read_heartbeat(client: Any, p: int) -> str | None:
 # --- operations ---------------------------------------------------------------------
 
 _cleanup_lock = threading.Lock()
-_finished_ops: list[str] = []  # process 0: operations whose keys may still be read
+_finished_ops: list[tuple[str, str]] = []  # process 0: (lane, name) of operations whose keys may still be read
 
 
 class Operation:
     """One collective operation. Use as a context manager around its phases.
 
     ``name`` must be the same in every process and unique per operation (take it from
-    ``next_id()``); ``what`` is for messages (e.g. the checkpoint path).
+    ``next_id()``); ``what`` is for messages (e.g. the checkpoint path). Operations
+    run one after another in each ``lane`` (the saves on the save thread; ``"persist"``:
+    the copies to a persistent tier, on their own thread); lanes may overlap.
     """
 
-    def __init__(self, name: str, what: str = "", timeout_s: float | None = None):
-        self.name, self.what = name, what
+    def __init__(self, name: str, what: str = "", timeout_s: float | None = None, lane: str = ""):
+        self.name, self.what, self.lane = name, what, lane
         self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         self.multi = process_count() > 1
         self._prefix = f"{_ROOT}/op/{name}/"
@@ -178,7 +180,7 @@ class Operation:
             _heartbeat.exit(self.name)
             if process_index() == 0:
                 with _cleanup_lock:
-                    _finished_ops.append(self.name)
+                    _finished_ops.append((self.lane, self.name))
 
     def _label(self, phase: str) -> str:
         return f"{self.name}/{phase}" + (f" '{self.what}'" if self.what else "")
@@ -224,7 +226,7 @@ class Operation:
             missing = [p for p in peers if p not in got]
             if not missing:
                 if process_index() == 0 and set(peers) | {0} == set(range(process_count())):
-                    _delete_finished_ops(client, self.name)
+                    _delete_finished_ops(client, self.lane, self.name)
                 return {p: d[1:] for p, d in got.items()}
             self._check_alive(client, phase, missing, seen, start)
             try:  # sleep on the server until the first missing peer posts (or a short timeout)
@@ -284,11 +286,13 @@ def _try_get(client: Any, key: str) -> bytes | None:
     return b"".join(client.blocking_key_value_get_bytes(f"{key}/{i}", 10_000) for i in range(n))
 
 
-def _delete_finished_ops(client: Any, current: str) -> None:
-    """Process 0, once every process posted in ``current``: drop older operations' keys."""
+def _delete_finished_ops(client: Any, lane: str, current: str) -> None:
+    """Process 0, once every process posted in ``current``: drop the keys of the older
+    operations of the same lane (a process posting in ``current`` has finished those;
+    operations of other lanes run on other threads and may still be read)."""
     with _cleanup_lock:
-        doomed = [n for n in _finished_ops if n != current]
-        _finished_ops[:] = [n for n in _finished_ops if n == current]
+        doomed = [n for ln, n in _finished_ops if ln == lane and n != current]
+        _finished_ops[:] = [(ln, n) for ln, n in _finished_ops if ln != lane or n == current]
     for name in doomed:
         try:
             client.key_value_delete(f"{_ROOT}/op/{name}/")

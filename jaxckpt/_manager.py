@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import functools
 import html
+import json
 import logging
 import os
 import sys
@@ -39,6 +41,9 @@ from ._errors import CheckpointError, CheckpointNotFoundError
 from ._manifest import Manifest
 
 _log = logging.getLogger("jaxckpt")
+
+
+_FALL_BACK = object()  # a local read that some process could not do
 
 
 class _Pending:
@@ -142,6 +147,11 @@ class CheckpointManager:
         self._closed = False
         self._lease: _lease.Lease | None = None
         self._advice: _cadence.CadenceAdvice | None = None  # the last advise_interval()
+        # The processes sharing each directory: one group when the directory is shared,
+        # one per host when each host has a local directory of its own (see _find_groups).
+        everyone = tuple(range(_distributed.process_count()))
+        self._groups: tuple[tuple[int, ...], ...] = (everyone,)
+        self._group = everyone
         self._check_directory()
         self._persistent = self._make_persistent(persistent_directory, persistent_interval_steps,
                                                  persistent_max_to_keep)
@@ -160,15 +170,11 @@ class CheckpointManager:
             if interval is not None or max_to_keep is not None:
                 raise CheckpointError("persistent_interval_steps/persistent_max_to_keep need persistent_directory")
             return None
-        if _distributed.process_count() > 1:
-            raise CheckpointError(
-                "two tiers (persistent_directory) run in a single process in this version; "
-                f"this job has {_distributed.process_count()}")
         if interval is None and self._read_only:
             interval = 1  # a reader only lists and restores
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise CheckpointError(f"persistent_interval_steps must be a positive int, got {interval!r}")
-        return _tiers.PersistentTier(_location.resolve(directory), interval, max_to_keep)
+        return _tiers.PersistentTier(_location.resolve(directory), interval, max_to_keep, self._timeout)
 
     def _check_directory(self) -> None:
         local = self._dir.local
@@ -176,33 +182,110 @@ class CheckpointManager:
             raise CheckpointError(f"CheckpointManager directory '{self._dir}' is a file, not a directory")
 
     def _start_writer(self) -> None:
-        """Process 0 takes the lease and cleans dead attempts; every process learns the outcome."""
+        """The first process of each directory's group takes the lease and cleans dead
+        attempts; every process learns every outcome, and the steps every group holds."""
         name = f"manager{_distributed.next_id()}"
         with _distributed.Operation(name, str(self._dir), self._timeout) as op:
-            if _distributed.process_index() == 0:
+            self._groups = self._find_groups(op)
+            self._group = next(g for g in self._groups if _distributed.process_index() in g)
+            error: BaseException | None = None
+            if self._leads():
                 try:
-                    if self._dir.local is not None:
-                        try:
-                            os.makedirs(self._dir.local, exist_ok=True)
-                        except OSError as e:
-                            raise CheckpointError(f"Cannot create manager directory '{self._dir}': {e}") from e
-                    self._lease = _lease.Lease.acquire(self._dir)
-                    weakref.finalize(self, self._lease.release)  # a manager dropped unclosed
-                    # Every attempt left here belongs to a writer that is gone: ours to clean.
-                    for attempt in _commit.stale_attempts(self._dir):
-                        _log.info("jaxckpt: removing attempt %s left by a writer that is gone", attempt)
-                        _storage.delete_tree(self._dir.child(attempt))
-                    # On an object store: data prefixes inside steps that no manifest names.
-                    for key in _commit.remove_dead_step_data(self._dir):
-                        _log.info("jaxckpt: removed data %s left by a writer that is gone", key)
-                except BaseException as e:
-                    if self._lease is not None:
-                        self._lease.release()
-                    op.broadcast("started", e)
-                op.broadcast("started", b"")
-            else:
-                op.broadcast("started", None)
-        self._steps = dict(_commit.discover_steps(self._dir))
+                    self._take_directory()
+                except BaseException as e:  # noqa: BLE001 - reported to every process
+                    error = e
+            op.post("started", error if error is not None else b"")
+            if error is not None:
+                raise error
+            try:
+                op.wait_for("started", self._others())
+            except BaseException:
+                if self._lease is not None:
+                    self._lease.release()
+                raise
+            self._steps = self._agreed_steps(op)
+
+    def _take_directory(self) -> None:
+        """Create the directory, take its writer lease, clean what a gone writer left."""
+        if self._dir.local is not None:
+            try:
+                os.makedirs(self._dir.local, exist_ok=True)
+            except OSError as e:
+                raise CheckpointError(f"Cannot create manager directory '{self._dir}': {e}") from e
+        self._lease = _lease.Lease.acquire(self._dir)
+        weakref.finalize(self, self._lease.release)  # a manager dropped unclosed
+        try:
+            # Every attempt left here belongs to a writer that is gone: ours to clean.
+            for attempt in _commit.stale_attempts(self._dir):
+                _log.info("jaxckpt: removing attempt %s left by a writer that is gone", attempt)
+                _storage.delete_tree(self._dir.child(attempt))
+            # On an object store: data prefixes inside steps that no manifest names.
+            for key in _commit.remove_dead_step_data(self._dir):
+                _log.info("jaxckpt: removed data %s left by a writer that is gone", key)
+        except BaseException:
+            self._lease.release()
+            raise
+
+    def _leads(self) -> bool:
+        """Whether this process acts for its directory (lease, commits, deletes)."""
+        return self._group[0] == _distributed.process_index()
+
+    def _per_host(self) -> bool:
+        return len(self._groups) > 1
+
+    @staticmethod
+    def _others() -> list[int]:
+        me = _distributed.process_index()
+        return [p for p in range(_distributed.process_count()) if p != me]
+
+    def _find_groups(self, op: _distributed.Operation) -> tuple[tuple[int, ...], ...]:
+        """Which processes share this directory. Each process drops a probe file in its
+        directory; each then looks for every process's probe. A shared directory (or an
+        object store) is one group; a local directory per host gives one group per host.
+        """
+        n = _distributed.process_count()
+        if n == 1 or self._dir.local is None:
+            return (tuple(range(n)),)
+        token = op.broadcast("probe", _commit.new_token().encode() if _distributed.process_index() == 0 else None)
+        probe = os.path.join(self._dir.local, f".jaxckpt-probe-{token.decode()}-")
+        me = _distributed.process_index()
+        try:
+            os.makedirs(self._dir.local, exist_ok=True)
+            with open(probe + str(me), "wb"):
+                pass
+            op.post("probed")
+            op.wait_for("probed", self._others())
+            mine = tuple(p for p in range(n) if os.path.exists(probe + str(p)))
+            op.post("group", json.dumps(mine).encode())
+            seen = {p: tuple(json.loads(d)) for p, d in op.wait_for("group", self._others()).items()}
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(probe + str(me))
+        seen[me] = mine
+        groups = tuple(sorted(set(seen.values())))
+        if any(p not in seen[p] or any(seen[q] != seen[p] for q in seen[p]) for p in seen):
+            raise CheckpointError(f"The processes of this job see the manager directory '{self._dir}' "
+                                  f"inconsistently (process -> processes sharing it: {seen})")
+        return groups
+
+    def _agreed_steps(self, op: _distributed.Operation) -> dict[int, Manifest]:
+        """The committed steps: with per-host directories, those every host holds."""
+        found = dict(_commit.discover_steps(self._dir))
+        if not self._per_host():
+            return found
+        op.post("steps", json.dumps(sorted(found)).encode())
+        every = set(found)
+        for data in op.wait_for("steps", self._others()).values():
+            every &= set(json.loads(data))
+        orphans = sorted(set(found) - every)
+        if orphans and self._leads():
+            # Never restorable from this tier again (a host lacks its part), and in the way
+            # of the steps this job saves next; the persistent tier keeps its own copies.
+            _log.warning("jaxckpt: steps %s in '%s' are not held by every host; deleting them",
+                         orphans, self._dir)
+            for s in orphans:
+                _commit.delete_step(self._dir, s, _commit.new_token())
+        return {s: m for s, m in found.items() if s in every}
 
     # --- queries ---------------------------------------------------------------------
 
@@ -374,7 +457,8 @@ class CheckpointManager:
         metrics = _check_metrics(metrics)
         self._wait_for_slot()
         op_id = _distributed.next_id()  # in program order, the same in every process
-        snap = _snapshot.snapshot(state, copy_host_arrays=self._async)
+        snap = _snapshot.snapshot(state, copy_host_arrays=self._async,
+                                  group=self._group if self._per_host() else ())
         blocking = time.perf_counter() - t_start
         def job() -> None:
             self._write(step, snap, metrics, t_start, blocking, op_id)
@@ -477,7 +561,7 @@ class CheckpointManager:
                 _log.warning("jaxckpt: recording step %d in the history of '%s' failed: %s", step, self._dir, e)
         if self._persistent is not None and self._persistent.wants(step):
             self._pin(step)  # retention keeps the local copy until the persistent one is done
-            self._persistent.submit(step, final, functools.partial(self._unpin, step))
+            self._persistent.submit(step, final, manifest, self._groups, functools.partial(self._unpin, step))
         try:
             self._apply_retention()
         except Exception as e:  # noqa: BLE001 - the step is committed; a failed delete is retried next time
@@ -506,7 +590,7 @@ class CheckpointManager:
             doomed -= busy
             for s in doomed:
                 self._steps.pop(s, None)
-        if _distributed.process_index() == 0 and doomed:
+        if self._leads() and doomed:  # each directory's first process deletes there
             self._deleter.submit(sorted(doomed))
 
     # --- restore ---------------------------------------------------------------------
@@ -519,13 +603,76 @@ class CheckpointManager:
         Raises:
           CheckpointNotFoundError: no committed step (or not this one).
         """
+        read = functools.partial(_checkpoint.restore, target=target, shardings=shardings, partial=partial,
+                                 allow_narrowing=allow_narrowing, key_map=key_map, missing=missing)
+        if self._per_host():
+            return self._restore_agreed(step, read)
         where, step = self._restore_location(step)
         try:
-            return _checkpoint.restore(where, target, shardings=shardings, partial=partial,
-                                       allow_narrowing=allow_narrowing, key_map=key_map, missing=missing)
+            return read(where)
         finally:
             with self._lock:
                 self._reading[step] -= 1
+
+    def _read_pinned(self, where: Any, step: int, read: Callable[[Any], Any]) -> Any:
+        with self._lock:
+            self._reading[step] = self._reading.get(step, 0) + 1
+        try:
+            return read(where)
+        finally:
+            with self._lock:
+                self._reading[step] -= 1
+
+    def _restore_agreed(self, step: int | None, read: Callable[[Any], Any]) -> Any:
+        """Per-host directories: the newest step (or ``step``) that every host holds
+        locally or the persistent tier holds. Read locally only when every process read
+        its part there; otherwise every process reads the persistent copy."""
+        me = _distributed.process_index()
+        with _distributed.Operation(f"restore{_distributed.next_id()}", str(self._dir), self._timeout,
+                                    lane="restore") as op:
+            held = sorted(_commit.discover_steps(self._dir))
+            view = [held, sorted(self._persistent_steps())]
+            op.post("held", json.dumps(view).encode())
+            views = {p: json.loads(d) for p, d in op.wait_for("held", self._others()).items()}
+            views[me] = view
+            everywhere = set.intersection(*(set(v[0]) for v in views.values()))
+            durable = set(views[0][1])  # process 0's view of the persistent tier decides
+            known = set().union(*(set(v[0]) for v in views.values())) | durable
+            for s in [step] if step is not None else sorted(known, reverse=True):
+                if s in everywhere:
+                    result = self._read_local_agreed(op, s, read, s in durable)
+                    if result is not _FALL_BACK:
+                        return result
+                if s in durable:
+                    return self._read_pinned(self._persistent.dir.child(_commit.step_name(s)), s, read)
+        if step is None:
+            raise CheckpointNotFoundError(f"No committed step in '{self._dir}' held by every host")
+        raise CheckpointNotFoundError(
+            f"No committed step {step} held by every host in '{self._dir}' (committed: {sorted(known)})")
+
+    def _read_local_agreed(self, op: _distributed.Operation, step: int, read: Callable[[Any], Any],
+                           durable: bool) -> Any:
+        """Read ``step`` from this host's directory; ``_FALL_BACK`` when some process
+        could not (a host lost part of its copy) and the persistent tier has the step."""
+        error: BaseException | None = None
+        try:
+            result = self._read_pinned(self._dir.child(_commit.step_name(step)), step, read)
+        except CheckpointError as e:
+            result, error = None, e
+        op.post(f"local{step}", b"0" if error is not None else b"1")
+        failed = sorted(p for p, ok in op.wait_for(f"local{step}", self._others()).items() if ok != b"1")
+        failed = sorted(failed + ([_distributed.process_index()] if error is not None else []))
+        if not failed:
+            return result
+        del result
+        if durable:
+            _log.warning("jaxckpt: process(es) %s could not read step %d from their local directory "
+                         "(%s); every process reads the persistent tier", failed, step, error or "see there")
+            return _FALL_BACK
+        if error is not None:
+            raise error
+        raise CheckpointError(f"Step {step} could not be read from the local directory of process(es) "
+                              f"{failed} and the persistent tier does not hold it")
 
     def _restore_location(self, step: int | None) -> tuple[Any, int]:
         """Where to read ``step`` (default: the newest of either tier): the local copy when
@@ -576,7 +723,7 @@ class CheckpointManager:
                 raise CheckpointError(f"Step {step} in '{self._dir}' is being restored; delete it afterwards")
             del self._steps[step]
             self._deferred_delete.discard(step)
-        if _distributed.process_index() == 0:
+        if self._leads():
             _commit.delete_step(self._dir, step, _commit.new_token())
 
     def attempts(self) -> list[dict[str, Any]]:

@@ -38,6 +38,7 @@ class Snapshot:
     packed: tuple[PackedArray, ...]  # every process's packed array
     packed_buf: np.ndarray | None  # this process's packed bytes
     nbytes_local: int  # host bytes this snapshot holds
+    group: tuple[int, ...] = ()  # the processes sharing this process's directory; () = all
 
 
 def is_inline(x: Any) -> bool:
@@ -59,17 +60,23 @@ def cell_of(index: _layout.Index, chunk_shape: tuple[int, ...]) -> tuple[int, ..
     return tuple(a // c for (a, _), c in zip(index, chunk_shape))
 
 
-def snapshot(tree: Any, *, copy_host_arrays: bool) -> Snapshot:
+def snapshot(tree: Any, *, copy_host_arrays: bool, group: tuple[int, ...] = ()) -> Snapshot:
     """Flatten ``tree`` and take host buffers of every shard this process must write.
 
     With ``copy_host_arrays`` numpy leaves are copied, so the caller may mutate them
     once this returns.
+
+    ``group``: the processes that share this process's directory, when the job's
+    processes do not all share one (a per-host local tier). Then each group writes a
+    copy of every chunk its processes hold (balanced over them), so that every host's
+    directory holds what its devices need; every array gets a file store of its own
+    (chunk files are named by position, the same in every host's copy).
     """
     with _tree.gc_paused():
-        return _snapshot(tree, copy_host_arrays)
+        return _snapshot(tree, copy_host_arrays, group)
 
 
-def _snapshot(tree: Any, copy_host_arrays: bool) -> Snapshot:
+def _snapshot(tree: Any, copy_host_arrays: bool, group: tuple[int, ...]) -> Snapshot:
     flat, _ = _tree.flatten(tree)
     structure = _tree.describe(tree)
     me = _distributed.process_index()
@@ -89,8 +96,10 @@ def _snapshot(tree: Any, copy_host_arrays: bool) -> Snapshot:
         if isinstance(leaf, np.generic):
             leaf, fields["scalar"] = np.asarray(leaf), True
         arrays.append(_plan_array(len(records), path, leaf, fields, copy_host_arrays))
+        if group:
+            arrays[-1].fields["store"] = "file"
         records.append(None)
-    _assign(arrays)
+    _assign(arrays, group)
     packed, packed_buf = _lay_out_packed(arrays, me)
     file_shards: dict[int, list[tuple[_layout.Index, np.ndarray]]] = {}
     total = 0 if packed_buf is None else packed_buf.nbytes
@@ -104,7 +113,7 @@ def _snapshot(tree: Any, copy_host_arrays: bool) -> Snapshot:
             total += sum(data.nbytes for _, data in mine)
         else:
             _copy_packed(rec, mine, packed_buf)
-    return Snapshot(structure, records, file_shards, packed, packed_buf, total)
+    return Snapshot(structure, records, file_shards, packed, packed_buf, total, group)
 
 
 class _Chunk(NamedTuple):
@@ -190,9 +199,19 @@ def _chunks(shape: tuple[int, ...], chunk_shape: tuple[int, ...], shards: tuple[
     return out
 
 
-def _assign(arrays: list[_ArrayLeaf]) -> None:
-    """Every chunk's writer, balanced over the whole tree (the same plan in every process)."""
-    writers = iter(_layout.assign_writers([(c.nbytes, c.holders) for a in arrays for c in a.chunks]))
+def _assign(arrays: list[_ArrayLeaf], group: tuple[int, ...]) -> None:
+    """Every chunk's writer, balanced over the whole tree (the same plan in every process).
+
+    With a ``group``, each chunk that a process of the group holds gets a writer among
+    those (``-1``: nobody in the group holds it, so the group writes no copy of it)."""
+    chunks = [c for a in arrays for c in a.chunks]
+    if group:
+        held = [tuple(h for h in c.holders if h in group) for c in chunks]
+        picked = iter(_layout.assign_writers([(c.nbytes, h) for c, h in zip(chunks, held) if h]))
+        flat = [next(picked) if h else -1 for h in held]
+    else:
+        flat = _layout.assign_writers([(c.nbytes, c.holders) for c in chunks])
+    writers = iter(flat)
     for a in arrays:
         a.writers = [next(writers) for _ in a.chunks]
 

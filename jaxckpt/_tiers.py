@@ -2,54 +2,188 @@
 in the background, to a durable persistent directory (a bucket), with its own
 manifest-last commit and its own retention.
 
-The copy streams the committed local files leaf by leaf through the convert writer
-(``_stream``): device memory is never snapshotted again, host memory stays near one
-chunk, and a copy killed midway leaves no persistent step (its manifest is written last).
+The copy moves the committed local files byte for byte (each chunk file keeps its
+crc32c; device memory is never snapshotted again; host memory stays near one file per
+copy thread). In a multi-process job every process takes part, on a thread of its own
+and in an agreement lane of its own (``"persist"``):
+
+1. process 0 prepares the persistent attempt and broadcasts its token;
+2. the first process of each group that shares a local directory (one group when the
+   directory is shared, one per host when each host has its own) lists the step's
+   files there; every process learns every listing;
+3. each file goes to one process among those whose directory holds it (largest first,
+   to the least loaded: ``_layout.assign_writers``), which copies it;
+4. process 0 checks that the listings together hold every file the manifest needs (a
+   host that lost its copy and held the only one makes the copy fail, loudly), waits
+   for every copier, then writes the manifest, last, naming the attempt's data.
+
+A copy killed midway leaves no persistent step: its manifest is written last.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
+import json
 import logging
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _commit, _retention, _sources, _stream, _tasks
+from . import _commit, _distributed, _iostats, _layout, _manifest, _retention, _storage, _tasks
+from ._errors import CheckpointError
 from ._location import Location
-from ._manifest import LeafRecord, Manifest
+from ._manifest import Manifest
 
 _log = logging.getLogger("jaxckpt")
 
-
-def copy_step(src: Location, dest: Location) -> Manifest:
-    """Copy the committed checkpoint at ``src`` to ``dest`` (same records and chunks,
-    same metadata and info), manifest last. Returns the new manifest."""
-    source = _sources.open_source(src)
-    man = source.manifest
-
-    def chunk_data(i: int, rec: LeafRecord) -> Any:
-        saved = man.leaves[i]
-        return functools.partial(_read_region, source, saved)
-
-    info = {k: v for k, v in man.info.items() if k not in ("write_seconds", "format")}
-    info["copied_from"] = str(src)
-    return _stream.write_checkpoint(dest, man.structure, list(man.leaves), chunk_data,
-                                    metadata=man.metadata, overwrite=True, info=info)
+COPY_THREADS = 8
 
 
-def _read_region(source: _sources.Source, rec: LeafRecord, index: Any) -> Any:
-    reader = source.new_reader()
-    reader.add(rec, index)
-    reader.run()
-    return reader.get(rec, index)
+def expected_files(man: Manifest) -> set[str]:
+    """Every data file a committed checkpoint's manifest needs, relative to its data root."""
+    out = set()
+    for rec in man.leaves:
+        if rec.kind == "value" or rec.store != "file":
+            continue
+        out.add(f"arrays/{rec.key}/zarr.json")
+        if rec.nbytes:
+            out.update(f"arrays/{rec.key}/c" + "".join(f"/{i}" for i in cell)
+                       for cell in _layout.chunk_cells(rec.shape, rec.chunk_shape))
+    for p in man.packed:
+        out.add(f"packed/p{p.process}/zarr.json")
+        out.update(f"packed/p{p.process}/c/{i}" for i in range(-(-p.nbytes // p.chunk_bytes)))
+    return out
+
+
+def list_files(root: Location) -> dict[str, int]:
+    """The data files of the committed local checkpoint ``root`` (its manifest excluded),
+    relative path -> size. Empty when it is not there (a host that lost its disk)."""
+    if root.local is None:
+        raise CheckpointError(f"'{root}': the local tier must be a local directory")
+    out = {}
+    for name in sorted(_commit.DATA_DIRS):
+        top = os.path.join(root.local, name)
+        for dirpath, _dirs, files in os.walk(top):
+            for f in files:
+                path = os.path.join(dirpath, f)
+                out[os.path.relpath(path, root.local).replace(os.sep, "/")] = os.lstat(path).st_size
+    return out
+
+
+def assign_copies(listings: dict[int, dict[str, int]], groups: Sequence[Sequence[int]]) -> dict[int, list[str]]:
+    """Which process copies which file: each file to one process of a group that listed
+    it (the first process of each group posted its group's listing). The same answer in
+    every process."""
+    group_of = {g[0]: tuple(g) for g in groups}
+    holders: dict[str, list[int]] = {}
+    sizes: dict[str, int] = {}
+    for lister, files in sorted(listings.items()):
+        for path, size in files.items():
+            holders.setdefault(path, []).extend(group_of.get(lister, (lister,)))
+            sizes[path] = size
+    paths = sorted(holders)
+    writers = _layout.assign_writers([(sizes[p], tuple(sorted(set(holders[p])))) for p in paths])
+    out: dict[int, list[str]] = {}
+    for path, w in zip(paths, writers):
+        out.setdefault(w, []).append(path)
+    return out
+
+
+def _copy_files(src: Location, dest: Location, paths: list[str]) -> None:
+    def copy(path: str) -> None:
+        _iostats.fault("copy", path)
+        with open(os.path.join(src.local, path), "rb") as f:
+            data = f.read()
+        _iostats.count(bytes_written=len(data), writes=1)
+        if dest.local is not None:
+            os.makedirs(os.path.dirname(os.path.join(dest.local, path)), exist_ok=True)
+        _storage.write_blob(dest, path, data)
+
+    _tasks.run_tasks([lambda p=p: copy(p) for p in paths], COPY_THREADS)
+
+
+class _Copy:
+    """One step's copy to the persistent tier, by every process of the job."""
+
+    def __init__(self, step: int, local: Location, dest: Location, man: Manifest,
+                 groups: Sequence[Sequence[int]], timeout_s: float | None):
+        self.step, self.local, self.dest, self.man = step, local, dest, man
+        self.groups, self.timeout_s = groups, timeout_s
+        me = _distributed.process_index()
+        self.me = me
+        self.lists = any(g[0] == me for g in groups)  # the first of its group lists its directory
+
+    def run(self) -> Manifest:
+        name = f"persist{self.step}-{self.man.info.get('created_unix', 0)}"
+        with _distributed.Operation(name, str(self.dest), self.timeout_s, lane="persist") as op:
+            if self.me == 0:
+                return self._coordinate(op)
+            token = op.broadcast("staged", None).decode()
+            self._copy_mine(op, token)
+            return _manifest.parse(op.wait_for("outcome", [0])[0], str(self.dest))
+
+    def _copy_mine(self, op: _distributed.Operation, token: str) -> dict[int, dict[str, int]]:
+        try:
+            mine = list_files(self.local) if self.lists else {}
+            op.post("listed", json.dumps(mine).encode())
+            others = [p for p in range(_distributed.process_count()) if p != self.me]
+            listings = {p: json.loads(d) for p, d in op.wait_for("listed", others).items()}
+            listings[self.me] = mine
+            listings = {p: v for p, v in listings.items() if any(g[0] == p for g in self.groups)}
+            todo = assign_copies(listings, self.groups).get(self.me, [])
+            _copy_files(self.local, _commit.data_location(self.dest, token), todo)
+        except BaseException as e:
+            op.post("copied", e)
+            raise
+        op.post("copied")
+        return listings
+
+    def _coordinate(self, op: _distributed.Operation) -> Manifest:
+        staging = None
+        try:
+            token = _commit.new_token(self.dest)
+            staging = _commit.prepare(self.dest, token, overwrite=True)
+        except BaseException as e:  # noqa: BLE001 - reported to every process, then re-raised
+            op.broadcast("staged", e)
+        op.broadcast("staged", token.encode())
+        committed = False
+        try:
+            listings = self._copy_mine(op, token)
+            held = set().union(*listings.values()) if listings else set()
+            missing = sorted(expected_files(self.man) - held)
+            if missing:
+                raise CheckpointError(
+                    f"step {self.step}: no process's local directory holds {len(missing)} of its files "
+                    f"(e.g. '{missing[0]}'); a host lost its copy")
+            op.wait_for("copied", list(range(1, _distributed.process_count())))
+            new = self._persistent_manifest(token)
+            data = new.to_bytes()
+            _commit.commit(self.dest, staging, data, token)
+            committed = True
+        except BaseException as e:
+            if not committed:
+                _commit.abort(self.dest, staging, token)
+            op.post("outcome", e)
+            raise
+        op.post("outcome", data)
+        return new
+
+    def _persistent_manifest(self, token: str) -> Manifest:
+        key = _commit.data_key(self.dest, token)
+        info = {k: v for k, v in self.man.info.items() if k != "format"}
+        info["copied_from"] = str(self.local)
+        version = _manifest.DATA_PREFIX_VERSION if key else _manifest.FORMAT_VERSION
+        return dataclasses.replace(self.man, data=key, format_version=version, info=info)
 
 
 class PersistentTier:
     """The durable tier of a manager: its committed steps, a copy thread, retention."""
 
-    def __init__(self, directory: Location, interval_steps: int, max_to_keep: int | None):
+    def __init__(self, directory: Location, interval_steps: int, max_to_keep: int | None,
+                 timeout_s: float | None = None):
         self.dir, self.interval, self.max_to_keep = directory, interval_steps, max_to_keep
+        self.timeout_s = timeout_s
         self.steps: dict[int, Manifest] = dict(_commit.discover_steps(directory))
         self._lock = threading.Lock()
         self._worker = _tasks.Worker("jaxckpt-persist", self._run)
@@ -58,14 +192,19 @@ class PersistentTier:
     def wants(self, step: int) -> bool:
         return step % self.interval == 0
 
-    def submit(self, step: int, local: Location, done: Callable[[], None]) -> None:
-        """Copy committed local ``step`` in the background; ``done()`` runs after it."""
-        self._worker.submit((step, local, done))
+    def submit(self, step: int, local: Location, man: Manifest, groups: Sequence[Sequence[int]],
+               done: Callable[[], None]) -> None:
+        """Copy committed local ``step`` in the background (every process of the job
+        submits it); ``done()`` runs after it."""
+        self._worker.submit((step, local, man, groups, done))
 
-    def _run(self, item: tuple[int, Location, Callable[[], None]]) -> None:
-        step, local, done = item
+    def _run(self, item: tuple[Any, ...]) -> None:
+        step, local, man, groups, done = item
         try:
-            self._copy(step, local)
+            copied = _Copy(step, local, self.dir.child(_commit.step_name(step)), man, groups, self.timeout_s).run()
+            with self._lock:
+                self.steps[step] = copied
+            self._apply_retention()
         except Exception as e:  # noqa: BLE001 - raised by the manager's next wait
             _log.warning("jaxckpt: copying step %d to '%s' failed: %s", step, self.dir, e)
             with self._lock:
@@ -73,22 +212,19 @@ class PersistentTier:
         finally:
             done()
 
-    def _copy(self, step: int, local: Location) -> None:
-        man = copy_step(local, self.dir.child(_commit.step_name(step)))
-        with self._lock:
-            self.steps[step] = man
-        self._apply_retention()
-
     def _apply_retention(self) -> None:
+        """The same decision in every process; process 0 deletes (the tier is shared)."""
         if self.max_to_keep is None:
             return
-        infos = [_retention.StepInfo(s, float(m.info.get("commit_time", 0.0)), m.info.get("metrics"))
-                 for s, m in self.steps.items()]
+        with self._lock:
+            infos = [_retention.StepInfo(s, float(m.info.get("commit_time", 0.0)), m.info.get("metrics"))
+                     for s, m in self.steps.items()]
         policy = _retention.RetentionPolicy.make(max_to_keep=self.max_to_keep)
         for s in _retention.steps_to_delete(infos, policy):
             with self._lock:
                 self.steps.pop(s, None)
-            _commit.delete_step(self.dir, s, _commit.new_token())
+            if _distributed.process_index() == 0:
+                _commit.delete_step(self.dir, s, _commit.new_token())
 
     def wait(self) -> list[tuple[int, BaseException]]:
         """Until every submitted copy ran; returns (and forgets) the failures."""

@@ -58,6 +58,7 @@ def plan(staging: Location, snap: Snapshot) -> list[_Write]:
     """Open (create, on process 0) every array this process writes to; one ``_Write`` per
     chunk. Nothing is written yet."""
     me = _distributed.process_index()
+    creator = snap.group[0] if snap.group else 0  # writes each array's zarr.json
     ctx = _storage.context(staging)
     direct = DIRECT_WRITES and staging.local is not None
     writes = []
@@ -68,11 +69,12 @@ def plan(staging: Location, snap: Snapshot) -> list[_Write]:
         writes.append(_Write((), snap.packed_buf, f"packed/p{me}", None, store))
     for slot, shards in snap.file_shards.items():
         rec = snap.records[slot]
-        if not shards and me != 0:
+        if not shards and me != creator:
             continue
         spec = _zarr.array_spec(staging, rec.key, rec.shape, rec.chunk_shape, rec.storage_dtype)
-        # Process 0 writes each array's zarr.json; the others open blind from the spec.
-        store = _zarr.open_array(spec, ctx, create=me == 0)
+        # One process (of each directory's group) writes each array's zarr.json; the
+        # others open blind from the spec.
+        store = _zarr.open_array(spec, ctx, create=me == creator)
         storage = _dtypes.DTYPES[rec.storage_dtype]
         little = storage.itemsize == 1 or sys.byteorder == "little"
         for index, data in shards:

@@ -3,12 +3,16 @@ restore in M, agreement on commit, failing as one, the manager in a jitted loop.
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
+
+import jaxckpt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "mp_worker.py")
@@ -170,3 +174,55 @@ def test_async_manager_in_two_processes(tmp_path):
         assert [f for f in res[i]["files"] if f != ".jaxckpt-writer.json"] == ["4", "5", "history.jsonl"]
         assert res[i]["restored_total"] == res[i]["expected"]
         assert res[i]["n"] == 5
+
+
+def two_tier_job(tmp_path, durable, **args):
+    res = run_job(2, 2, "two_tiers", {"mesh": (4,), "names": ("a",), "spec": ["a", None],
+                                      "path": str(tmp_path / "local"), "durable": durable, **args}, timeout=120)
+    assert all("crash" not in r and "exit" not in r for r in res.values()), res
+    return res
+
+
+def test_two_tiers_with_a_local_directory_per_host_and_a_lost_host(tmp_path, s3_server):
+    """Each process has a local directory of its own (as each host has its own disk) and
+    the local S3 server is the persistent tier. Each directory holds what its process's
+    devices hold (its half of the sharded leaf, all of the replicated ones); a step
+    restores locally only when both hold theirs. With one directory wiped (a lost host)
+    the newest persistent step restores, bit for bit, and saving goes on."""
+    durable = s3_server("mp-tiers/a")
+    res = two_tier_job(tmp_path, durable, save=[1, 2, 3, 4, 5])
+    want = {"2": ["persistent"], "3": ["local"], "4": ["local", "persistent"], "5": ["local"]}
+    for p in (0, 1):
+        assert res[p]["groups"] == [[0], [1]]
+        assert res[p]["tiers"] == want and res[p]["local_steps"] == ["3", "4", "5"]
+    # each host's copy: the replicated leaves whole, the sharded one only in its own half
+    for p in (0, 1):
+        man = json.loads((tmp_path / "local" / f"host{p}" / "5" / "manifest.json").read_text())
+        w = next(leaf for leaf in man["leaves"] if leaf["path"] == "w")
+        chunks = sorted(os.listdir(tmp_path / "local" / f"host{p}" / "5" / "arrays" / w["key"] / "c"))
+        assert chunks == ([str(p * 2), str(p * 2 + 1)] if w["chunk_shape"][0] == 16 else [str(p)])
+    assert jaxckpt.verify(dict(durable, path="mp-tiers/a/4")).ok
+
+    res = two_tier_job(tmp_path, durable, restore=True)  # both hosts hold step 5: local
+    assert [res[p]["restored"] for p in (0, 1)] == [5, 5]
+
+    shutil.rmtree(tmp_path / "local" / "host1")  # host 1 is replaced by a new machine
+    res = two_tier_job(tmp_path, durable, restore=True, then_save=[5, 6])
+    for p in (0, 1):
+        assert res[p]["tiers_at_start"] == {"2": ["persistent"], "4": ["persistent"]}
+        assert res[p]["restored"] == 4  # step 5 is on host 0 only: the persistent step 4 restores
+        assert res[p]["tiers_after"] == {"4": ["persistent"], "5": ["local"], "6": ["local", "persistent"]}
+    # host 0's steps that host 1 lost can never restore locally again: deleted
+    assert res[0]["local_steps"] == res[1]["local_steps"] == ["5", "6"]
+
+
+def test_two_tiers_with_a_shared_local_directory(tmp_path, s3_server):
+    durable = s3_server("mp-tiers/b")
+    res = two_tier_job(tmp_path, durable, shared=True, save=[1, 2, 3, 4], restore=True)
+    for p in (0, 1):
+        assert res[p]["groups"] == [[0, 1]]
+        assert res[p]["tiers"] == {"2": ["local", "persistent"], "3": ["local"], "4": ["local", "persistent"]}
+        assert res[p]["restored"] == 4
+    back = jaxckpt.restore(dict(durable, path="mp-tiers/b/2"))
+    assert back["r"].tobytes() == (np.arange(300_000, dtype=np.int32) * 2).tobytes()
+    assert back["w"].tobytes() == (np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024) + 2).tobytes()

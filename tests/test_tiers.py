@@ -64,10 +64,15 @@ def test_a_copy_killed_midway_leaves_no_persistent_step(tmp_path, s3_server):
         import numpy as np, jaxckpt
         from jaxckpt import _storage
         durable = {durable!r}
+        copied = []
+        lock = threading.Lock()
         def hook(op, key):
-            if threading.current_thread().name == "jaxckpt-persist":
-                print("COPYING", flush=True)
-                os.kill(os.getpid(), 9)
+            if op == "copy":  # the copy's files; killed when the second one starts
+                with lock:
+                    copied.append(key)
+                    if len(copied) == 2:
+                        print("COPYING", key, flush=True)
+                        os.kill(os.getpid(), 9)
         _storage.fault_hook = hook
         mgr = jaxckpt.CheckpointManager({str(tmp_path / "local")!r}, persistent_directory=durable,
                                         persistent_interval_steps=2)
@@ -115,3 +120,44 @@ def test_ls_says_which_tier_holds_each_step(tmp_path, s3_server):
     step2, step3 = out.stdout.splitlines()[1:3]
     assert step2.split()[0] == "2" and step2.split()[-1] == "persistent"  # no metrics were saved
     assert step3.split()[0] == "3" and step3.split()[-1] == "local"
+
+
+def test_expected_files_are_exactly_the_files_a_save_writes(tmp_path):
+    from jaxckpt import _commit, _tiers
+
+    tree = {"big": sharded(np.arange(600 * 1000, dtype=np.float32).reshape(600, 1000), (4,), ("x",), ("x", None)),
+            "edge": np.ones((1030, 300), np.float32),  # a host array split in pieces with an edge
+            "small": np.arange(10, dtype=np.int16), "scalar": np.float32(3.0), "empty": np.zeros((0, 4)),
+            "key": __import__("jax").random.key(1), "n": 3}
+    jaxckpt.save(tmp_path / "c", tree)
+    loc = jaxckpt._location.resolve(str(tmp_path / "c"))
+    man = _commit.read_manifest(loc)
+    assert set(_tiers.list_files(loc)) == _tiers.expected_files(man)
+    assert any(p.startswith("packed/") for p in _tiers.expected_files(man))
+
+
+def test_copies_are_assigned_once_each_to_a_process_that_holds_them():
+    from jaxckpt import _tiers
+
+    listings = {0: {"a": 10, "b": 5, "z": 1}, 2: {"a": 10, "c": 7, "z": 1}}  # leaders of groups (0, 1), (2,)
+    out = _tiers.assign_copies(listings, [(0, 1), (2,)])
+    assert sorted(p for paths in out.values() for p in paths) == ["a", "b", "c", "z"]
+    assert set(out.get(2, [])) <= {"a", "c", "z"} and "c" in out[2]
+    assert set(out.get(0, []) + out.get(1, [])) <= {"a", "b", "z"}
+    assert len(out) == 3  # the group (0, 1) shares its files between its two processes
+
+
+def test_a_copy_missing_a_file_fails_and_leaves_no_persistent_step(tmp_path):
+    from jaxckpt import _commit, _tiers
+
+    jaxckpt.save(tmp_path / "local" / "1", state(1))
+    loc = jaxckpt._location.resolve(str(tmp_path / "local" / "1"))
+    man = _commit.read_manifest(loc)
+    chunk = next(p for p in sorted(_tiers.list_files(loc)) if "/c/" in p)
+    os.remove(tmp_path / "local" / "1" / chunk)  # the only copy of it is gone
+    dest = jaxckpt._location.resolve(str(tmp_path / "durable" / "1"))
+    with pytest.raises(jaxckpt.CheckpointError, match=f"no process's local directory holds 1 of its files "
+                                                      f"\\(e.g. '{chunk}'\\); a host lost its copy"):
+        _tiers._Copy(1, loc, dest, man, [(0,)], 5).run()
+    assert not os.path.exists(tmp_path / "durable" / "1")
+    assert os.listdir(tmp_path / "durable") == []  # the attempt's staging is gone too
