@@ -79,7 +79,10 @@ class CheckpointManager:
         ``persistent_interval_steps``-th committed step is copied there in the
         background from the committed local files, with its own manifest-last commit
         and retention (``persistent_max_to_keep``). ``restore()`` takes the newest step
-        of either tier (the local copy when both have it). Single process for now.
+        of either tier (the local copy when both have it). In a multi-process job
+        ``directory`` may be each host's own local disk: each host keeps what its
+        devices hold, and a step restores locally only when every process can read its
+        part there (see docs/storage.md).
       read_only: list, restore and inspect only: never write, delete or clean. Any
         number of read-only managers (notebooks, evaluators) may watch a directory that
         a training run is writing.
