@@ -32,6 +32,7 @@ from . import (
     _lease,
     _location,
     _retention,
+    _scan,
     _snapshot,
     _storage,
     _tasks,
@@ -83,6 +84,10 @@ class CheckpointManager:
         ``directory`` may be each host's own local disk: each host keeps what its
         devices hold, and a step restores locally only when every process can read its
         part there (see docs/storage.md).
+      verify_before_delete: read every new step back and check its checksums
+        (``jaxckpt.verify``) before it counts: only then may retention delete older
+        steps for it. A step that fails is deleted, never listed, and its save fails
+        (raised by the next ``save``/``wait_until_finished``), naming the problems.
       read_only: list, restore and inspect only: never write, delete or clean. Any
         number of read-only managers (notebooks, evaluators) may watch a directory that
         a training run is writing.
@@ -126,6 +131,7 @@ class CheckpointManager:
         persistent_directory: Any = None,
         persistent_interval_steps: int | None = None,
         persistent_max_to_keep: int | None = None,
+        verify_before_delete: bool = False,
     ):
         self._policy = _retention.RetentionPolicy.make(
             max_to_keep=max_to_keep, keep_period=keep_period, keep_time_interval=keep_time_interval,
@@ -141,6 +147,7 @@ class CheckpointManager:
         self._timeout = timeout_s
         self._clock = clock
         self._read_only = read_only
+        self._verify = bool(verify_before_delete)
         self._lock = threading.RLock()
         self._pending: list[_Pending] = []  # in submission order; popped in that order only
         self._submitted: set[int] = set()  # steps saved by this manager and not known to have failed
@@ -553,6 +560,8 @@ class CheckpointManager:
             }
 
         manifest = _checkpoint.save_snapshot(final, snap, info=info, timeout_s=self._timeout, op_id=op_id)
+        if self._verify:
+            self._verify_step(step, final, op_id)
         with self._lock:
             self._steps[step] = manifest
             if self._scanning is not None:
@@ -569,6 +578,33 @@ class CheckpointManager:
             self._apply_retention()
         except Exception as e:  # noqa: BLE001 - the step is committed; a failed delete is retried next time
             _log.warning("jaxckpt: retention in '%s' after step %d failed: %s", self._dir, step, e)
+
+    def _verify_step(self, step: int, final: Any, op_id: int) -> None:
+        """``verify_before_delete``: the first process of each directory reads its copy
+        back; every process learns every verdict. A step that fails is deleted."""
+        error: BaseException | None = None
+        if self._leads():
+            try:
+                report = _scan.verify(final)
+                if not report.ok:
+                    shown = "; ".join(f"{p['leaf'] or ''} {p['chunk'] or ''}: {p['message']}".strip()
+                                      for p in report.problems[:3])
+                    more = f" (and {len(report.problems) - 3} more)" if len(report.problems) > 3 else ""
+                    error = CheckpointError(f"step {step} failed verification after its commit: {shown}{more}")
+            except CheckpointError as e:
+                error = e
+        with _distributed.Operation(f"verify{op_id}", str(final), self._timeout) as op:
+            op.post("verified", error if error is not None else b"")
+            try:
+                op.wait_for("verified", self._others())
+            except CheckpointError as e:
+                error = error or e
+        if error is None:
+            return
+        _log.error("jaxckpt: %s; deleting it", error)
+        if self._leads():
+            _commit.delete_step(self._dir, step, _commit.new_token())
+        raise error
 
     def _pin(self, step: int) -> None:
         with self._lock:
