@@ -31,6 +31,7 @@ from . import (
     _html,
     _lease,
     _location,
+    _readers,
     _retention,
     _scan,
     _snapshot,
@@ -136,10 +137,7 @@ class CheckpointManager:
         self._policy = _retention.RetentionPolicy.make(
             max_to_keep=max_to_keep, keep_period=keep_period, keep_time_interval=keep_time_interval,
             best_metric=best_metric, best_mode=best_mode, keep_best=keep_best)
-        if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
-            raise ValueError(f"save_interval_steps must be a positive int, got {save_interval_steps!r}")
-        if not isinstance(max_pending, int) or max_pending < 1:
-            raise ValueError(f"max_pending must be a positive int, got {max_pending!r}")
+        _check_positive(save_interval_steps=save_interval_steps, max_pending=max_pending)
         self._dir = _location.resolve(directory)
         self._interval = save_interval_steps
         self._async = async_save
@@ -648,7 +646,13 @@ class CheckpointManager:
             return self._restore_agreed(step, read)
         where, step = self._restore_location(step)
         try:
-            return read(where)
+            if not self._read_only or where != self._dir.child(_commit.step_name(step)):
+                return read(where)  # a writer's own restores are held by self._reading
+            # Another process writes here: mark the step so its retention waits for us.
+            with _readers.ReaderMark(self._dir, step):
+                if not _commit.has_manifest(where):
+                    raise CheckpointNotFoundError(f"Step {step} in '{self._dir}' was deleted")
+                return read(where)
         finally:
             with self._lock:
                 self._reading[step] -= 1
@@ -762,8 +766,15 @@ class CheckpointManager:
                 raise CheckpointError(f"Step {step} in '{self._dir}' is being restored; delete it afterwards")
             del self._steps[step]
             self._deferred_delete.discard(step)
-        if self._leads():
-            _commit.delete_step(self._dir, step, _commit.new_token())
+        if self._leads() and not _readers.delete_unless_read(self._dir, step, _commit.new_token()):
+            readers = _readers.live_readers(self._dir, step)
+            who = ", ".join(_lease.describe_owner(r) for r in readers) or "another process"
+            with self._lock:
+                self._steps[step] = self._manifest_on_disk(step)
+            raise CheckpointError(f"Step {step} in '{self._dir}' is being restored by {who}; delete it afterwards")
+
+    def _manifest_on_disk(self, step: int) -> Manifest:
+        return _commit.read_manifest(self._dir.child(_commit.step_name(step)))
 
     def attempts(self) -> list[dict[str, Any]]:
         """The hidden, uncommitted attempts in the directory (read-only managers too).
@@ -867,20 +878,28 @@ class CheckpointManager:
 class _Deleter:
     """Retention's deletes, on a thread of their own: a slow delete (an object store
     deletes object by object) never holds up the next save. Each step is made
-    invisible first (``_commit.delete_step``); a failure is logged and the step, still
-    committed on disk, is found again by the next ``reload``/start."""
+    invisible first; a step that a restore in another process is reading (see
+    ``_readers``) is put back and tried again after the next save. A failure is logged
+    and the step, still committed on disk, is found again by the next ``reload``/start."""
 
     def __init__(self, directory: Any):
         self._dir = directory
         self._worker = _tasks.Worker("jaxckpt-delete", self._delete)
+        self._lock = threading.Lock()
+        self._deferred: set[int] = set()  # being read elsewhere when we tried
 
     def submit(self, steps: list[int]) -> None:
-        for step in steps:
+        with self._lock:
+            retry, self._deferred = self._deferred - set(steps), set()
+        for step in sorted(set(steps) | retry):
             self._worker.submit(step)
 
     def _delete(self, step: int) -> None:
         try:
-            _commit.delete_step(self._dir, step, _commit.new_token())
+            if not _readers.delete_unless_read(self._dir, step, _commit.new_token()):
+                _log.info("jaxckpt: step %d in '%s' is being restored elsewhere; deleting it later", step, self._dir)
+                with self._lock:
+                    self._deferred.add(step)
         except Exception as e:  # noqa: BLE001 - logged; the step is still committed on disk
             _log.warning("jaxckpt: deleting step %d in '%s' failed: %s", step, self._dir, e)
 
@@ -889,6 +908,12 @@ class _Deleter:
         self._worker.wait()
 
     close = wait
+
+
+def _check_positive(**values: Any) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:

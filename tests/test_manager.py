@@ -634,17 +634,17 @@ def test_attempts_say_whether_their_writer_is_gone(tmp_path):
 
 
 def test_a_slow_delete_never_delays_the_next_save(tmp_path, monkeypatch):
-    from jaxckpt import _commit
+    from jaxckpt import _readers
 
     release, started = threading.Event(), threading.Event()
-    real = _commit.delete_step
+    real = _readers.delete_unless_read
 
     def slow_delete(directory, step, token):  # an object store deleting object by object
         started.set()
         release.wait(30)
-        real(directory, step, token)
+        return real(directory, step, token)
 
-    monkeypatch.setattr(_commit, "delete_step", slow_delete)
+    monkeypatch.setattr(_readers, "delete_unless_read", slow_delete)
     with jaxckpt.CheckpointManager(tmp_path, max_to_keep=1) as mgr:
         mgr.save(1, {"x": np.ones(4)})
         mgr.save(2, {"x": np.ones(4) * 2})

@@ -1,0 +1,124 @@
+"""Restores in other processes hold a step against the writer's retention.
+
+A manager's ``restore`` (a read-only evaluator, a notebook, another job) marks the step
+while it reads: ``<directory>/.jaxckpt-readers/<step>-<token>.json`` with its host, pid
+and a renewal time, rewritten every ``RENEW_S`` while the read lasts and removed after.
+Before the writer deletes a step it makes the step invisible (no new reader can find
+it), then looks for marks of that step: a live one puts the step back and defers the
+delete; a dead one (its pid gone on this host, or not renewed for ``LEASE_S``, judged
+like the writer's lease) is removed. A reader marks first and looks for the step
+after, so a reader and a delete never both proceed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+from . import _commit, _iostats, _lease, _location, _manifest, _storage
+from ._location import Location
+
+_log = logging.getLogger("jaxckpt")
+
+READERS_DIR = ".jaxckpt-readers"
+RENEW_S = 3.0
+LEASE_S = 15.0
+
+
+class ReaderMark:
+    """Held while a restore reads ``step`` of manager ``directory``."""
+
+    def __init__(self, directory: Location, step: int):
+        self.directory = directory.child(READERS_DIR)
+        self.key = f"{step}-{uuid.uuid4().hex[:12]}.json"
+        now = time.time()
+        self.owner = {"host": socket.gethostname(), "pid": os.getpid(), "started": now, "renewed": now,
+                      "lease_s": LEASE_S}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> ReaderMark:
+        if self.directory.local is not None:
+            os.makedirs(self.directory.local, exist_ok=True)
+        _storage.write_blob(self.directory, self.key, json.dumps(self.owner).encode())
+        self._thread = threading.Thread(target=self._renew, name="jaxckpt-reader", daemon=True)
+        self._thread.start()
+        return self
+
+    def _renew(self) -> None:
+        while not self._stop.wait(RENEW_S):
+            self.owner["renewed"] = time.time()
+            try:
+                _storage.write_blob(self.directory, self.key, json.dumps(self.owner).encode())
+            except Exception as e:  # noqa: BLE001 - the mark stays, just older
+                _log.warning("jaxckpt: renewing the reader mark %s failed: %s", self.key, e)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        try:
+            _storage.delete_blob(self.directory, self.key)
+        except Exception as e:  # noqa: BLE001 - a stale mark only delays a delete until it expires
+            _log.warning("jaxckpt: removing the reader mark %s failed: %s", self.key, e)
+
+
+def live_readers(directory: Location, step: int) -> list[dict[str, Any]]:
+    """The live marks of ``step``; dead ones are removed on the way."""
+    where = directory.child(READERS_DIR)
+    prefix = f"{step}-"
+    try:
+        names = [n for n in _storage.list_children(where) if n.startswith(prefix) and n.endswith(".json")]
+    except Exception:  # noqa: BLE001 - no readers directory yet
+        return []
+    live = []
+    for name in names:
+        owner = _lease._parse(_storage.read_blob(where, name))
+        if owner is None:
+            continue  # removed as we looked
+        lease_s = owner.get("lease_s")
+        if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not 0 < lease_s < 1e9:
+            lease_s = LEASE_S
+        if owner and _lease._judge(owner, float(lease_s)) == "gone":
+            _storage.delete_blob(where, name)
+            continue
+        live.append(owner)
+    return live
+
+
+def delete_unless_read(directory: Location, step: int, token: str) -> bool:
+    """Delete committed ``step`` unless a live reader marks it; ``True`` when it is gone.
+
+    The step is made invisible first (renamed aside on a local disk; its manifest
+    removed on an object store), so no new reader finds it; then the marks are looked
+    at. A live one puts the step back as it was."""
+    name = _commit.step_name(step)
+    loc = directory.child(name)
+    if loc.local is not None:
+        hidden = os.path.join(directory.local, f".{name}{_commit.OLD_MARK}{token}")
+        try:
+            os.rename(loc.local, hidden)
+        except FileNotFoundError:
+            return True
+        if live_readers(directory, step):
+            os.rename(hidden, loc.local)
+            return False
+        _storage.fsync_dir(directory.local)
+        _storage.delete_tree(_location.resolve(hidden))
+        return True
+    manifest = _storage.read_blob(loc, _manifest.MANIFEST)
+    if manifest is None:
+        return True
+    _storage.delete_blob(loc, _manifest.MANIFEST)
+    _iostats.fault("delete:after-manifest", str(loc))
+    if live_readers(directory, step):
+        _storage.write_blob(loc, _manifest.MANIFEST, manifest)
+        return False
+    _storage.delete_tree(loc)
+    return True
