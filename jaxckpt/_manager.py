@@ -31,6 +31,7 @@ from . import (
     _html,
     _lease,
     _location,
+    _preemption,
     _readers,
     _retention,
     _scan,
@@ -155,6 +156,7 @@ class CheckpointManager:
         self._closed = False
         self._lease: _lease.Lease | None = None
         self._advice: _cadence.CadenceAdvice | None = None  # the last advise_interval()
+        self._preemption = _preemption.PreemptionWatch()  # installs nothing until used
         # The processes sharing each directory: one group when the directory is shared,
         # one per host when each host has a local directory of its own (see _find_groups).
         everyone = tuple(range(_distributed.process_count()))
@@ -335,6 +337,21 @@ class CheckpointManager:
             raise CheckpointError("best_step() needs best_metric= in the CheckpointManager")
         ranked = _retention.best_steps(self._step_infos(), self._policy.best_metric, self._policy.best_mode, 1)
         return ranked[0] if ranked else None
+
+    def reached_preemption(self, step: int) -> bool:
+        """``True`` at the one step, the same in every process, at which a preempted job
+        must save and exit: after SIGTERM (or JAX's preemption notice) reached any
+        process. Call it every step, in every process, with consecutive steps; it costs
+        well under a microsecond. See docs/multihost.md, "Preemption".
+
+        Example:
+          >>> if mgr.reached_preemption(step):
+          ...     mgr.save(step, state, force=True)
+          ...     mgr.wait_until_finished()
+          ...     sys.exit(0)
+        """
+        self._check_open()
+        return self._preemption.reached(step)
 
     def should_save(self, step: int) -> bool:
         """True when ``save(step, ...)`` would save (the interval fits, not yet saved)."""
@@ -841,6 +858,7 @@ class CheckpointManager:
             self.wait_until_finished()
         finally:
             self._closed = True
+            self._preemption.close()  # gives the SIGTERM handler back
             self._executor.shutdown(wait=True)
             self._deleter.close()
             if self._lease is not None:

@@ -235,7 +235,7 @@ def _start_transfers(arrays: list[_ArrayLeaf], me: int) -> None:
         shards = {c.shard for c, w in zip(a.chunks, a.writers) if w == me}
         for index in shards:
             data = a.local[index]
-            if isinstance(data, jax.Array) and data.devices().pop().platform != "cpu":
+            if isinstance(data, jax.Array) and next(iter(data.devices())).platform != "cpu":
                 data.copy_to_host_async()
 
 

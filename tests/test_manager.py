@@ -658,3 +658,19 @@ def test_a_slow_delete_never_delays_the_next_save(tmp_path, monkeypatch):
             release.set()
         mgr.wait_until_finished()
         assert mgr.all_steps() == [4] and visible(tmp_path) == ["4"]
+
+
+def test_a_jitted_loop_on_a_one_device_mesh_saves_every_step(tmp_path):
+    """Taking a snapshot must not change the array's sharding (a device set that a
+    snapshot once emptied made the second save of a one-device mesh fail)."""
+    one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    w = jax.device_put(np.arange(8, dtype=np.float32), NamedSharding(one, P("x")))
+    step_fn = jax.jit(lambda w: w + 1)
+    with jaxckpt.CheckpointManager(tmp_path) as mgr:
+        for step in range(1, 4):
+            w = step_fn(w)
+            mgr.save(step, w)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 2, 3]
+        assert len(w.sharding.device_set) == 1
+        assert_bit_equal(mgr.restore(2), np.arange(8, dtype=np.float32) + 2)
