@@ -99,13 +99,20 @@ def save_snapshot(path: Any, snap: Snapshot, *, metadata: Any = None, overwrite:
     the manifest's info (the manager's timings). ``op_id`` is the collective sequence
     number (taken in program order by the caller). ``metadata`` must already have
     passed ``_check_metadata``. Returns the committed manifest.
+
+    A snapshot staged in waves (see ``_snapshot.snapshot``) is written wave by wave in
+    step 2; the agreement and the commit are the same. It is closed on return, written or
+    not (a failed save frees its waves and stops the caller staging more).
     """
-    final = _location.resolve(path)
-    op_id = _distributed.next_id() if op_id is None else op_id
-    with _distributed.Operation(f"save{op_id}", str(final), timeout_s) as op:
-        if _distributed.process_index() == 0:
-            return _save_as_coordinator(op, final, snap, metadata, overwrite, info)
-        return _save_as_follower(op, final, snap)
+    try:
+        final = _location.resolve(path)
+        op_id = _distributed.next_id() if op_id is None else op_id
+        with _distributed.Operation(f"save{op_id}", str(final), timeout_s) as op:
+            if _distributed.process_index() == 0:
+                return _save_as_coordinator(op, final, snap, metadata, overwrite, info)
+            return _save_as_follower(op, final, snap)
+    finally:
+        snap.close()
 
 
 def _save_as_coordinator(op: _distributed.Operation, final: Location, snap: Snapshot, metadata: Any,

@@ -8,16 +8,43 @@ its own inside the checkpoint (``<name>/d/<token>/``), and the manifest, written
 (one atomic PUT), names that prefix and is the commit. The data the replaced manifest
 named is deleted only after that PUT, so at every instant the old or the new checkpoint
 is restorable, and two attempts never share a chunk (docs/format.md, "Commit").
+
+A local overwrite (``<name>`` exists) swaps the two directories in one atomic step
+where the file system can (Linux ``renameat2(RENAME_EXCHANGE)``: ext4, xfs, btrfs,
+tmpfs); the staging name then holds the replaced copy, which is deleted. Elsewhere
+it takes two renames, ``<name>`` to ``.<name>.jaxckpt-old-<token>`` and the staging
+directory to ``<name>``, and for an instant in between nothing is at ``<name>``. The
+commit point is the second rename: a writer stopped between them (a crash, a kill)
+left a save that never committed, and the checkpoint it was replacing, whole, aside.
+Both renamed copies carry the same token, and that pair with ``<name>`` missing is
+what no other state looks like (a deleted step's hidden copy has no staging sibling):
+
+* readers never write: discovery does not list such a step but reports it as skipped
+  (with why; it is not gone), and a restore of it says where the old copy is;
+* a writer puts it back before it writes there (``recover``: the old copy renamed
+  back to ``<name>``, the uncommitted staging deleted): a manager at its start
+  (``remove_dead_step_data``, which it calls under its lease), a save in ``prepare``,
+  a failed commit in ``abort``. ``stale_attempts`` never lists such a pair, so a
+  cleanup of dead attempts can never delete the only copy of a step.
+
+A deleted local step is renamed aside first (it is unlisted at once), then its
+manifest is removed, then its data (``_storage.delete_tree``): a half-deleted copy
+never has a manifest.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import logging
 import os
 import re
 import stat
+import sys
 import time
 import uuid
+from collections.abc import Iterable
+from typing import Any
 
 from . import _iostats, _location, _manifest, _storage, _tasks
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
@@ -32,6 +59,9 @@ OLD_MARK = ".jaxckpt-old-"
 ATTEMPT_GRACE_S = 24 * 3600.0
 CLEAN_THREADS = 8  # steps looked at at once by a manager cleaning dead data at its start
 _TIMED_TOKEN = re.compile(r"^([0-9]{1,12})-[0-9a-f]{12}$")
+# A local overwrite swaps the old and the new directory atomically where the file system
+# can (False: always two renames; tests set it to reach ``commit:between-renames``).
+RENAME_EXCHANGE = True
 _log = logging.getLogger("jaxckpt")
 
 
@@ -79,8 +109,16 @@ def prepare(final: Location, token: str, overwrite: bool) -> Location:
     """Check the destination and create the staging location (process 0 only).
 
     Nothing that exists is deleted here: on a local disk the old checkpoint is renamed
-    aside at the commit; on an object store its data goes after the new manifest.
+    aside at the commit; on an object store its data goes after the new manifest. A
+    local checkpoint that an overwrite stopped between its renames left aside is put
+    back first (``recover``): it is the one this save replaces, or refuses to.
     """
+    if final.local is not None and not os.path.lexists(final.local):
+        try:
+            _recover_local(*os.path.split(final.local))
+        except OSError as e:
+            raise CheckpointError(f"Putting back the checkpoint an overwrite of '{final}' left aside "
+                                  f"failed: {e}") from e
     children = set(_storage.list_children(final))
     if children:
         # On an object store, data prefixes (and format-1 data dirs) without a manifest
@@ -98,26 +136,88 @@ def prepare(final: Location, token: str, overwrite: bool) -> Location:
             )
     staging = staging_location(final, token)
     if staging.local is not None:
-        os.makedirs(os.path.dirname(staging.local), exist_ok=True)
-        os.mkdir(staging.local)
+        try:
+            os.makedirs(os.path.dirname(staging.local), exist_ok=True)
+            os.mkdir(staging.local)
+        except OSError as e:  # permission denied, a read-only file system, a full disk
+            raise CheckpointError(f"Cannot create the staging directory of '{final}': {e}") from e
     return staging
 
 
 def commit(final: Location, staging: Location, manifest_bytes: bytes, token: str) -> None:
-    """Write the manifest last, then make the checkpoint visible (process 0 only)."""
+    """Write the manifest last, then make the checkpoint visible (process 0 only).
+
+    A local failure raises a ``CheckpointError`` with its cause (``No space left on
+    device``, ``Permission denied``, ...) and leaves ``final`` as it was."""
     if final.local is None:
         _commit_object_store(final, manifest_bytes, token)
         return
-    _storage.write_blob(staging, _manifest.MANIFEST, manifest_bytes)
+    try:
+        _commit_local(final, staging, manifest_bytes, token)
+    except OSError as e:
+        raise CheckpointError(f"Committing checkpoint '{final}' failed: {e}") from e
+
+
+def _commit_local(final: Location, staging: Location, manifest_bytes: bytes, token: str) -> None:
+    where = str(final)
+    _iostats.fault("commit:before-manifest", where)
+    _storage.write_blob(staging, _manifest.MANIFEST, manifest_bytes, fault="manifest:partial")
+    _iostats.fault("commit:after-manifest", where)
     parent, name = os.path.split(final.local)
-    old = None
-    if os.path.lexists(final.local):
-        old = os.path.join(parent, f".{name}{OLD_MARK}{token}")
-        os.rename(final.local, old)
-    os.rename(staging.local, final.local)
-    _storage.fsync_dir(parent)
-    if old is not None:
-        _storage.delete_tree(_location.resolve(old))
+    replaced = None  # where the copy this commit replaces is once it is committed
+    if not os.path.lexists(final.local):
+        os.rename(staging.local, final.local)
+    elif _exchange(staging.local, final.local):
+        replaced = staging.local
+    else:
+        replaced = os.path.join(parent, f".{name}{OLD_MARK}{token}")
+        os.rename(final.local, replaced)
+        try:
+            _iostats.fault("commit:between-renames", where)
+            os.rename(staging.local, final.local)  # the commit
+        except BaseException:
+            os.rename(replaced, final.local)  # not committed: the old copy goes back
+            raise
+    try:  # committed: nothing raises from here on
+        _storage.fsync_dir(parent)
+        _iostats.fault("commit:after-rename", where)
+        if replaced is not None:
+            _storage.delete_tree(_location.resolve(replaced))  # its manifest first
+    except Exception as e:  # noqa: BLE001 - what is left is a dead attempt, removed by a later writer
+        _log.warning("jaxckpt: '%s' is committed, but removing the copy it replaced failed: %s", final, e)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the paths ``a`` and ``b`` in one atomic step (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``). ``False``, with nothing done, where that is not available
+    (``RENAME_EXCHANGE`` off, another OS, no such libc call, a file system without it)."""
+    fn = _renameat2() if RENAME_EXCHANGE else None
+    if fn is None:
+        return False
+    if fn(-100, os.fsencode(a), -100, os.fsencode(b), 2) == 0:  # AT_FDCWD, RENAME_EXCHANGE
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False  # this file system (NFS, ...) cannot: two renames
+    raise OSError(err, os.strerror(err), a, None, b)
+
+
+_renameat2_fn: Any = None
+
+
+def _renameat2() -> Any:
+    global _renameat2_fn
+    if _renameat2_fn is None:
+        _renameat2_fn = False
+        if sys.platform.startswith("linux"):
+            try:
+                fn = ctypes.CDLL(None, use_errno=True).renameat2
+            except (OSError, AttributeError):  # not glibc 2.28+
+                return None
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _renameat2_fn = fn
+    return _renameat2_fn or None
 
 
 def _commit_object_store(final: Location, manifest_bytes: bytes, token: str) -> None:
@@ -195,9 +295,15 @@ def abort(final: Location, staging: Location, token: str | None = None) -> None:
     """Remove what a failed save wrote (best effort; never touches a committed step).
 
     On an object store that is attempt ``token``'s data prefix, unless the manifest
-    names it (a PUT that reported an error may still have landed)."""
+    names it (a PUT that reported an error may still have landed). Locally, a commit
+    that failed between its renames without putting the old copy back gets it back
+    here first; if that fails too the staging directory stays, for ``recover``."""
     if staging.local is not None and staging.local != final.local:
-        _storage.delete_tree(staging)
+        try:
+            _recover_local(*os.path.split(final.local))
+            _storage.delete_tree(staging)
+        except Exception as e:  # noqa: BLE001 - best effort: the save's own error is what matters
+            _log.warning("jaxckpt: cleaning up after a failed save to '%s' failed: %s", final, e)
         return
     if final.local is None and token is not None:
         key = data_key(final, token)
@@ -213,8 +319,24 @@ def read_manifest(loc: Location) -> _manifest.Manifest:
     if data is None:
         raise CheckpointNotFoundError(
             f"No checkpoint at '{loc}': {_manifest.MANIFEST} is missing (not committed, or not a checkpoint)"
-        )
+            + _interrupted_hint(loc))
     return _manifest.parse(data, str(loc))
+
+
+def _interrupted_hint(loc: Location) -> str:
+    """Where the checkpoint an overwrite of ``loc`` stopped between its renames is."""
+    if loc.local is None or os.path.lexists(loc.local):
+        return ""
+    parent, name = os.path.split(loc.local)
+    try:
+        pair = interrupted_overwrites(os.listdir(parent)).get(name)
+    except OSError:  # no parent, not a directory, not readable: nothing to say
+        return ""
+    if pair is None:
+        return ""
+    return (f"; an overwrite of it stopped between its two renames: the checkpoint it replaced is "
+            f"whole at '{os.path.join(parent, pair[0])}' (the next save to '{loc}', or a "
+            f"CheckpointManager starting in '{parent}', puts it back)")
 
 
 def _read_manifest_bytes(loc: Location) -> bytes | None:
@@ -268,11 +390,19 @@ def discover(directory: Location) -> tuple[dict[int, _manifest.Manifest], dict[i
     A step directory counts only when its manifest exists and validates. One without a
     manifest (an empty ``7/``, a save that never committed) is silently not a step; one
     whose manifest fails in any way is skipped and reported (a warning on the
-    ``jaxckpt`` logger), so that one bad step never stops a manager from starting.
+    ``jaxckpt`` logger), so that one bad step never stops a manager from starting. So is
+    a step an overwrite left between its two renames (see the module docstring).
     """
     found: dict[int, _manifest.Manifest] = {}
     skipped: dict[int, str] = {}
-    for name in _storage.list_children(directory):
+    names = _storage.list_children(directory)
+    for name, (old, _) in interrupted_overwrites(names).items():
+        step = _step_of(name)
+        if step is not None:  # not gone: a writer puts it back (``recover``)
+            skipped[step] = (f"an overwrite of it is between its two renames, or stopped there; the "
+                             f"committed copy it replaces is whole at '{old}' (a writer's start puts it back)")
+            _log.warning("Skipping step %d in '%s': %s", step, directory, skipped[step])
+    for name in names:
         step = _step_of(name)
         if step is None:
             continue
@@ -297,18 +427,85 @@ def _step_of(name: str) -> int | None:
 
 
 def stale_attempts(directory: Location) -> list[str]:
-    """Names of temporary step attempts left behind by a crashed save or delete."""
+    """Names of temporary step attempts left behind by a crashed save or delete.
+
+    Never the two copies of an overwrite stopped between its renames (``<step>``
+    missing): the old one is the step, which ``recover`` puts back."""
     out = []
-    for name in _storage.list_children(directory):
-        if is_temporary_name(name):
+    names = _storage.list_children(directory)
+    pairs = {n for pair in interrupted_overwrites(names).values() for n in pair}
+    for name in names:
+        if is_temporary_name(name) and name not in pairs:
             stem = name[1:].split(TMP_MARK)[0].split(OLD_MARK)[0]
             if parse_step_name(stem) is not None:
                 out.append(name)
     return out
 
 
+def _split_hidden(name: str) -> tuple[str, str, str] | None:
+    """``.<target><mark><token>`` -> ``(target, mark, token)``; ``None`` for other names."""
+    if name.startswith("."):
+        for mark in (TMP_MARK, OLD_MARK):
+            target, found, token = name[1:].rpartition(mark)
+            if found and target and token:
+                return target, mark, token
+    return None
+
+
+def interrupted_overwrites(names: Iterable[str]) -> dict[str, tuple[str, str]]:
+    """The local overwrites stopped between their two renames, from the listing of one
+    directory: ``{<name>: (old, staging)}`` for each ``<name>`` that is missing while
+    ``.<name>.jaxckpt-old-<t>`` (the committed copy it replaces, whole: it is deleted
+    only after the second rename) and ``.<name>.jaxckpt-tmp-<t>`` (the new one, never
+    committed; the same token: the same commit) are both there."""
+    names = set(names)
+    out: dict[str, tuple[str, str]] = {}
+    for name in sorted(names):
+        parts = _split_hidden(name)
+        if parts is None or parts[1] != OLD_MARK:
+            continue
+        target, _, token = parts
+        staging = f".{target}{TMP_MARK}{token}"
+        if target not in names and staging in names:
+            out[target] = (name, staging)
+    return out
+
+
+def recover(directory: Location, name: str | None = None) -> list[str]:
+    """Put back, in local ``directory``, each checkpoint (only ``name``, if given) that an
+    overwrite stopped between its two renames left aside, and delete that overwrite's
+    uncommitted staging directory. A writer's step (a manager holding the lease, a save
+    about to write there), never a reader's: a live overwrite is between its renames for
+    an instant too. Returns the names put back (``[]`` on an object store)."""
+    if directory.local is None:
+        return []
+    return _recover_local(directory.local, name)
+
+
+def _recover_local(parent: str, name: str | None) -> list[str]:
+    try:
+        names = os.listdir(parent)
+    except OSError:  # no parent, not a directory, not readable: nothing left aside to see
+        return []
+    found = interrupted_overwrites(names)
+    done = []
+    for target, (old, staging) in sorted(found.items()):
+        if name is not None and target != name:
+            continue
+        os.rename(os.path.join(parent, old), os.path.join(parent, target))
+        _storage.fsync_dir(parent)
+        _log.warning("jaxckpt: an overwrite of '%s' stopped between its renames; the checkpoint it "
+                     "replaced is back in place", os.path.join(parent, target))
+        _storage.delete_tree(_location.resolve(os.path.join(parent, staging)))
+        done.append(target)
+    return done
+
+
 def delete_step(directory: Location, step: int, token: str) -> None:
-    """Make a committed step invisible first, then delete its data."""
+    """Make a committed step invisible first, then delete its data (locally: renamed
+    aside, then ``_storage.delete_tree``: its manifest, then the rest; no staging
+    sibling shares its token, so it is never taken for an interrupted overwrite's old
+    copy)."""
     loc = directory.child(step_name(step))
     if loc.local is not None:
         doomed = os.path.join(directory.local, f".{step_name(step)}{OLD_MARK}{token}")
@@ -317,7 +514,8 @@ def delete_step(directory: Location, step: int, token: str) -> None:
         except FileNotFoundError:
             return
         _storage.fsync_dir(directory.local)
-        _storage.delete_tree(_location.resolve(doomed))
+        _iostats.fault("delete:after-rename", str(loc))
+        _storage.delete_tree(_location.resolve(doomed))  # its manifest first
         return
     # No rename on an object store: the manifest goes first (the step is unlisted at
     # once; a crash here leaves data that is no checkpoint), then everything under it.
@@ -332,9 +530,15 @@ def remove_dead_step_data(directory: Location, *, dry_run: bool = False) -> list
     never deleted. Only for a writer holding the directory's lease (every earlier writer
     is gone). A step whose manifest does not validate is left alone. Steps are looked at
     on a few threads (one or two listings each). Returns the keys removed, relative to
-    ``directory`` (``dry_run``: the keys it would remove, removing nothing)."""
+    ``directory`` (``dry_run``: the keys it would remove, removing nothing).
+
+    On a local disk dead attempts live in hidden siblings (``stale_attempts``); what
+    this does there is ``recover`` (unless ``dry_run``): a step an overwrite left between
+    its renames is put back. Returns ``[]``."""
     if directory.local is not None:
-        return []  # local attempts live in hidden siblings: ``stale_attempts``
+        if not dry_run:
+            recover(directory)
+        return []
     removed: list[str] = []
     names = [n for n in _storage.list_children(directory) if _step_of(n) is not None]
     _tasks.run_tasks([lambda n=n: removed.extend(_remove_dead_in_step(directory, n, dry_run)) for n in names],

@@ -2,11 +2,35 @@
 
 ``io_stats`` counts the array bytes and calls each process reads and writes (so tests
 check that a restore reads only what it needs); ``fault_hook``, when a test sets it, is
-called before each chunk write is issued and can fail it like an I/O error would.
+called at every fault point (``fault(op, key)``: before each chunk write is issued, at
+each phase of a commit or a delete) and can fail it like an I/O error would.
+
+``JAXCKPT_FAULT=<point>[@<key>][:<n>]`` in a process's environment (read at import)
+kills that process with SIGKILL at the ``n``-th hit (default: the first) of fault point
+``<point>`` (with key ``<key>``, if given): a crash at an exact place, for crash tests
+(``JAXCKPT_FAULT=write:3``, ``JAXCKPT_FAULT=manifest:partial``). Unset, a fault point
+costs two ``is None`` checks.
+
+The fault points (``grep -rn "_iostats.fault(" jaxckpt``), in the order a save meets them:
+
+* ``data:start`` (each process, before any of its data), ``write`` (before each chunk
+  write; key: the array's data key, ``0``, ``packed/p0``, ...), ``copy`` (each file a
+  persistent-tier copy writes);
+* ``commit:before-manifest``, ``manifest:partial`` (local: half of the manifest's bytes
+  written), ``commit:after-manifest``;
+* local: ``commit:between-renames`` (an overwrite without ``RENAME_EXCHANGE``: the old
+  copy moved aside, the new one not yet in place), ``commit:after-rename``; object
+  stores: ``commit:after-old-delete``;
+* deleting: ``delete:after-rename`` (``_commit.delete_step``, local: renamed aside),
+  ``delete:middle`` (any local tree ``_storage.delete_tree`` removes that holds a
+  manifest, the replaced copy of an overwrite and every deleted step included: its
+  manifest removed, its data not yet), ``delete:after-manifest`` (object stores).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from typing import Any
 
@@ -24,10 +48,46 @@ def count(**kw: int) -> None:
             _stats[k] += v
 
 
+FAULT_ENV = "JAXCKPT_FAULT"
+
+
+def parse_kill_point(spec: str | None) -> tuple[str, str, int] | None:
+    """``"<point>[@<key>][:<n>]"`` -> ``(point, key, n)``; ``None`` for an empty spec."""
+    if not spec:
+        return None
+    head, _, last = spec.rpartition(":")
+    nth = 1
+    if head and last.isdigit():
+        spec, nth = head, int(last)
+    point, _, key = spec.partition("@")
+    if nth < 1 or not point:
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected <point>[@<key>][:<n>], n >= 1")
+    return point, key, nth
+
+
+_kill_at = parse_kill_point(os.environ.get(FAULT_ENV))
+_kill_hits = 0
+
+
 def fault(op: str, key: str) -> None:
-    """A fault point: run the test's hook, if one is set."""
+    """A fault point: run the test's hook, if one is set; die here if ``JAXCKPT_FAULT``
+    names this point."""
     if fault_hook is not None:
         fault_hook(op, key)
+    if _kill_at is not None:
+        _maybe_kill(op, key)
+
+
+def _maybe_kill(op: str, key: str) -> None:
+    global _kill_hits
+    point, part, nth = _kill_at
+    if op != point or (part and part != key):
+        return
+    with _stats_lock:
+        _kill_hits += 1
+        hit = _kill_hits
+    if hit == nth:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def io_stats() -> dict[str, int]:
@@ -35,7 +95,6 @@ def io_stats() -> dict[str, int]:
     (or the last ``reset_io_stats``). Counts this process only."""
     with _stats_lock:
         return dict(_stats)
-
 
 
 def reset_io_stats() -> None:

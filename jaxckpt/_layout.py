@@ -225,15 +225,30 @@ def chunk_shape_for(sharding: jax.sharding.Sharding, shape: Sequence[int], items
 def assign_writers(chunks: Sequence[tuple[int, Sequence[int]]]) -> list[int]:
     """Pick one writer per chunk, balancing bytes over processes.
 
-    ``chunks[i]`` is ``(nbytes, processes holding chunk i)``. Largest chunks first, each
-    to the holder that has the fewest bytes so far (ties: the lowest process). A pure
+    ``chunks[i]`` is ``(nbytes, processes holding chunk i)``. Chunks with one holder go to
+    it; then the others, largest first, each to the holder that has the fewest bytes so
+    far (ties: the lowest process). A pure
     function of the global layout, so every process computes the same plan without
     talking (the way PyTorch DCP's deduplicating planner and orbax's replica-parallel
     save spread replicated data).
     """
-    load: dict[int, int] = {}
+    return assign_with_loads(chunks, {})
+
+
+def assign_with_loads(chunks: Sequence[tuple[int, Sequence[int]]], load: dict[int, int]) -> list[int]:
+    """``assign_writers`` on top of the bytes each process already writes (``load``,
+    updated). A chunk with one holder has no choice and is counted first; only chunks
+    held by several processes are balanced, largest first (cheap when, as in large
+    fully-sharded states, almost every chunk has one holder)."""
     out = [0] * len(chunks)
-    for i in sorted(range(len(chunks)), key=lambda i: -chunks[i][0]):
+    flexible = []
+    for i, (nbytes, holders) in enumerate(chunks):
+        if len(holders) == 1:
+            out[i] = p = holders[0]
+            load[p] = load.get(p, 0) + nbytes
+        else:
+            flexible.append(i)
+    for i in sorted(flexible, key=lambda i: -chunks[i][0]):
         nbytes, holders = chunks[i]
         best = min(holders, key=lambda p: (load.get(p, 0), p))
         load[best] = load.get(best, 0) + nbytes

@@ -90,6 +90,11 @@ class CheckpointManager:
         (``jaxckpt.verify``) before it counts: only then may retention delete older
         steps for it. A step that fails is deleted, never listed, and its save fails
         (raised by the next ``save``/``wait_until_finished``), naming the problems.
+      max_staging_bytes: the most host memory the staged copies of saves in flight may
+        take (device-to-host copies; numpy leaves, which an async save copies). A bigger
+        save stages and writes in waves: ``save`` then returns once its last wave is
+        staged. CPU jax arrays are staged as zero-copy views and do not count; a chunk
+        bigger than the budget is staged on its own. ``None``: everything at once.
       read_only: list, restore and inspect only: never write, delete or clean. Any
         number of read-only managers (notebooks, evaluators) may watch a directory that
         a training run is writing.
@@ -133,7 +138,7 @@ class CheckpointManager:
         persistent_directory: Any = None,
         persistent_interval_steps: int | None = None,
         persistent_max_to_keep: int | None = None,
-        verify_before_delete: bool = False,
+        verify_before_delete: bool = False, max_staging_bytes: int | None = None,
     ):
         self._policy = _retention.RetentionPolicy.make(
             max_to_keep=max_to_keep, keep_period=keep_period, keep_time_interval=keep_time_interval,
@@ -142,7 +147,7 @@ class CheckpointManager:
         self._dir = _location.resolve(directory)
         self._interval = save_interval_steps
         self._async = async_save
-        self._max_pending = max_pending
+        self._max_pending, self._staging = max_pending, _snapshot.staging_budget(max_staging_bytes)
         self._timeout = timeout_s
         self._clock = clock
         self._read_only = read_only
@@ -483,10 +488,13 @@ class CheckpointManager:
         self._wait_for_slot()
         op_id = _distributed.next_id()  # in program order, the same in every process
         snap = _snapshot.snapshot(state, copy_host_arrays=self._async,
-                                  group=self._group if self._per_host() else ())
+                                  group=self._group if self._per_host() else (), budget=self._staging)
         blocking = time.perf_counter() - t_start
         def job() -> None:
-            self._write(step, snap, metrics, t_start, blocking, op_id)
+            try:
+                self._write(step, snap, metrics, t_start, blocking, op_id)
+            finally:
+                snap.close()
 
         with self._lock:
             self._submitted.add(step)
@@ -502,11 +510,13 @@ class CheckpointManager:
         try:
             future = self._executor.submit(job)
         except RuntimeError as e:  # the executor was shut down by a concurrent close()
+            snap.close()
             with self._lock:
                 self._submitted.discard(step)
             raise CheckpointError(f"CheckpointManager for '{self._dir}' was closed during save({step})") from e
         with self._lock:
             self._pending.append(_Pending(step, future, snap.nbytes_local))
+        snap.stage_rest()  # with max_staging_bytes: the waves left, as the writer frees room
         return True
 
     def _check_step(self, step: Any, force: bool) -> int:
@@ -568,7 +578,7 @@ class CheckpointManager:
             return {
                 "step": step,
                 "metrics": metrics,
-                "blocking_seconds": round(blocking, 6),
+                "blocking_seconds": round(max(blocking, snap.staged_at() - t_start), 6),
                 "staging_bytes": snap.nbytes_local,
                 "total_seconds": round(time.perf_counter() - t_start, 6),
                 "commit_time": self._clock(),
@@ -654,9 +664,13 @@ class CheckpointManager:
                 missing: str | None = None) -> Any:
         """Restore ``step`` (default: the latest committed one); see ``jaxckpt.restore``.
 
+        Saves this manager has in flight are finished first, so a step just saved (or
+        the latest, by default) is the one restored; a failure among them is raised here.
+
         Raises:
           CheckpointNotFoundError: no committed step (or not this one).
         """
+        self._settle_pending()
         read = functools.partial(_checkpoint.restore, target=target, shardings=shardings, partial=partial,
                                  allow_narrowing=allow_narrowing, key_map=key_map, missing=missing)
         if self._per_host():
@@ -830,8 +844,8 @@ class CheckpointManager:
 
     # --- lifecycle -------------------------------------------------------------------
 
-    def wait_until_finished(self) -> None:
-        """Block until every pending save settled; raise the first failure among them."""
+    def _settle_pending(self) -> None:
+        """Wait for every save in flight (oldest first); raise the first failure."""
         first: BaseException | None = None
         while True:
             with self._lock:
@@ -842,6 +856,16 @@ class CheckpointManager:
                 self._settle(oldest)
             except CheckpointError as e:
                 first = first or e
+        if first is not None:
+            raise first
+
+    def wait_until_finished(self) -> None:
+        """Block until every pending save settled; raise the first failure among them."""
+        first: BaseException | None = None
+        try:
+            self._settle_pending()
+        except CheckpointError as e:
+            first = e
         if self._persistent is not None:  # copies first: finishing one may queue local deletes
             for step, error in self._persistent.wait():
                 first = first or CheckpointError(

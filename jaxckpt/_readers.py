@@ -110,6 +110,7 @@ def delete_unless_read(directory: Location, step: int, token: str) -> bool:
             os.rename(hidden, loc.local)
             return False
         _storage.fsync_dir(directory.local)
+        _iostats.fault("delete:after-rename", str(loc))
         _storage.delete_tree(_location.resolve(hidden))
         return True
     manifest = _storage.read_blob(loc, _manifest.MANIFEST)

@@ -6,12 +6,20 @@ After ``snapshot`` returns the caller may donate, delete or overwrite what it pa
 big shards are host views jax keeps alive for us (on CPU zero-copy; a jitted call does
 not donate a buffer a view still holds), small leaves are copied into one packed
 buffer, and numpy leaves are copied when the save continues in the background.
+
+With a ``StagingBudget`` (the manager's ``max_staging_bytes``) a snapshot is staged in
+waves instead, so that host memory stays within the budget: see ``snapshot``.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import math
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -37,8 +45,26 @@ class Snapshot:
     file_shards: dict[int, list[tuple[_layout.Index, np.ndarray]]]  # leaf -> this process's shards
     packed: tuple[PackedArray, ...]  # every process's packed array
     packed_buf: np.ndarray | None  # this process's packed bytes
-    nbytes_local: int  # host bytes this snapshot holds
+    nbytes_local: int  # host bytes this snapshot holds (in waves: at most at once)
     group: tuple[int, ...] = ()  # the processes sharing this process's directory; () = all
+    waves: _Waves | None = None  # staged in waves: the writer takes them from here
+    created_at: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def stage_rest(self) -> None:
+        """Staged in waves: stage the rest as the writer frees room; return once nothing
+        reads the caller's arrays any more (see ``snapshot``). Never raises: a failure
+        fails the save, in the writer. Without waves: nothing to do."""
+        if self.waves is not None:
+            self.waves.stage_rest()
+
+    def close(self) -> None:
+        """The save is over (written or failed): stop staging, free the staged waves."""
+        if self.waves is not None:
+            self.waves.close()
+
+    def staged_at(self) -> float:
+        """When (``time.perf_counter()``) the last of its bytes was staged."""
+        return self.created_at if self.waves is None else self.waves.staged_at
 
 
 def is_inline(x: Any) -> bool:
@@ -60,7 +86,8 @@ def cell_of(index: _layout.Index, chunk_shape: tuple[int, ...]) -> tuple[int, ..
     return tuple(a // c for (a, _), c in zip(index, chunk_shape))
 
 
-def snapshot(tree: Any, *, copy_host_arrays: bool, group: tuple[int, ...] = ()) -> Snapshot:
+def snapshot(tree: Any, *, copy_host_arrays: bool, group: tuple[int, ...] = (),
+             budget: StagingBudget | None = None) -> Snapshot:
     """Flatten ``tree`` and take host buffers of every shard this process must write.
 
     With ``copy_host_arrays`` numpy leaves are copied, so the caller may mutate them
@@ -71,12 +98,48 @@ def snapshot(tree: Any, *, copy_host_arrays: bool, group: tuple[int, ...] = ()) 
     copy of every chunk its processes hold (balanced over them), so that every host's
     directory holds what its devices need; every array gets a file store of its own
     (chunk files are named by position, the same in every host's copy).
+
+    ``budget``: stage in waves, holding at most ``budget.max_bytes`` of host copies at
+    once (shared by every save given the same budget). Only bytes that need a copy
+    count: shards on accelerators (copied device to host), numpy leaves when
+    ``copy_host_arrays`` (or not C-contiguous); CPU jax shards are zero-copy views and
+    count 0. Chunks stay whole: waves fill up to half the budget (one is written while
+    the next is staged), and a chunk bigger than that forms a wave by itself (one
+    bigger than the budget is staged only when nothing else is). The first wave (all
+    the views, the packed small leaves, then chunks in tree order) is staged here; the
+    caller then hands the snapshot to the writer (``_writer.write_data``, which takes
+    the waves in turn and frees each once written) and calls ``stage_rest()``, which
+    blocks until the last wave is staged. A writer in the caller's own thread stages
+    the waves itself. Whoever runs the save calls ``close()`` when it is over.
     """
     with _tree.gc_paused():
-        return _snapshot(tree, copy_host_arrays, group)
+        if budget is None:
+            return _snapshot(tree, copy_host_arrays, group)
+        return _snapshot_in_waves(tree, copy_host_arrays, group, budget)
 
 
 def _snapshot(tree: Any, copy_host_arrays: bool, group: tuple[int, ...]) -> Snapshot:
+    structure, records, arrays, packed, packed_buf = _plan(tree, copy_host_arrays, group)
+    me = _distributed.process_index()
+    file_shards: dict[int, list[tuple[_layout.Index, np.ndarray]]] = {}
+    total = 0 if packed_buf is None else packed_buf.nbytes
+    _start_transfers(arrays, me)
+    for leaf in arrays:
+        rec = LeafRecord(**leaf.fields)
+        records[leaf.slot] = rec
+        mine = [(c, leaf.host(c)) for c, w in zip(leaf.chunks, leaf.writers) if w == me]
+        if rec.store == "file":
+            file_shards[leaf.slot] = [(c.region, data) for c, data in mine]
+            total += sum(data.nbytes for _, data in mine)
+        else:
+            _copy_packed(rec, mine, packed_buf)
+    return Snapshot(structure, records, file_shards, packed, packed_buf, total, group)
+
+
+def _plan(tree: Any, copy_host_arrays: bool | None, group: tuple[int, ...]) -> tuple[
+        dict[str, Any], list[LeafRecord | None], list[_ArrayLeaf], tuple[PackedArray, ...], np.ndarray | None]:
+    """The tree's structure, its inline values' records (arrays' are ``None`` yet), its
+    array leaves with their chunks and writers, and the packed small leaves' layout."""
     flat, _ = _tree.flatten(tree)
     structure = _tree.describe(tree)
     me = _distributed.process_index()
@@ -101,19 +164,7 @@ def _snapshot(tree: Any, copy_host_arrays: bool, group: tuple[int, ...]) -> Snap
         records.append(None)
     _assign(arrays, group)
     packed, packed_buf = _lay_out_packed(arrays, me)
-    file_shards: dict[int, list[tuple[_layout.Index, np.ndarray]]] = {}
-    total = 0 if packed_buf is None else packed_buf.nbytes
-    _start_transfers(arrays, me)
-    for leaf in arrays:
-        rec = LeafRecord(**leaf.fields)
-        records[leaf.slot] = rec
-        mine = [(c, leaf.host(c)) for c, w in zip(leaf.chunks, leaf.writers) if w == me]
-        if rec.store == "file":
-            file_shards[leaf.slot] = [(c.region, data) for c, data in mine]
-            total += sum(data.nbytes for _, data in mine)
-        else:
-            _copy_packed(rec, mine, packed_buf)
-    return Snapshot(structure, records, file_shards, packed, packed_buf, total, group)
+    return structure, records, arrays, packed, packed_buf
 
 
 class _Chunk(NamedTuple):
@@ -142,20 +193,18 @@ class _ArrayLeaf:
         return host[_layout.relative(chunk.region, chunk.shard)]  # a contiguous view: dim-0 split
 
 
-def _plan_array(slot: int, path: str, leaf: Any, fields: dict[str, Any], copy_host_arrays: bool) -> _ArrayLeaf:
-    """Shapes, chunks and the shards this process holds of one array leaf (no data moved)."""
+def _plan_array(slot: int, path: str, leaf: Any, fields: dict[str, Any], copy_host_arrays: bool | None) -> _ArrayLeaf:
+    """Shapes, chunks and the shards this process holds of one array leaf (no data moved;
+    ``copy_host_arrays=None``: a numpy leaf as it is, staged chunk by chunk later)."""
     if isinstance(leaf, jax.Array):
         dtype = _dtypes.dtype_name(leaf.dtype)
         itemsize = _dtypes.DTYPES[dtype].itemsize
         shape, sharding = tuple(leaf.shape), leaf.sharding
         shards = _layout.shards_of(sharding, shape)
         chunk_shape = _layout.chunk_shape_for(sharding, shape, itemsize)
-        by_device = {s.device: s for s in leaf.addressable_shards}
         local = {}
-        for shard in shards:
-            device = next((d for d in shard.devices if d in by_device), None)
-            if device is not None:
-                local[shard.index] = by_device[device].data
+        for s in leaf.addressable_shards:  # a few per process, however many shards in all
+            local.setdefault(_layout.normalize_index(s.index, shape), s.data)
         sharding_json = _layout.sharding_to_json(sharding)
     elif isinstance(leaf, np.ndarray):
         dtype = _dtypes.dtype_name(leaf.dtype)
@@ -166,7 +215,10 @@ def _plan_array(slot: int, path: str, leaf: Any, fields: dict[str, Any], copy_ho
         full = tuple((0, d) for d in shape)
         shards = (_layout.Shard(full, everyone, ()),)
         chunk_shape = _layout.split_chunk_shape(shape, len(everyone), itemsize)
-        data = np.array(leaf, order="C", copy=True) if copy_host_arrays else np.asarray(leaf, order="C")
+        if copy_host_arrays is None:
+            data = np.asarray(leaf)
+        else:
+            data = np.array(leaf, order="C", copy=True) if copy_host_arrays else np.asarray(leaf, order="C")
         local = {full: data}
         sharding_json = None
     else:
@@ -178,7 +230,50 @@ def _plan_array(slot: int, path: str, leaf: Any, fields: dict[str, Any], copy_ho
     fields.update(dtype=dtype, shape=shape, sharding=sharding_json, chunk_shape=chunk_shape,
                   storage_dtype=_dtypes.storage_dtype_name(dtype), nbytes=nbytes,
                   store="packed" if nbytes < SMALL_LEAF_BYTES else "file")
-    return _ArrayLeaf(slot, fields, _chunks(shape, chunk_shape, shards, itemsize), local)
+    chunks = _chunks_cached if isinstance(leaf, jax.Array) else _chunks
+    return _ArrayLeaf(slot, fields, chunks(shape, chunk_shape, shards, itemsize), local)
+
+
+# Leaves of one shape and sharding (a model's layers) share one chunk list and, when
+# every chunk has one holder, one writer list: a state of thousands of leaves sharded
+# over thousands of devices is chunked once per kind of leaf (see benchmarks/scale_sim.py).
+_CHUNK_LISTS: dict[tuple[Any, ...], tuple[Any, list[_Chunk]]] = {}
+_FIXED_WRITERS: dict[int, tuple[list[_Chunk], list[int], dict[int, int]] | None] = {}
+_CACHE_LIMIT = 1024
+
+
+def _chunks_cached(shape: tuple[int, ...], chunk_shape: tuple[int, ...], shards: tuple[_layout.Shard, ...],
+                   itemsize: int) -> list[_Chunk]:
+    """``_chunks`` of ``shards`` as ``_layout.shards_of`` gives them (one object per
+    sharding and shape). The result is shared: never mutated."""
+    key = (shape, chunk_shape, id(shards), itemsize)
+    hit = _CHUNK_LISTS.get(key)
+    if hit is not None and hit[0] is shards:
+        return hit[1]
+    if len(_CHUNK_LISTS) >= _CACHE_LIMIT:
+        _CHUNK_LISTS.clear()
+        _FIXED_WRITERS.clear()
+    out = _chunks(shape, chunk_shape, shards, itemsize)
+    _CHUNK_LISTS[key] = (shards, out)
+    return out
+
+
+def _fixed_writers(chunks: list[_Chunk]) -> tuple[list[int], dict[int, int]] | None:
+    """The writers and per-process bytes of a chunk list whose every chunk has a single
+    holder (no choice to make); ``None`` when some chunk is held by several processes."""
+    hit = _FIXED_WRITERS.get(id(chunks))
+    if hit is not None and hit[0] is chunks:
+        return hit[1], hit[2]
+    if any(len(c.holders) != 1 for c in chunks):
+        return None
+    writers = [c.holders[0] for c in chunks]
+    loads: dict[int, int] = {}
+    for c, w in zip(chunks, writers):
+        loads[w] = loads.get(w, 0) + c.nbytes
+    if len(_FIXED_WRITERS) >= _CACHE_LIMIT:
+        _FIXED_WRITERS.clear()
+    _FIXED_WRITERS[id(chunks)] = (chunks, writers, loads)
+    return writers, loads
 
 
 def _chunks(shape: tuple[int, ...], chunk_shape: tuple[int, ...], shards: tuple[_layout.Shard, ...],
@@ -204,16 +299,29 @@ def _assign(arrays: list[_ArrayLeaf], group: tuple[int, ...]) -> None:
 
     With a ``group``, each chunk that a process of the group holds gets a writer among
     those (``-1``: nobody in the group holds it, so the group writes no copy of it)."""
-    chunks = [c for a in arrays for c in a.chunks]
     if group:
+        chunks = [c for a in arrays for c in a.chunks]
         held = [tuple(h for h in c.holders if h in group) for c in chunks]
         picked = iter(_layout.assign_writers([(c.nbytes, h) for c, h in zip(chunks, held) if h]))
-        flat = [next(picked) if h else -1 for h in held]
-    else:
-        flat = _layout.assign_writers([(c.nbytes, c.holders) for c in chunks])
-    writers = iter(flat)
+        writers = iter([next(picked) if h else -1 for h in held])
+        for a in arrays:
+            a.writers = [next(writers) for _ in a.chunks]
+        return
+    # Chunks with a single holder have no choice: counted first (whole leaves at once,
+    # cached per chunk list); the rest are balanced on top (``assign_with_loads``).
+    load: dict[int, int] = {}
+    flexible = []
     for a in arrays:
-        a.writers = [next(writers) for _ in a.chunks]
+        fixed = _fixed_writers(a.chunks)
+        if fixed is None:
+            flexible.append(a)
+            continue
+        a.writers = fixed[0]  # shared: never mutated
+        for p, n in fixed[1].items():
+            load[p] = load.get(p, 0) + n
+    picked = iter(_layout.assign_with_loads([(c.nbytes, c.holders) for a in flexible for c in a.chunks], load))
+    for a in flexible:
+        a.writers = [next(picked) for _ in a.chunks]
 
 
 def _lay_out_packed(arrays: list[_ArrayLeaf], me: int) -> tuple[tuple[PackedArray, ...], np.ndarray | None]:
@@ -249,3 +357,259 @@ def _copy_packed(rec: LeafRecord, mine: list[tuple[_Chunk, np.ndarray]], packed_
         _, offset = rec.chunks[_layout.chunk_flat_index(cell, grid)]
         view = packed_buf[offset:offset + host.nbytes].view(storage).reshape(host.shape)
         view[...] = host.view(storage)
+
+
+# --- staging in waves (a StagingBudget) -----------------------------------------------
+
+
+class StagingBudget:
+    """The most host bytes that staged-but-not-yet-written waves may hold at once, shared
+    by every save given it (a manager's ``max_staging_bytes``). ``in_flight`` and
+    ``peak``: those bytes now, and the most so far (what tests and benchmarks read)."""
+
+    def __init__(self, max_bytes: int):
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ValueError(f"max_staging_bytes must be a positive int, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self.in_flight = 0
+        self.peak = 0
+        self.cond = threading.Condition()
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more may be staged now (always, when nothing is)."""
+        return not self.in_flight or self.in_flight + nbytes <= self.max_bytes
+
+    def take(self, nbytes: int) -> None:
+        self.in_flight += nbytes
+        self.peak = max(self.peak, self.in_flight)
+
+    def give(self, nbytes: int) -> None:
+        self.in_flight -= nbytes
+        self.cond.notify_all()
+
+
+def staging_budget(max_bytes: int | None) -> StagingBudget | None:
+    """A ``StagingBudget`` of ``max_bytes``; ``None`` for ``None`` (no budget)."""
+    return None if max_bytes is None else StagingBudget(max_bytes)
+
+
+@dataclass
+class Wave:
+    """The host buffers of one staged wave, which the writer writes and then frees."""
+
+    shards: dict[int, list[tuple[_layout.Index, np.ndarray]]]  # as Snapshot.file_shards
+    packed: np.ndarray | None  # the first wave: the packed small leaves
+    nbytes: int  # what it counts against the budget
+
+
+class _Planned(NamedTuple):
+    items: list[tuple[_ArrayLeaf, _Chunk]]
+    nbytes: int
+    first: bool
+
+
+def _snapshot_in_waves(tree: Any, copy_host_arrays: bool, group: tuple[int, ...],
+                       budget: StagingBudget) -> Snapshot:
+    structure, records, arrays, packed, packed_buf = _plan(tree, None, group)
+    me = _distributed.process_index()
+    items: list[tuple[_ArrayLeaf, _Chunk]] = []
+    small = []
+    for leaf in arrays:
+        rec = records[leaf.slot] = LeafRecord(**leaf.fields)
+        mine = [c for c, w in zip(leaf.chunks, leaf.writers) if w == me]
+        if rec.store == "file":
+            items += [(leaf, c) for c in mine if c.nbytes]
+        else:
+            small.append((rec, leaf, mine))
+
+    def fill_packed() -> np.ndarray | None:
+        _start_transfers([leaf for _, leaf, _ in small], me)
+        for rec, leaf, mine in small:
+            _copy_packed(rec, [(c, np.ascontiguousarray(leaf.host(c))) for c in mine], packed_buf)
+        return packed_buf
+
+    costs = [_cost(leaf, c, copy_host_arrays) for leaf, c in items]
+    planned = _plan_waves(items, costs, 0 if packed_buf is None else packed_buf.nbytes, budget.max_bytes)
+    stage = functools.partial(_stage_wave, copy=copy_host_arrays, fill_packed=fill_packed)
+    waves = _Waves(budget, planned, stage)
+    waves.stage_first()
+    most = min(sum(p.nbytes for p in planned), max(budget.max_bytes, max(p.nbytes for p in planned)))
+    return Snapshot(structure, records, {}, packed, None, most, group, waves)
+
+
+def _on_cpu(data: jax.Array) -> bool:
+    return data.devices().pop().platform == "cpu"
+
+
+def _cost(leaf: _ArrayLeaf, chunk: _Chunk, copy: bool) -> int:
+    """The host bytes staging ``chunk`` takes: 0 for a view of memory the caller keeps."""
+    data = leaf.local[chunk.shard]
+    if isinstance(data, np.ndarray):
+        return chunk.nbytes if copy or not leaf.host(chunk).flags.c_contiguous else 0
+    return 0 if _on_cpu(data) else chunk.nbytes
+
+
+def _plan_waves(items: list[tuple[_ArrayLeaf, _Chunk]], costs: list[int], first_bytes: int,
+                budget: int) -> list[_Planned]:
+    """The first wave: every zero-cost item and the packed leaves (``first_bytes``); then
+    the others in order, a new wave whenever one would pass half the budget."""
+    cap = max(1, budget // 2)
+    waves: list[tuple[list[tuple[_ArrayLeaf, _Chunk]], list[int]]] = [
+        ([it for it, c in zip(items, costs) if not c], [first_bytes])]
+    for it, c in zip(items, costs):
+        if not c:
+            continue
+        if sum(waves[-1][1]) and sum(waves[-1][1]) + c > cap:
+            waves.append(([], []))
+        waves[-1][0].append(it)
+        waves[-1][1].append(c)
+    return [_Planned(its, sum(cs), i == 0) for i, (its, cs) in enumerate(waves)]
+
+
+def _stage_wave(planned: _Planned, *, copy: bool, fill_packed: Callable[[], np.ndarray | None]) -> Wave:
+    """Host buffers of one wave's chunks (and, in the first, the packed small leaves):
+    every device-to-host copy started, then each waited for."""
+    started = [_start_host(leaf, chunk, copy) for leaf, chunk in planned.items]
+    shards: dict[int, list[tuple[_layout.Index, np.ndarray]]] = {}
+    for (leaf, chunk), host in zip(planned.items, started):
+        shards.setdefault(leaf.slot, []).append((chunk.region, np.asarray(host)))
+    return Wave(shards, fill_packed() if planned.first else None, planned.nbytes)
+
+
+def _start_host(leaf: _ArrayLeaf, chunk: _Chunk, copy: bool) -> Any:
+    """Start staging ``chunk``: a numpy array (a copy, or a view when it costs nothing) or
+    a device array whose host copy is under way (``np.asarray`` waits for it).
+
+    A device shard is staged through a fresh ``jax.Array`` over the same buffer (or a
+    slice of it): ``np.asarray`` caches the host copy on the array it is given, and on
+    the caller's own array that copy would live as long as the caller's array does.
+    """
+    data = leaf.local[chunk.shard]
+    if isinstance(data, np.ndarray):
+        view = leaf.host(chunk)
+        return np.array(view, order="C", copy=True) if copy or not view.flags.c_contiguous else view
+    if _on_cpu(data):
+        return leaf.host(chunk)
+    if chunk.region == chunk.shard:
+        own = jax.make_array_from_single_device_arrays(data.shape, data.sharding, [data])
+    else:
+        own = data[_layout.relative(chunk.region, chunk.shard)]
+    own.copy_to_host_async()
+    return own
+
+
+class _Waves:
+    """The waves of one snapshot: planned, then staged (by the caller's ``stage_rest``, or
+    by the writer when it has nothing to write and a wave fits), then taken by the
+    writer and given back once written. Every step holds the budget's lock."""
+
+    def __init__(self, budget: StagingBudget, planned: list[_Planned], stage: Callable[[_Planned], Wave]):
+        self._budget, self._cond, self._stage = budget, budget.cond, stage
+        self._todo = collections.deque(planned)  # not yet claimed for staging
+        self._ready: collections.deque[Wave] = collections.deque()  # staged, not yet taken
+        self._staging = 0  # claimed, being staged
+        self._closed = False
+        self._error: BaseException | None = None
+        self.staged_at = time.perf_counter()
+
+    def _next(self, writer: bool) -> tuple[Wave | None, _Planned | None]:
+        """Wait for a staged wave (the writer only), a wave to stage that fits the budget
+        (claimed and counted), or the end (``(None, None)``). Holds the lock."""
+        while True:
+            if self._closed:
+                if writer:
+                    raise self._stopped()
+                return None, None
+            if writer and self._ready:
+                return self._ready.popleft(), None
+            if self._todo and self._budget.fits(self._todo[0].nbytes):
+                planned = self._todo.popleft()
+                self._staging += 1
+                self._budget.take(planned.nbytes)
+                return None, planned
+            if not self._todo and not (writer and self._staging):
+                return None, None
+            self._cond.wait()
+
+    def _stopped(self) -> CheckpointError:
+        error = CheckpointError(f"Staging this save's host buffers failed: {self._error}"
+                                if self._error is not None else "This save was stopped")
+        error.__cause__ = self._error
+        return error
+
+    def _stage_claimed(self, planned: _Planned, enqueue: bool) -> Wave | None:
+        """Stage a claimed wave; queue it for the writer, or return it (``None``: closed)."""
+        try:
+            wave = self._stage(planned)
+        except BaseException:
+            with self._cond:
+                self._staging -= 1
+                self._budget.give(planned.nbytes)
+            raise
+        with self._cond:
+            self._staging -= 1
+            self._cond.notify_all()
+            if self._closed:
+                self._budget.give(planned.nbytes)
+                return None
+            self.staged_at = time.perf_counter()
+            if enqueue:
+                self._ready.append(wave)
+            return wave
+
+    def stage_first(self) -> None:
+        with self._cond:
+            _, planned = self._next(writer=False)
+        try:
+            self._stage_claimed(planned, enqueue=True)
+        except BaseException as e:
+            self.close(e)
+            raise
+
+    def stage_rest(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    _, planned = self._next(writer=False)
+                if planned is None:
+                    break
+                self._stage_claimed(planned, enqueue=True)
+        except BaseException as e:  # noqa: BLE001 - the writer raises it (the save fails)
+            self.close(e)
+            if not isinstance(e, Exception):
+                raise
+        with self._cond:  # waves the writer is staging itself still read the caller's arrays
+            while self._staging:
+                self._cond.wait()
+
+    def take(self) -> Wave | None:
+        """The next wave to write (staged here if none is ready); ``None``: all written."""
+        with self._cond:
+            wave, planned = self._next(writer=True)
+        if planned is None:
+            return wave
+        wave = self._stage_claimed(planned, enqueue=False)
+        if wave is None:
+            with self._cond:
+                raise self._stopped()
+        return wave
+
+    def done(self, wave: Wave) -> None:
+        """``wave`` is written (or failed): free its buffers and its share of the budget."""
+        with self._cond:
+            self._free(wave)
+
+    def _free(self, wave: Wave) -> None:
+        wave.shards, wave.packed = {}, None
+        self._budget.give(wave.nbytes)
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Stop: nothing more is staged, the staged waves not taken are freed."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed, self._error = True, error
+            while self._ready:
+                self._free(self._ready.popleft())
+            self._todo.clear()
+            self._cond.notify_all()

@@ -29,6 +29,7 @@ import tensorstore as ts
 from . import _iostats
 from ._errors import CheckpointError
 from ._location import Location
+from ._manifest import MANIFEST
 
 # Kept here for callers and tests written against the single storage module.
 io_stats = _iostats.io_stats
@@ -250,24 +251,44 @@ def call(root: Any, doing: str, key: str, fn: Any) -> Any:
 # --- small blobs (the manifest) -----------------------------------------------------
 
 
-def write_blob(root: Location, key: str, data: bytes) -> None:
+def write_blob(root: Location, key: str, data: bytes, *, fault: str | None = None) -> None:
+    """Write a small blob whole (one PUT; locally: write, fsync, rename). ``fault``: a
+    fault point (``_iostats.fault``) met once half of a local blob's bytes are written."""
     if root.local is not None:
         # Write, fsync, then rename: the blob appears whole or not at all.
         path = os.path.join(root.local, key)
         tmp = path + ".writing"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+            try:
+                view = memoryview(data)
+                _write_all(fd, view[:len(view) // 2])
+                if fault is not None:
+                    _iostats.fault(fault, key)
+                _write_all(fd, view[len(view) // 2:])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            _remove_quietly(tmp)  # no half-written leftover (a full disk, a read-only one)
+            raise
         fsync_dir(root.local)
         return
     kv = _kvstore(root)
     wait(track(kv.write(key, data)), root, "writing", key)
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def read_blob(root: Location, key: str) -> bytes | None:
@@ -416,10 +437,21 @@ def _new_s3_client(root: Location) -> Any:
 
 
 def delete_tree(root: Location) -> None:
-    """Delete everything under ``root``."""
+    """Delete everything under ``root``.
+
+    Locally a checkpoint's manifest goes first, so that a tree deleted halfway (a crash,
+    a file that will not go) is never one that validates; fault point ``delete:middle``
+    (key: the path) is between the two."""
     if root.local is not None:
         import shutil
 
+        if not os.path.islink(root.local):  # (rmtree leaves a link, and what it points to, alone)
+            try:
+                os.remove(os.path.join(root.local, MANIFEST))
+            except OSError:  # none (not a checkpoint, or not yet), or not a directory at all
+                pass
+            else:
+                _iostats.fault("delete:middle", root.local)
         shutil.rmtree(root.local, ignore_errors=True)
         return
     if root.kvstore["driver"] == "s3" and _s3_delete_batched(root):

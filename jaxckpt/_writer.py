@@ -10,6 +10,7 @@ tensorstore within a byte budget that bounds its encode buffers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -18,10 +19,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _chunkfiles, _distributed, _dtypes, _storage, _tasks, _zarr
+from . import _chunkfiles, _distributed, _dtypes, _iostats, _storage, _tasks, _zarr
 from ._errors import CheckpointError
 from ._location import Location
-from ._snapshot import Snapshot, cell_of
+from ._snapshot import Snapshot, Wave, cell_of
 
 # Bytes of writes in flight at once: bounds tensorstore's encode buffers (host memory)
 # while keeping the disk busy.
@@ -46,6 +47,10 @@ class _Write(NamedTuple):
 def write_data(staging: Location, snap: Snapshot) -> None:
     """Write this process's part of every leaf; return when every write is durable."""
     try:
+        _iostats.fault("data:start", str(staging))
+        if snap.waves is not None:
+            _write_waves(staging, snap)
+            return
         writes = plan(staging, snap)
         execute(writes, staging)
     except CheckpointError:
@@ -54,9 +59,40 @@ def write_data(staging: Location, snap: Snapshot) -> None:
         raise CheckpointError(f"Writing checkpoint '{staging}' failed: {e}") from e
 
 
-def plan(staging: Location, snap: Snapshot) -> list[_Write]:
+def _write_waves(staging: Location, snap: Snapshot) -> None:
+    """A snapshot staged in waves (``_snapshot.snapshot``'s budget): create the arrays
+    once, then write each wave as it is staged and free it before taking the next."""
+    assert snap.waves is not None
+    _create_arrays(staging, snap)
+    while (wave := snap.waves.take()) is not None:
+        try:
+            _write_wave(staging, snap, wave)
+        finally:
+            snap.waves.done(wave)
+
+
+def _create_arrays(staging: Location, snap: Snapshot) -> None:
+    """Every big leaf's array (its zarr.json), on the process that creates them, settled
+    before any wave is written: each wave then opens them blind, as the others do."""
+    if _distributed.process_index() != (snap.group[0] if snap.group else 0):
+        return
+    ctx = _storage.context(staging)
+    openings = []
+    for rec in snap.records:
+        if rec.kind != "value" and rec.store == "file":
+            spec = _zarr.array_spec(staging, rec.key, rec.shape, rec.chunk_shape, rec.storage_dtype)
+            openings.append(_Write((), np.empty(0), rec.key, None, _zarr.open_array(spec, ctx, create=True)))
+    _open_all(openings)
+
+
+def _write_wave(staging: Location, snap: Snapshot, wave: Wave) -> None:
+    part = dataclasses.replace(snap, file_shards=wave.shards, packed_buf=wave.packed, waves=None)
+    execute(plan(staging, part, create=False), staging)
+
+
+def plan(staging: Location, snap: Snapshot, create: bool = True) -> list[_Write]:
     """Open (create, on process 0) every array this process writes to; one ``_Write`` per
-    chunk. Nothing is written yet."""
+    chunk. Nothing is written yet. ``create=False``: the arrays exist (a later wave)."""
     me = _distributed.process_index()
     creator = snap.group[0] if snap.group else 0  # writes each array's zarr.json
     ctx = _storage.context(staging)
@@ -74,7 +110,7 @@ def plan(staging: Location, snap: Snapshot) -> list[_Write]:
         spec = _zarr.array_spec(staging, rec.key, rec.shape, rec.chunk_shape, rec.storage_dtype)
         # One process (of each directory's group) writes each array's zarr.json; the
         # others open blind from the spec.
-        store = _zarr.open_array(spec, ctx, create=me == creator)
+        store = _zarr.open_array(spec, ctx, create=create and me == creator)
         storage = _dtypes.DTYPES[rec.storage_dtype]
         little = storage.itemsize == 1 or sys.byteorder == "little"
         for index, data in shards:
@@ -92,10 +128,10 @@ def execute(writes: list[_Write], staging: Location) -> None:
     ones run on a few threads; then make the new files' directory entries durable."""
     direct = [w for w in writes if w.path is not None]
     dirs = sorted({os.path.dirname(w.path) for w in direct})
+    # Every array's zarr.json exists before any chunk is written through tensorstore.
+    stores = _open_all(writes)
     for d in dirs:
         os.makedirs(d, exist_ok=True)
-    # Every array's zarr.json exists before any chunk is written through tensorstore.
-    stores = {id(w.store): w.store.result() for w in writes}
 
     def start(w: _Write) -> Callable[[], Any]:
         def go() -> Any:
@@ -112,6 +148,24 @@ def execute(writes: list[_Write], staging: Location) -> None:
 
 def _wait(future: Any) -> None:
     future.result()
+
+
+def _open_all(writes: list[_Write]) -> dict[int, Any]:
+    """Every array opening of ``writes``, settled; the first error once all have: an
+    open still in flight would (re)create its directories after a failed save's
+    clean-up (a staging directory made read-only, full, ...)."""
+    stores: dict[int, Any] = {}
+    first: BaseException | None = None
+    for w in writes:
+        if id(w.store) not in stores:
+            try:
+                stores[id(w.store)] = w.store.result()
+            except Exception as e:  # noqa: BLE001 - raised once every open settled
+                stores[id(w.store)] = None
+                first = first or e
+    if first is not None:
+        raise first
+    return stores
 
 
 def _parents_up_to(dirs: set[str], root: str | None) -> list[str]:

@@ -674,3 +674,13 @@ def test_a_jitted_loop_on_a_one_device_mesh_saves_every_step(tmp_path):
         assert mgr.all_steps() == [1, 2, 3]
         assert len(w.sharding.device_set) == 1
         assert_bit_equal(mgr.restore(2), np.arange(8, dtype=np.float32) + 2)
+
+
+def test_restore_right_after_an_async_save_returns_that_step(tmp_path):
+    with jaxckpt.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"w": np.zeros(4)})
+        mgr.wait_until_finished()
+        mgr.save(2, {"w": np.ones(4)})
+        assert_bit_equal(mgr.restore()["w"], np.ones(4))  # the save in flight is finished first
+        mgr.save(3, {"w": np.full(4, 3.0)})
+        assert_bit_equal(mgr.restore(3)["w"], np.full(4, 3.0))

@@ -1,0 +1,169 @@
+"""Scale, by simulation: plan a save of a 70B-parameter-shaped train state on 2,048
+devices in 256 processes, without any data or devices.
+
+The state is Llama-2-70B-shaped (80 layers, hidden 8192, MLP 28672, 8 KV heads, vocab
+32000): bfloat16 params plus float32 Adam moments (mu, nu), ~840 GiB. The mesh is
+``('fsdp', 'tensor') = (256, 8)``, 8 devices per process (the tensor axis inside a
+host); matrices are ``P('fsdp', 'tensor')``, norms replicated. A sharding here is a
+stand-in with jax's ``devices_indices_map`` arithmetic and devices that only know their
+process, so jaxckpt's own planning code (``_layout.shards_of``, ``chunk_shape_for``,
+``_snapshot``'s chunking and writer assignment) runs unchanged, as each process would
+run it.
+
+Measured: the per-process planning time (every process plans the whole tree), the
+manifest's size and parse time, and the files per checkpoint, against orbax's OCDBT
+layout (a few files per process).
+
+Usage: python benchmarks/scale_sim.py [--processes 256] [--per-process 8] [--layers 80]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxckpt import _layout, _manifest, _snapshot, _tree  # noqa: E402
+from jaxckpt._manifest import LeafRecord, Manifest  # noqa: E402
+
+
+class SimDevice:
+    __slots__ = ("id", "process_index")
+
+    def __init__(self, i: int, per_process: int):
+        self.id, self.process_index = i, i // per_process
+
+    def __repr__(self) -> str:
+        return f"SimDevice({self.id})"
+
+
+class SimSharding:
+    """A ``NamedSharding`` stand-in over a mesh of simulated devices (row-major)."""
+
+    def __init__(self, devices: list[SimDevice], axes: tuple[tuple[str, int], ...], spec: tuple):
+        self.devices, self.axes, self.spec = devices, axes, spec
+        self._key = (len(devices), axes, spec)
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SimSharding) and self._key == other._key
+
+    def _parts(self, dim: int) -> tuple[int, tuple[str, ...]]:
+        entry = self.spec[dim] if dim < len(self.spec) else None
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        sizes = dict(self.axes)
+        return math.prod(sizes[n] for n in names), names
+
+    def shard_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(n // self._parts(d)[0] for d, n in enumerate(shape))
+
+    def devices_indices_map(self, shape: tuple[int, ...]) -> dict:
+        names = [n for n, _ in self.axes]
+        sizes = [s for _, s in self.axes]
+        out = {}
+        for flat, dev in enumerate(self.devices):
+            coord, rest = {}, flat
+            for n, s in zip(reversed(names), reversed(sizes)):
+                coord[n], rest = rest % s, rest // s
+            index = []
+            for d, n in enumerate(shape):
+                parts, axes = self._parts(d)
+                pos = 0
+                for a in axes:
+                    pos = pos * dict(self.axes)[a] + coord[a]
+                step = n // parts
+                index.append(slice(pos * step, (pos + 1) * step))
+            out[dev] = tuple(index)
+        return out
+
+
+def llama70b_leaves(layers: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """(path, shape, 'matrix'|'norm') of the params."""
+    h, f, kv, vocab = 8192, 28672, 1024, 32000
+    out = [("embed", (vocab, h), "matrix"), ("lm_head", (h, vocab), "matrix"), ("final_norm", (h,), "norm")]
+    for i in range(layers):
+        for name, shape in (("wq", (h, h)), ("wk", (h, kv)), ("wv", (h, kv)), ("wo", (h, h)),
+                            ("w1", (h, f)), ("w3", (h, f)), ("w2", (f, h))):
+            out.append((f"layers/{i}/{name}", shape, "matrix"))
+        out += [(f"layers/{i}/attn_norm", (h,), "norm"), (f"layers/{i}/ffn_norm", (h,), "norm")]
+    return out
+
+
+def plan(processes: int, per_process: int, layers: int) -> tuple[list, list, float, float]:
+    devices = [SimDevice(i, per_process) for i in range(processes * per_process)]
+    axes = (("fsdp", processes), ("tensor", per_process))
+    matrix = SimSharding(devices, axes, ("fsdp", "tensor"))
+    norm = SimSharding(devices, axes, ())
+    arrays, specs = [], []
+    t0 = time.perf_counter()
+    for tree, dtype, itemsize in (("params", "bfloat16", 2), ("opt/mu", "float32", 4), ("opt/nu", "float32", 4)):
+        for path, shape, kind in llama70b_leaves(layers):
+            sharding = matrix if kind == "matrix" else norm
+            shards = _layout.shards_of(sharding, shape)
+            chunk_shape = _layout.chunk_shape_for(sharding, shape, itemsize)
+            nbytes = math.prod(shape) * itemsize
+            fields = {"path": f"{tree}/{path}", "kind": "array", "key": str(len(arrays)), "dtype": dtype,
+                      "shape": shape, "sharding": {"type": "named", "axis_names": ["fsdp", "tensor"],
+                                                   "axis_sizes": [processes, per_process],
+                                                   "spec": list(sharding.spec)},
+                      "chunk_shape": chunk_shape, "storage_dtype": dtype, "nbytes": nbytes, "store": "file"}
+            arrays.append(_snapshot._ArrayLeaf(len(arrays), fields,
+                                               _snapshot._chunks_cached(shape, chunk_shape, shards, itemsize), {}))
+            specs.append(sharding)
+    t_chunks = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    _snapshot._assign(arrays, ())
+    t_assign = time.perf_counter() - t1
+    return arrays, specs, t_chunks, t_assign
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--processes", type=int, default=256)
+    ap.add_argument("--per-process", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=80)
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+    arrays, _, t_chunks, t_assign = plan(a.processes, a.per_process, a.layers)
+    t_plan = time.perf_counter() - t0
+    total = sum(x.fields["nbytes"] for x in arrays)
+    chunks = sum(len(x.chunks) for x in arrays)
+    mine = sum(1 for x in arrays for w in x.writers if w == 0)
+    records = [LeafRecord(**x.fields) for x in arrays]
+    nested: dict = {}
+    for rec in records:
+        *parents, last = rec.path.split("/")
+        node = nested
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = 0
+    order = {path: i for i, (path, _) in enumerate(_tree.flatten(nested)[0])}
+    records.sort(key=lambda r: order[r.path])
+    man = Manifest(format_version=_manifest.FORMAT_VERSION, structure=_tree.describe(nested), leaves=tuple(records),
+                   metadata={}, process_count=a.processes, info={})
+    data = man.to_bytes()
+    t2 = time.perf_counter()
+    _manifest.parse(data, "sim")
+    t_parse = time.perf_counter() - t2
+    files = chunks + len(arrays) + 1  # chunk files, a zarr.json per leaf, the manifest
+    print(f"state: {len(arrays)} leaves, {total / 2**30:.0f} GiB, {a.processes} processes x {a.per_process} devices")
+    print("| measure | value | target |")
+    print("|---|---:|---|")
+    print(f"| planning per process (whole tree) [s] | {t_plan:.2f} (chunks {t_chunks:.2f}, "
+          f"writers {t_assign:.2f}) | ≤ 1 |")
+    print(f"| chunks written by process 0 | {mine} | |")
+    print(f"| manifest size [MiB] | {len(data) / 2**20:.2f} | ≤ 16 |")
+    print(f"| manifest parse [s] | {t_parse:.3f} | ≤ 1 |")
+    print(f"| files per checkpoint | {files:,} ({files / a.processes:,.0f} per process) | |")
+    print(f"| orbax OCDBT files per checkpoint (its layout: a data file or a few per process, "
+          f"plus a manifest per process and a few metadata files) | ~{3 * a.processes + 5:,} | |")
+
+
+if __name__ == "__main__":
+    main()
