@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
-	$(PY) examples/train_and_reshard.py
+	$(PY) examples/flax_nnx.py
 
 bench-smoke: $(STAMP)
 	$(PY) benchmarks/run.py --smoke

@@ -7,6 +7,7 @@ One command::
     python benchmarks/run.py --smoke         # tiny version for CI
     python benchmarks/run.py --reps 3 --cases big --size-gib 0.5 --json out.json
     python benchmarks/run.py --scaling       # jaxckpt at 0.25/1/4 GiB and 100/1k/10k leaves
+    python benchmarks/run.py --reshard --cold --reps 5   # restore matrix + cold-cache rows
 
 Every measurement runs in a fresh subprocess (this file re-invoked with ``--worker``)
 that prints one JSON line; the parent collects the medians. See ``benchmarks/README.md``
@@ -46,15 +47,19 @@ WORKER_TIMEOUT_S = 1800
 # =====================================================================================
 
 
-def _setup_jax():
-    flag = f"--xla_force_host_platform_device_count={NDEV}"
-    if flag not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+def _xla_flags(flags: str, ndev: int) -> str:
+    """``flags`` with the forced CPU device count set to ``ndev`` (any other count removed)."""
+    keep = [f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count=")]
+    return " ".join(keep + [f"--xla_force_host_platform_device_count={ndev}"])
+
+
+def _setup_jax(ndev: int = NDEV):
+    os.environ["XLA_FLAGS"] = _xla_flags(os.environ.get("XLA_FLAGS", ""), ndev)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    if len(jax.devices()) != NDEV:
-        raise RuntimeError(f"expected {NDEV} CPU devices, got {jax.devices()}")
+    if len(jax.devices()) != ndev:
+        raise RuntimeError(f"expected {ndev} CPU devices, got {jax.devices()}")
     return jax
 
 
@@ -162,9 +167,10 @@ def _shardings(jax, case: str, which: str):
     return NamedSharding(Mesh(np.array(devs).reshape(2, 2), ("a", "b")), P(None, "b"))
 
 
-def build_state(jax, case: str, cfg: dict):
-    """Device arrays (jax) with the case's save sharding; numpy copies are freed."""
-    sharding = _shardings(jax, case, "same")
+def build_state(jax, case: str, cfg: dict, sharding=None):
+    """Device arrays (jax) with the case's save sharding (or ``sharding``); numpy copies
+    are freed."""
+    sharding = sharding or _shardings(jax, case, "same")
     tree: dict = {}
     for i, (path, shape) in enumerate(case_leaves(case, cfg)):
         host = leaf_data(case, i, shape)
@@ -175,10 +181,10 @@ def build_state(jax, case: str, cfg: dict):
     return tree
 
 
-def build_target(jax, case: str, cfg: dict, which: str):
+def build_target(jax, case: str, cfg: dict, which: str, sharding=None):
     import numpy as np
 
-    sharding = _shardings(jax, case, which)
+    sharding = sharding or _shardings(jax, case, which)
     tree: dict = {}
     for path, shape in case_leaves(case, cfg):
         _set(tree, path, jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding))
@@ -512,6 +518,198 @@ def run_worker(args) -> dict:
     return out
 
 
+# --- restore matrix (--reshard, --cold): worker side ----------------------------------
+
+MATRIX_NDEV = 8  # every matrix worker has 8 CPU devices; 4-device meshes use the first 4
+LAYOUTS = {  # name -> short label; built by layout_sharding
+    "4": "4 P(data,-)",
+    "2x2ab": "2x2 P(a,b)",
+    "2x2b": "2x2 P(-,b)",
+    "1": "1 device",
+    "4x2": "4x2 P(data,model)",
+}
+
+
+def layout_sharding(jax, name: str):
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    devs = jax.devices()
+    if name == "1":
+        return jax.sharding.SingleDeviceSharding(devs[0])
+    if name == "4":
+        return NamedSharding(Mesh(np.array(devs[:4]), ("data",)), P("data", None))
+    if name in ("2x2ab", "2x2b"):
+        mesh = Mesh(np.array(devs[:4]).reshape(2, 2), ("a", "b"))
+        return NamedSharding(mesh, P("a", "b") if name == "2x2ab" else P(None, "b"))
+    if name == "4x2":
+        mesh = Mesh(np.array(devs[:8]).reshape(4, 2), ("data", "model"))
+        return NamedSharding(mesh, P("data", "model"))
+    raise ValueError(f"unknown layout {name!r}")
+
+
+def target_slices(state: str, cfg: dict, sharding) -> tuple[list, int, int]:
+    """The distinct slices the target's devices hold, leaf by leaf in device order:
+    ``[(leaf, ((start, stop), ...))]``, the bytes they hold once (``needed``) and with
+    replicas counted per device (``held``)."""
+    out, needed, held = [], 0, 0
+    for i, (_, shape) in enumerate(case_leaves(state, cfg)):
+        seen = set()
+        for idx in sharding.devices_indices_map(tuple(shape)).values():
+            norm = tuple(s.indices(n)[:2] for s, n in zip(idx, shape))
+            nbytes = 4 * math.prod(b - a for a, b in norm)
+            held += nbytes
+            if norm not in seen:
+                seen.add(norm)
+                needed += nbytes
+                out.append((i, norm))
+    return out, needed, held
+
+
+def _slice_of(entry):
+    return tuple(slice(a, b) for a, b in entry[1])
+
+
+def proc_io() -> dict[str, int]:
+    """``/proc/self/io`` (all threads of this process): ``rchar`` counts every byte
+    returned by read-type system calls, page cache or not; ``read_bytes`` only what the
+    process caused to be fetched from the block device. Empty where unavailable."""
+    try:
+        with open("/proc/self/io") as f:
+            return {k.strip(): int(v) for k, v in (ln.split(":") for ln in f if ":" in ln)}
+    except OSError:
+        return {}
+
+
+def drop_page_cache(root: str) -> int:
+    """fsync + ``POSIX_FADV_DONTNEED`` every regular file under ``root`` (the kernel
+    drops clean pages only, hence the fsync). Returns the number of files."""
+    n = 0
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            p = os.path.join(dirpath, name)
+            if not os.path.islink(p) and os.path.isfile(p):
+                _drop_file(p)
+                n += 1
+    return n
+
+
+def _drop_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _matrix_lib(job: dict):
+    d = os.path.join(job["dir"], job["lib"])
+    return JaxckptLib(d) if job["lib"] == "jaxckpt" else OrbaxLib(d, job["lib"] == "orbax")
+
+
+def matrix_job(jax, job: dict, cfg: dict, full_verify: bool) -> dict:
+    """One job of the restore matrix.
+
+    ``save``: the state saved with ``job["src"]``'s sharding by ``job["lib"]`` (untimed
+    here: set-up). ``limit_save``: the distinct slices ``job["dst"]``'s devices hold,
+    each stored contiguously, slice k in file k % 4. ``restore``: timed restore onto
+    ``job["dst"]``, peak RSS and bytes read; with ``job["cold"]`` the library's files
+    leave the page cache first (after opening, right before the timed block).
+    """
+    import numpy as np
+
+    state = job["state"]
+    if job["do"] == "save":
+        tree = build_state(jax, state, cfg, layout_sharding(jax, job["src"]))
+        h = _matrix_lib(job)
+        t0 = time.perf_counter()
+        h.save(tree)
+        res = {"save_s": time.perf_counter() - t0}
+        if isinstance(h, OrbaxLib):
+            h.close()
+        return res
+    sharding = layout_sharding(jax, job["dst"])
+    entries, needed, held = target_slices(state, cfg, sharding)
+    ldir = os.path.join(job["dir"], "limit", job["dst"])
+    if job["do"] == "limit_save":
+        leaves = case_leaves(state, cfg)
+        host = {}
+        parts = []
+        for i, _sl in entries:
+            if i not in host:
+                host[i] = leaf_data(state, i, leaves[i][1])
+            parts.append(host[i][_slice_of((i, _sl))])  # tofile writes views in C order
+        t0 = time.perf_counter()
+        limit_write(ldir, parts)
+        return {"save_s": time.perf_counter() - t0}
+    if job["do"] != "restore":
+        raise ValueError(f"unknown job {job['do']!r}")
+    import jaxckpt._storage as jx_storage
+
+    lib = job["lib"]
+    h = None
+    if lib == "limit":
+        shapes = [tuple(b - a for a, b in e[1]) for e in entries]
+        droot = ldir
+    else:
+        target = build_target(jax, state, cfg, "", sharding=sharding)
+        h = _matrix_lib(job)
+        droot = os.path.join(job["dir"], lib)
+    res: dict = {"needed": needed, "held": held}
+    if job.get("cold"):
+        res["files_dropped"] = drop_page_cache(droot)
+    jx_storage.reset_io_stats()
+    with PeakRSS() as m:
+        io0 = proc_io()
+        t0 = time.perf_counter()
+        if h is None:
+            restored = limit_read(ldir, shapes)
+        else:
+            restored = h.restore(target)
+            jax.block_until_ready(restored)
+        res["s"] = time.perf_counter() - t0
+        io1 = proc_io()
+    res["rss"] = m.delta
+    for k in ("rchar", "read_bytes"):
+        if k in io0 and k in io1:
+            res[k] = io1[k] - io0[k]
+    if lib == "jaxckpt":
+        res["jx_bytes_read"] = jx_storage.io_stats()["bytes_read"]
+    if isinstance(h, OrbaxLib):
+        res["open_s"] = h.open_s
+    # check the values (leaf 0; every leaf with --verify or for the many-leaf state)
+    full = full_verify or state == "many"
+    if h is None:
+        leaves = case_leaves(state, cfg)
+        for e, got in zip(entries, restored):
+            if full or e[0] == 0:
+                want = leaf_data(state, e[0], leaves[e[0]][1])[_slice_of(e)]
+                if not np.array_equal(got, want):
+                    raise AssertionError(f"limit slice {e} differs")
+    else:
+        verify(jax, state, cfg, restored, target, full=full_verify)
+        if isinstance(h, OrbaxLib):
+            h.close()
+    del restored
+    gc.collect()
+    return res
+
+
+def run_matrix_worker(args) -> dict:
+    cfg = json.loads(args.cfg)
+    jobs = json.loads(args.jobs)
+    jax = _setup_jax(MATRIX_NDEV)
+    import jaxckpt
+
+    out: dict = {"jaxckpt_file": jaxckpt.__file__, "results": []}
+    for job in jobs:
+        out["results"].append(matrix_job(jax, job, cfg, args.verify))
+    return out
+
+
+
 # =====================================================================================
 # parent side
 # =====================================================================================
@@ -521,11 +719,9 @@ JAXCKPT_FILES: set = set()  # jaxckpt/__init__.py the workers imported
 JAXCKPT_SRC = None  # --jaxckpt-src: a directory holding the jaxckpt package to benchmark
 
 
-def _worker_env() -> dict:
+def _worker_env(ndev: int = NDEV) -> dict:
     env = dict(os.environ)
-    flag = f"--xla_force_host_platform_device_count={NDEV}"
-    if flag not in env.get("XLA_FLAGS", ""):
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flag).strip()
+    env["XLA_FLAGS"] = _xla_flags(env.get("XLA_FLAGS", ""), ndev)
     env["JAX_PLATFORMS"] = "cpu"
     first = [JAXCKPT_SRC] if JAXCKPT_SRC else []
     env["PYTHONPATH"] = os.pathsep.join(first + [REPO] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -537,14 +733,7 @@ def spawn(case: str, libs: list[str], ops: list[str], d: str, cfg: dict, verify:
            "--lib", ",".join(libs), "--op", ",".join(ops), "--dir", d, "--cfg", json.dumps(cfg)]
     if verify:
         cmd.append("--verify")
-    p = subprocess.run(cmd, check=False, capture_output=True, text=True, env=_worker_env(), cwd=REPO,
-                       timeout=WORKER_TIMEOUT_S)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith(MARK)]
-    if p.returncode != 0 or not lines:
-        tail = (p.stdout + p.stderr)[-3000:]
-        raise RuntimeError(f"worker {case}/{','.join(libs)}/{','.join(ops)} failed "
-                           f"(rc={p.returncode}):\n{tail}")
-    return json.loads(lines[-1][len(MARK):])
+    return _run_cmd(cmd, f"{case}/{','.join(libs)}/{','.join(ops)}", NDEV)
 
 
 def _sync_rmtree(d: str) -> None:
@@ -870,6 +1059,305 @@ def print_scaling(sc: dict, reps: int) -> None:
               "slope between the two smallest: 1 = linear, > 1 = superlinear")
 
 
+# --- restore matrix (--reshard, --cold): parent side ----------------------------------
+
+
+def _row(src: str, dst: str, cold: bool = False, state: str = "big") -> dict:
+    return {"id": f"{state}:{src}>{dst}" + (":cold" if cold else ""), "state": state,
+            "src": src, "dst": dst, "cold": cold}
+
+
+# saved on 4 devices P('data', None) -> restored onto five layouts, and three the other way
+RESHARD_ROWS = [_row("4", "4"), _row("4", "2x2ab"), _row("4", "2x2b"), _row("4", "1"),
+                _row("4", "4x2"), _row("4x2", "4"), _row("2x2ab", "4")]
+# page cache dropped before each restore, next to the same restore warm
+COLD_ROWS = [_row("4", "4"), _row("4", "4", True), _row("4", "2x2b"), _row("4", "2x2b", True),
+             _row("1", "1", state="many"), _row("1", "1", True, state="many")]
+# (key, bound, column head): what the restore should reach (issue 14)
+MATRIX_TARGETS = (("jx/orbax", 0.5, "t<=.5orb"), ("jx/limit", 1.3, "t<=1.3lim"),
+                  ("rss/restored", 1.15, "RSS<=1.15"), ("read/held", 1.25, "read<=1.25"))
+
+
+def matrix_rows(reshard: bool, cold: bool) -> list[dict]:
+    rows, seen = [], set()
+    for r in (RESHARD_ROWS if reshard else []) + (COLD_ROWS if cold else []):
+        if r["id"] not in seen:
+            seen.add(r["id"])
+            rows.append(r)
+    return rows
+
+
+def row_label(r: dict) -> str:
+    dst = "same" if r["dst"] == r["src"] else LAYOUTS[r["dst"]]
+    label = f"{LAYOUTS[r['src']]} -> {dst}"
+    if r["state"] == "many":
+        label = "many: " + label
+    return label + (" [cold]" if r["cold"] else "")
+
+
+def _run_cmd(cmd: list[str], what: str, ndev: int) -> dict:
+    p = subprocess.run(cmd, check=False, capture_output=True, text=True, env=_worker_env(ndev),
+                       cwd=REPO, timeout=WORKER_TIMEOUT_S)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith(MARK)]
+    if p.returncode != 0 or not lines:
+        tail = (p.stdout + p.stderr)[-3000:]
+        raise RuntimeError(f"worker {what} failed (rc={p.returncode}):\n{tail}")
+    return json.loads(lines[-1][len(MARK):])
+
+
+def _job_name(job: dict) -> str:
+    if job["do"] == "save":
+        return f"{job['lib']} save {job['state']} {job['src']}"
+    if job["do"] == "limit_save":
+        return f"limit save {job['state']} slices of {job['dst']}"
+    return f"{job['lib']} restore {job['row']}"
+
+
+def _matrix_spawn(jobs: list[dict], cfg: dict, verify: bool, samples: dict, errors: list,
+                  tag: str) -> bool:
+    what = "; ".join(_job_name(j) for j in jobs) if len(jobs) <= 2 else f"{len(jobs)} jobs"
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--jobs", json.dumps(jobs),
+           "--cfg", json.dumps(cfg)] + (["--verify"] if verify else [])
+    t0 = time.perf_counter()
+    try:
+        out = _run_cmd(cmd, what, MATRIX_NDEV)
+    except Exception as e:  # noqa: BLE001 - keep going, report at the end
+        errors.append(f"[{tag}] {e}")
+        print(f"  [{tag}] {what}: FAILED", file=sys.stderr)
+        return False
+    JAXCKPT_FILES.add(out.get("jaxckpt_file"))
+    for job, res in zip(jobs, out["results"]):
+        if job["do"] == "restore":
+            key, lib = job["row"], job["lib"]
+        else:
+            key = f"save:{job['state']}:{job['src'] if job['do'] == 'save' else job['dst']}"
+            lib = job.get("lib", "limit")
+        for k, v in res.items():
+            samples.setdefault(key, {}).setdefault(lib, {}).setdefault(k, []).append(v)
+    print(f"  [{tag}] {what}: {time.perf_counter() - t0:.1f}s wall", file=sys.stderr)
+    return True
+
+
+def run_matrix(rows: list[dict], libs: list[str], cfg: dict, reps: int, smoke: bool,
+               samples: dict, errors: list) -> None:
+    """Per saved layout: each library saves once (one process each), then every restore
+    of that layout runs in its own fresh process, the libraries interleaved (A B C D A B
+    C D ...). The limit's files (the target's slices) are written once per target.
+    With ``smoke``: one process does everything, every leaf checked."""
+    os.makedirs(OUT_ROOT, exist_ok=True)
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["state"], r["src"]), []).append(r)
+    smoke_jobs: list = []
+    smoke_dirs: list = []
+    for (state, src), grows in groups.items():
+        dsts = list(dict.fromkeys(r["dst"] for r in grows))
+        grows = sorted(grows, key=lambda r: dsts.index(r["dst"]))  # one limit save per target
+        gdir = tempfile.mkdtemp(prefix=f"matrix-{state}-{src}-", dir=OUT_ROOT)
+        tag = f"{state} saved {LAYOUTS[src]}"
+        if not smoke:
+            print(f"-- restore matrix: {tag}, {len(grows)} row(s), {reps} rep(s)", file=sys.stderr)
+
+        def restore(r, lib, gdir=gdir):
+            return {"do": "restore", "lib": lib, "state": r["state"], "dst": r["dst"],
+                    "cold": r["cold"], "dir": gdir, "row": r["id"]}
+
+        def limit_save(dst, gdir=gdir, state=state):
+            return {"do": "limit_save", "state": state, "dst": dst, "dir": gdir}
+
+        saves = [{"do": "save", "lib": lib, "state": state, "src": src, "dir": gdir}
+                 for lib in libs if lib != "limit"]
+        if smoke:
+            smoke_dirs.append(gdir)
+            smoke_jobs += saves + ([limit_save(d) for d in dsts] if "limit" in libs else [])
+            smoke_jobs += [restore(r, lib) for r in grows for _ in range(reps) for lib in libs]
+            continue
+        try:
+            failed = {j["lib"] for j in saves
+                      if not _matrix_spawn([j], cfg, False, samples, errors, tag)}
+            cur = None
+            for r in grows:
+                if "limit" in libs and r["dst"] != cur:
+                    if cur is not None:
+                        _sync_rmtree(os.path.join(gdir, "limit", cur))
+                    cur = r["dst"]
+                    failed.discard("limit")
+                    if not _matrix_spawn([limit_save(cur)], cfg, False, samples, errors, tag):
+                        failed.add("limit")
+                for rep in range(reps):
+                    for lib in libs:
+                        if lib not in failed:
+                            _matrix_spawn([restore(r, lib)], cfg, False, samples, errors,
+                                          f"{tag} rep {rep}")
+        finally:
+            _sync_rmtree(gdir)
+    if smoke_jobs:
+        print(f"-- restore matrix, smoke: {len(rows)} row(s), one process", file=sys.stderr)
+        try:
+            _matrix_spawn(smoke_jobs, cfg, True, samples, errors, "matrix smoke")
+        finally:
+            for d in smoke_dirs:
+                _sync_rmtree(d)
+
+
+def summarize_matrix(samples: dict, rows: list[dict]) -> list[dict]:
+    out = []
+    ids = {r["id"] for r in rows}
+    for r in rows:
+        s = samples.get(r["id"])
+        if not s:
+            continue
+        med = {lib: {k: statistics.median(v) for k, v in m.items()
+                     if v and all(isinstance(x, (int, float)) for x in v)}
+               for lib, m in s.items()}
+        needed = next((m["needed"] for m in med.values() if "needed" in m), None)
+        held = next((m["held"] for m in med.values() if "held" in m), None)
+        t = {lib: m["s"] for lib, m in med.items() if "s" in m}
+        ratios = {f"jx/{b.replace('_nocomp', '_nc')}": t["jaxckpt"] / t[b]
+                  for b in ("orbax", "orbax_nocomp", "limit")
+                  if "jaxckpt" in t and t.get(b)}
+        per_lib: dict = {}
+        for lib, m in med.items():
+            d = {}
+            for key, src in (("rss/restored", "rss"), ("read/held", "rchar"),
+                             ("disk/held", "read_bytes"), ("self/held", "jx_bytes_read")):
+                if src in m and needed:
+                    d[key] = m[src] / needed
+            warm = r["id"].removesuffix(":cold")
+            if r["cold"] and warm in ids and "s" in m:
+                w = samples.get(warm, {}).get(lib, {}).get("s")
+                if w:
+                    d["cold/warm"] = m["s"] / statistics.median(w)
+            per_lib[lib] = d
+        jx = per_lib.get("jaxckpt", {})
+        vals = {**ratios, **jx}
+        targets = {key: (vals[key] <= bound) if key in vals else None
+                   for key, bound, _ in MATRIX_TARGETS}
+        out.append({**r, "label": row_label(r), "needed": needed, "held": held, "time": t,
+                    "ratios": ratios, "per_lib": per_lib, "targets": targets, "median": med,
+                    "samples": s})
+    return out
+
+
+def print_matrix(mx: list[dict], cfg: dict, reps: int, libs: list[str], smoke: bool) -> None:
+    big = cfg["big_bytes"]
+    how = ("smoke: one process for everything, so times and RSS say little" if smoke else
+           "each restore a fresh process, libraries interleaved")
+    print(f"\n== restore matrix: big = {big / GiB:.3f} GiB float32 in 8 leaves "
+          f"{tuple(cfg['big_shape'])}, many = {cfg['many_leaves']} leaves of 1-16 KiB "
+          f"({cfg['many_bytes'] / MiB:.2f} MiB); {MATRIX_NDEV} CPU devices per process; "
+          f"{how}; median of {reps}")
+    cols = [c for c in COLS if c in libs]
+    heads = {"jaxckpt": "jaxckpt", "orbax": "orbax", "orbax_nocomp": "orbax_nc", "limit": "limit"}
+    short = {"jaxckpt": "jx", "orbax": "orb", "orbax_nocomp": "orb_nc", "limit": "lim"}
+    w0 = 40
+    rat = ["jx/orbax", "jx/orbax_nc", "jx/limit"]
+    print(f"{'restore time [s]':<{w0}}" + "".join(f"{heads[c]:>10}" for c in cols)
+          + "".join(f"{c:>12}" for c in rat) + "".join(f"{h:>11}" for _, _, h in MATRIX_TARGETS))
+    for r in mx:
+        line = f"{r['label'][:w0]:<{w0}}"
+        line += "".join(f"{_fmt(r['time'].get(c), 's'):>10}" for c in cols)
+        line += "".join(f"{r['ratios'][k]:>12.2f}" if k in r["ratios"] else f"{'-':>12}"
+                        for k in rat)
+        line += "".join(f"{'-' if v is None else 'met' if v else 'NOT met':>11}"
+                        for v in r["targets"].values())
+        print(line)
+    print("targets (jaxckpt): time <= 0.5x orbax (defaults), <= 1.3x the read limit; peak RSS "
+          "<= 1.15x the bytes restored; bytes read <= 1.25x the bytes held")
+
+    def cell(r, lib, key):
+        v = r["per_lib"].get(lib, {}).get(key)
+        return f"{'-':>9}" if v is None else f"{v:>9.2f}"
+
+    print(f"\n{'RSS/restored, bytes read/held (rchar)':<{w0}}{'MiB held':>10}"
+          + "".join(f"{short[c] + ' RSS':>11}{short[c] + ' rd':>10}" for c in cols)
+          + f"{'jx self':>9}")
+    for r in mx:
+        held = f"{r['needed'] / MiB:.4g}" if r["needed"] else "-"
+        if r["held"] and r["needed"] and r["held"] != r["needed"]:
+            held += f" ({r['held'] / MiB:.4g})"
+        line = f"{r['label'][:w0]:<{w0}}{held:>10}"
+        line += "".join(f"{cell(r, c, 'rss/restored'):>11}{cell(r, c, 'read/held'):>10}"
+                        for c in cols)
+        line += cell(r, "jaxckpt", "self/held")
+        print(line)
+    print("MiB held: the distinct bytes the target's devices hold (with replicas counted per "
+          "device in parentheses when different); RSS = peak RSS over the baseline / MiB held; "
+          "rd = rchar delta from /proc/self/io around the restore call (every byte read(2) "
+          "returned, page cache or disk, all threads) / MiB held; jx self = "
+          "jaxckpt._storage.io_stats()['bytes_read'] / MiB held")
+    cold = [r for r in mx if r["cold"]]
+    if cold:
+        print(f"\n{'cold rows: from disk/held, cold/warm':<{w0}}"
+              + "".join(f"{short[c] + ' disk':>12}{short[c] + ' c/w':>11}" for c in cols))
+        for r in cold:
+            line = f"{r['label'][:w0]:<{w0}}"
+            line += "".join(f"{cell(r, c, 'disk/held'):>12}{cell(r, c, 'cold/warm'):>11}"
+                            for c in cols)
+            print(line)
+        print("disk = read_bytes delta from /proc/self/io (bytes the process had fetched from "
+              "the block device) / MiB held; c/w = cold time / warm time of the same restore")
+    print("limit: the distinct slices the target's devices hold, each stored contiguously "
+          "(slice k in file k % 4), read by 4 threads with readinto into fresh numpy arrays: "
+          "the bytes this process needs, once")
+
+
+def fadvise_check(size: int, reps: int) -> dict:
+    """Does fsync + POSIX_FADV_DONTNEED drop a file's pages here? Times a warm and a
+    dropped read of a ``size``-byte file and counts what came from the block device."""
+    os.makedirs(OUT_ROOT, exist_ok=True)
+    path = os.path.join(OUT_ROOT, f"fadvise-check-{os.getpid()}.bin")
+    block = os.urandom(MiB)
+    try:
+        with open(path, "wb") as f:
+            for _ in range(max(1, size // MiB)):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        nbytes = os.path.getsize(path)
+        buf = bytearray(8 * MiB)
+
+        def read() -> tuple[float, int]:
+            io0 = proc_io()
+            t0 = time.perf_counter()
+            with open(path, "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
+            dt = time.perf_counter() - t0
+            io1 = proc_io()
+            return dt, io1.get("read_bytes", 0) - io0.get("read_bytes", 0)
+
+        read()  # make sure it is cached
+        warm, cold = [], []
+        for _ in range(reps):
+            warm.append(read())
+            _drop_file(path)
+            cold.append(read())
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    w_s = statistics.median(x[0] for x in warm)
+    c_s = statistics.median(x[0] for x in cold)
+    c_b = statistics.median(x[1] for x in cold)
+    has_io = bool(proc_io())
+    effective = (c_b >= 0.9 * nbytes) if has_io and c_b else c_s > 2 * w_s
+    return {"bytes": nbytes, "reps": reps, "warm_s": w_s, "cold_s": c_s,
+            "warm_read_bytes": statistics.median(x[1] for x in warm), "cold_read_bytes": c_b,
+            "effective": effective, "samples": {"warm": warm, "cold": cold}}
+
+
+def print_fadvise(fc: dict) -> None:
+    n = fc["bytes"]
+    print(f"\nfadvise check ({n / MiB:.0f} MiB file, one thread, median of {fc['reps']}): "
+          f"warm read {fc['warm_s'] * 1e3:.1f} ms ({n / GiB / fc['warm_s']:.2f} GiB/s, "
+          f"{fc['warm_read_bytes'] / MiB:.0f} MiB from the device); after fsync + "
+          f"POSIX_FADV_DONTNEED {fc['cold_s'] * 1e3:.1f} ms ({n / GiB / fc['cold_s']:.2f} GiB/s, "
+          f"{fc['cold_read_bytes'] / MiB:.0f} MiB from the device): cold/warm "
+          f"{fc['cold_s'] / fc['warm_s']:.1f}x -> pages "
+          + ("dropped: the cold rows read from the device" if fc["effective"] else
+             "NOT dropped: the cold rows are not cold here"))
+
+
 def _versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -895,6 +1383,17 @@ def main(argv=None) -> int:
                     help="scaling check instead of the comparison: big case at 0.25/1/4 GiB "
                          "(jaxckpt save + restore, write limit), many case at 100/1k/10k leaves "
                          "(jaxckpt); default 3 reps; with --smoke tiny sizes")
+    ap.add_argument("--reshard", action="store_true",
+                    help="restore matrix instead of the comparison: 1 GiB saved on 4 devices "
+                         "P('data', None) restored onto the same, 2x2 P('a','b'), 2x2 "
+                         "P(None,'b'), one device, 4x2 P('data','model'), and 4x2 / 2x2 "
+                         "layouts restored onto 4 P('data', None); 8 CPU devices per worker")
+    ap.add_argument("--cold", action="store_true",
+                    help="cold-cache rows instead of the comparison (with --reshard: added to "
+                         "the matrix): the same-layout big restore, big onto 2x2 P(None,'b') and "
+                         "the many-leaf restore, each warm and with the checkpoint's pages "
+                         "dropped (fsync + POSIX_FADV_DONTNEED) before every restore; plus a "
+                         "check that dropping works here")
     ap.add_argument("--json", metavar="FILE", help="also write the table (and samples) as JSON")
     ap.add_argument("--jaxckpt-src", metavar="DIR",
                     help="benchmark the jaxckpt package found in DIR (e.g. a `git archive` of a "
@@ -907,11 +1406,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     ap.add_argument("--cfg", help=argparse.SUPPRESS)
     ap.add_argument("--verify", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--jobs", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.worker:
         try:
-            out = run_worker(args)
+            out = run_matrix_worker(args) if args.jobs else run_worker(args)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
             return 1
@@ -937,11 +1437,16 @@ def main(argv=None) -> int:
         if x not in LIBS:
             ap.error(f"unknown lib {x!r}")
     cfg = make_cfg(size_gib, many_leaves)
+    # --reshard / --cold replace the comparison; --smoke alone runs everything, tiny
+    comparison = not (args.reshard or args.cold)
+    rows = matrix_rows(args.reshard or (args.smoke and comparison),
+                       args.cold or (args.smoke and comparison))
 
     t_start = time.perf_counter()
     samples: dict = {}
     errors: list[str] = []
-    for case in cases:
+    table: dict = {}
+    for case in cases if comparison else []:
         print(f"-- {case} ({reps} rep(s))", file=sys.stderr)
         if case == "import":
             try:
@@ -950,8 +1455,19 @@ def main(argv=None) -> int:
                 errors.append(f"import: {e}")
         else:
             run_case(case, libs, cfg, reps, args.smoke, samples, errors)
-    table = summarize(samples, [c for c in cases if c in samples])
-    print_table(table, cfg, reps)
+    if comparison:
+        table = summarize(samples, [c for c in cases if c in samples])
+        print_table(table, cfg, reps)
+    fadvise = mx = None
+    mx_samples: dict = {}
+    if any(r["cold"] for r in rows):
+        fadvise = fadvise_check(16 * MiB if args.smoke else 256 * MiB, 1 if args.smoke else 3)
+    if rows:
+        run_matrix(rows, libs, cfg, reps, args.smoke, mx_samples, errors)
+        mx = summarize_matrix(mx_samples, rows)
+        print_matrix(mx, cfg, reps, libs, args.smoke)
+    if fadvise:
+        print_fadvise(fadvise)
     print(f"jaxckpt imported from: {', '.join(sorted(f for f in JAXCKPT_FILES if f)) or '-'}")
     print(f"\nratios: value(jaxckpt) / value(other); < 1 means jaxckpt is faster/smaller. "
           f"total wall {time.perf_counter() - t_start:.0f}s")
@@ -963,6 +1479,7 @@ def main(argv=None) -> int:
                                   "threads": THREADS, "libs": libs,
                                   "jaxckpt_files": sorted(f for f in JAXCKPT_FILES if f)},
                        "versions": _versions(), "table": table, "raw": samples,
+                       "matrix": mx, "matrix_raw": mx_samples, "fadvise": fadvise,
                        "errors": errors}, f, indent=1)
     return 1 if errors else 0
 
