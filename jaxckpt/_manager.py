@@ -670,11 +670,22 @@ class CheckpointManager:
         Raises:
           CheckpointNotFoundError: no committed step (or not this one).
         """
-        self._settle_pending()
         read = functools.partial(_checkpoint.restore, target=target, shardings=shardings, partial=partial,
                                  allow_narrowing=allow_narrowing, key_map=key_map, missing=missing)
-        if self._per_host():
-            return self._restore_agreed(step, read)
+        held = step is not None and step in self._steps
+        if held:  # the settling below may run retention: it must not take the step asked for
+            self._pin(step)
+        try:
+            self._settle_pending()
+            if self._per_host():
+                return self._restore_agreed(step, read)
+            return self._restore_pinned(step, read)
+        finally:
+            if held:  # a delete retention deferred meanwhile runs after the next save, as always
+                with self._lock:
+                    self._reading[step] -= 1
+
+    def _restore_pinned(self, step: int | None, read: Callable[[Any], Any]) -> Any:
         where, step = self._restore_location(step)
         try:
             if not self._read_only or where != self._dir.child(_commit.step_name(step)):

@@ -684,3 +684,19 @@ def test_restore_right_after_an_async_save_returns_that_step(tmp_path):
         assert_bit_equal(mgr.restore()["w"], np.ones(4))  # the save in flight is finished first
         mgr.save(3, {"w": np.full(4, 3.0)})
         assert_bit_equal(mgr.restore(3)["w"], np.full(4, 3.0))
+
+
+def test_a_step_asked_for_survives_the_retention_of_the_saves_restore_settles(tmp_path):
+    """restore(step) finishes the saves in flight first; their retention must not delete
+    the step it was asked for (it was committed when asked)."""
+    with jaxckpt.CheckpointManager(tmp_path, max_to_keep=1, max_pending=2) as mgr:
+        mgr.save(1, {"w": np.zeros(4)})
+        mgr.wait_until_finished()
+        mgr.save(2, {"w": np.ones(4)})
+        mgr.save(3, {"w": np.full(4, 3.0)})
+        assert_bit_equal(mgr.restore(1)["w"], np.zeros(4))
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 3] and visible(tmp_path) == ["1", "3"]  # its delete was deferred
+        mgr.save(4, {"w": np.full(4, 4.0)})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [4] and visible(tmp_path) == ["4"]
