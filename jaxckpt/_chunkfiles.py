@@ -10,6 +10,7 @@ stores edge chunks at full size, and those go through tensorstore.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,24 +43,34 @@ def chunk_file(root: Location, key: str, cell: Sequence[int]) -> str | None:
 
 
 
+def packed_chunk_files(root: Location, process: int, start: int, stop: int, chunk_bytes: int) -> list[str]:
+    """The local files of the chunks of process ``process``'s packed array (chunks of
+    ``chunk_bytes``) that bytes ``[start, stop)`` lie in; ``[]`` off a local disk."""
+    if root.local is None:
+        return []
+    return [os.path.join(root.local, "packed", f"p{process}", "c", str(n))
+            for n in range(start // chunk_bytes, (stop - 1) // chunk_bytes + 1)]
+
+
 def read_chunk_file(dest: np.ndarray, path: str) -> None:
     """Read one whole zarr3 chunk (``bytes`` + ``crc32c`` codecs) from a local file
     straight into the C-contiguous ``dest`` and verify its checksum.
 
     This is tensorstore's format read without tensorstore: one ``readinto`` into the
     final buffer and a hardware crc32c, instead of a read into a staging buffer, a
-    checksum and a copy. Raises ``ValueError`` on a missing, short or corrupt chunk.
+    checksum and a copy. Raises ``ValueError`` on a missing, short or corrupt chunk, or
+    one that is not a regular file (opened without blocking: a FIFO planted in a hostile
+    checkpoint does not hang the read); ``OSError`` when the file system refuses it.
     """
     _iostats.count(bytes_read=dest.nbytes, reads=1)
     view = memoryview(dest.reshape(-1).view(np.uint8))
+    fd = _open_chunk(path)
     try:
-        f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed below
-    except FileNotFoundError:
-        raise ValueError(f"NOT_FOUND: chunk file {path} is missing") from None
-    with f:
-        size = os.fstat(f.fileno()).st_size
-        if size != dest.nbytes + 4:
-            raise ValueError(f"DATA_LOSS: chunk file {path} has {size} bytes, expected {dest.nbytes + 4}")
+        _check_size(os.fstat(fd), path, dest.nbytes)  # before fdopen, which refuses a directory
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb", buffering=0) as f:
         got = 0
         while got < dest.nbytes:
             n = f.readinto(view[got:])
@@ -71,6 +82,37 @@ def read_chunk_file(dest: np.ndarray, path: str) -> None:
     if stored != computed:
         raise ValueError(f"DATA_LOSS: chunk file {path}: digest mismatch, stored digest is "
                          f"0x{stored:08x} but computed digest is 0x{computed:08x}")
+
+
+def check_chunk_file(path: str, nbytes: int) -> None:
+    """Raise ``ValueError`` unless ``path`` is a regular file holding a chunk of
+    ``nbytes`` data bytes (plus its 4-byte crc32c).
+
+    Checked before tensorstore reads a local chunk: tensorstore allocates the whole chunk
+    the metadata promises before it looks at the file (a failed allocation aborts the
+    process), and its open of a FIFO would block forever.
+    """
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise ValueError(f"NOT_FOUND: chunk file {path} is missing") from None
+    _check_size(st, path, nbytes)
+
+
+def _open_chunk(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except (FileNotFoundError, NotADirectoryError):
+        raise ValueError(f"NOT_FOUND: chunk file {path} is missing") from None
+    except IsADirectoryError:
+        raise ValueError(f"DATA_LOSS: chunk file {path} is not a regular file") from None
+
+
+def _check_size(st: os.stat_result, path: str, nbytes: int) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"DATA_LOSS: chunk file {path} is not a regular file")
+    if st.st_size != nbytes + 4:
+        raise ValueError(f"DATA_LOSS: chunk file {path} has {st.st_size} bytes, expected {nbytes + 4}")
 
 
 

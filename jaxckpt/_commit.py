@@ -411,7 +411,9 @@ def discover(directory: Location) -> tuple[dict[int, _manifest.Manifest], dict[i
             data = _read_manifest_bytes(loc)
             if data is None:
                 continue
-            found[step] = _manifest.parse(data, str(loc))
+            man = _manifest.parse(data, str(loc))
+            _manifest.check_step(man, step, str(loc))  # not a manifest copied from another step
+            found[step] = man
         except Exception as e:  # noqa: BLE001 - a bad step is skipped, whatever is wrong with it
             skipped[step] = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
             _log.warning("Skipping step %d at '%s': %s", step, loc, skipped[step])

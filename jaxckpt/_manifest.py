@@ -8,6 +8,7 @@ checkpoint, the container description references each leaf exactly once.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from . import _dtypes, _layout, _location, _tree
@@ -43,6 +45,15 @@ _MAX_NBYTES = 1 << 44  # 16 TiB per leaf (and per packed array)
 # longer; the same bound keeps zero-size arrays' other dimensions sane.
 _MAX_DIM = _MAX_NBYTES
 _MAX_CHUNKS = 1 << 20
+# A packed array's chunks are 4 MiB at most (``_snapshot.PACK_CHUNK_BYTES``). tensorstore
+# allocates a whole chunk to read any byte of it, and a failed allocation aborts the
+# process, so a manifest may not ask for chunks much bigger than any save writes.
+MAX_PACKED_CHUNK_BYTES = 64 << 20
+# Data keys are a leaf's index (``"12"``); a longer key would only make file names the
+# file system refuses.
+_MAX_KEY = 255
+_MAX_IMPL = 64  # characters of a PRNG implementation's name
+_MAX_DEVICES = 1 << 24  # devices of a saved mesh
 
 # Limits on untrusted input (docs/format.md, "Limits on untrusted input").
 MAX_MANIFEST_BYTES = 256 << 20
@@ -304,8 +315,9 @@ def _parse_document(data: bytes, bad) -> Manifest:
                 raise bad(f"leaf '{rec.path}': data key '{rec.key}' used twice")
             seen_keys.add((rec.store, rec.key))
         leaves.append(rec)
+    _check_packed_sizes(packed, leaves, bad)
     structure = doc.get("structure")
-    _check_structure(structure, len(leaves), bad)
+    _check_structure(structure, [r.path for r in leaves], bad)
     info = {k: v for k, v in doc.items()
             if k not in ("format", "format_version", "data", "process_count", "packed", "metadata",
                          "structure", "leaves")}
@@ -315,6 +327,21 @@ def _parse_document(data: bytes, bad) -> Manifest:
             raise bad(f"field '{name[:100]}' is nested deeper than {MAX_DEPTH} levels")
     return Manifest(version, structure, tuple(leaves), metadata, process_count, info,
                     tuple(packed[k] for k in sorted(packed)), data)
+
+
+def check_step(man: Manifest, step: int, where: str) -> None:
+    """Raise ``CorruptCheckpointError`` when ``man``, found in the directory of step
+    ``step`` (a manager's ``<directory>/<step>/``), records another step in its info.
+
+    The manager records the step it saves. Chunks carry their own checksums, not the
+    step's, so a manifest copied from step 1 into ``2/`` would read step 2's arrays
+    under step 1's inline values, metadata and metrics without any checksum failing.
+    """
+    recorded = man.info.get("step")
+    if _is_int(recorded) and recorded != step:
+        raise CorruptCheckpointError(
+            f"Checkpoint '{where}': its manifest.json records step {recorded}, but it is the directory "
+            f"of step {step} (a manifest copied from another step?)")
 
 
 def _parse_data_prefix(doc: dict[str, Any], version: int, bad) -> str:
@@ -342,6 +369,8 @@ def _parse_packed(raw: Any, process_count: int, bad) -> dict[int, PackedArray]:
         if not (_is_int(p) and 0 <= p < process_count and p not in out and _is_int(n)
                 and 0 < n <= _MAX_NBYTES and _is_int(c) and 0 < c <= n):
             raise bad(f"packed entry {entry!r}")
+        if c > MAX_PACKED_CHUNK_BYTES:
+            raise bad(f"packed entry {entry!r}: chunks of {c} bytes (at most {MAX_PACKED_CHUNK_BYTES})")
         out[p] = PackedArray(p, n, c)
     return out
 
@@ -369,7 +398,9 @@ def _parse_leaf(raw: Any, i: int, packed: dict[int, PackedArray], bad) -> LeafRe
 
 
 def _parse_value(raw: dict[str, Any], path: str, bad) -> LeafRecord:
-    value = raw.get("value")
+    if "value" not in raw:  # every writer writes it, null included: a missing one is no None
+        raise bad(f"leaf '{path}': inline value is missing")
+    value = raw["value"]
     if value is not None and not isinstance(value, (bool, int, float, str)):
         raise bad(f"leaf '{path}': inline value of type {type(value).__name__}")
     type_name = raw.get("type")
@@ -410,26 +441,67 @@ def _parse_array(raw: dict[str, Any], path: str, kind: str, packed: dict[int, Pa
     if store not in STORES:
         raise bad(f"leaf '{path}': unknown store {store!r}")
     key = raw.get("key")
-    if not isinstance(key, str) or not _location.is_safe_key(key):
+    if not isinstance(key, str) or len(key) > _MAX_KEY or not _location.is_safe_key(key):
         raise bad(f"leaf '{path}': data key {key!r} is not a relative path inside the checkpoint")
     chunks: tuple[tuple[int, int], ...] = ()
     if store == "packed":
         chunks = _parse_packed_chunks(raw.get("chunks"), path, shape, chunk_shape, itemsize, n_chunks, packed, bad)
     sharding = raw.get("sharding")
-    try:
-        _layout.sharding_from_json(sharding)
-    except (KeyError, TypeError, AttributeError, ValueError):
-        raise bad(f"leaf '{path}': sharding {sharding!r}") from None
-    impl, key_ndim = None, 0
-    if kind == "prng_key":
-        impl, key_ndim = raw.get("impl"), raw.get("key_ndim")
-        if not isinstance(impl, str) or not _is_int(key_ndim) or not 0 <= key_ndim <= len(shape):
-            raise bad(f"leaf '{path}': PRNG key impl/key_ndim")
+    if not _sharding_ok(sharding):
+        raise bad(f"leaf '{path}': sharding {sharding!r}")
+    impl, key_ndim = _parse_key_fields(raw, path, dtype, shape, bad) if kind == "prng_key" else (None, 0)
+    scalar = raw.get("scalar", False)
+    if not isinstance(scalar, bool) or (scalar and (kind != "array" or shape)):
+        raise bad(f"leaf '{path}': scalar {scalar!r} (true only for a 0-d array)")
     return LeafRecord(
-        path=path, kind=kind, dtype=dtype, shape=tuple(shape), scalar=bool(raw.get("scalar", False)),
+        path=path, kind=kind, dtype=dtype, shape=tuple(shape), scalar=scalar,
         impl=impl, key_ndim=key_ndim, sharding=sharding, store=store, key=key,
         chunk_shape=tuple(chunk_shape), storage_dtype=storage_dtype, nbytes=nbytes, chunks=chunks,
     )
+
+
+def _sharding_ok(sharding: Any) -> bool:
+    """The sharding a leaf was saved with (``_layout.sharding_to_json``): ``None``,
+    ``single_device``, ``other``, or ``named``: a mesh of distinct axis names and sizes
+    of at least 1, and a spec of ``None``, strings (axis names) or lists of them."""
+    if sharding is None:
+        return True
+    if not isinstance(sharding, dict) or sharding.get("type") not in ("named", "single_device", "other"):
+        return False
+    if sharding["type"] != "named":
+        return True
+    names, sizes, spec = (sharding.get(k) for k in ("axis_names", "axis_sizes", "spec"))
+    return (isinstance(names, list) and all(isinstance(n, str) for n in names) and len(set(names)) == len(names)
+            and _int_list(sizes, 1, _MAX_DEVICES + 1) and len(sizes) == len(names)
+            and math.prod(sizes) <= _MAX_DEVICES and isinstance(spec, list) and len(spec) <= _MAX_RANK
+            and all(e is None or isinstance(e, str) or (isinstance(e, list) and all(isinstance(a, str) for a in e))
+                    for e in spec))
+
+
+def _parse_key_fields(raw: dict[str, Any], path: str, dtype: str, shape: list[int], bad) -> tuple[str, int]:
+    """A PRNG key's ``impl`` and ``key_ndim``: an implementation jax knows, whose key data
+    (dtype and trailing shape) is what the record stores."""
+    impl, key_ndim = raw.get("impl"), raw.get("key_ndim")
+    if not isinstance(impl, str) or not _is_int(key_ndim) or not 0 <= key_ndim <= len(shape):
+        raise bad(f"leaf '{path}': PRNG key impl/key_ndim")
+    data = _prng_key_data(impl) if len(impl) <= _MAX_IMPL else None
+    if data is None:
+        raise bad(f"leaf '{path}': unknown PRNG key implementation {impl!r}")
+    if (dtype, tuple(shape[key_ndim:])) != data:
+        raise bad(f"leaf '{path}': {impl} keys are {data[0]} data of trailing shape {data[1]}, not "
+                  f"{dtype} of shape {tuple(shape[key_ndim:])}")
+    return impl, key_ndim
+
+
+@functools.lru_cache(maxsize=16)
+def _prng_key_data(impl: str) -> tuple[str, tuple[int, ...]] | None:
+    """The dtype name and shape of one key's data for PRNG implementation ``impl``, or
+    ``None`` when jax knows no such implementation."""
+    try:
+        data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
+    except (ValueError, TypeError, KeyError):
+        return None
+    return np.dtype(data.dtype).name, tuple(data.shape)
 
 
 def _parse_packed_chunks(raw_chunks: Any, path: str, shape: list[int], chunk_shape: list[int], itemsize: int,
@@ -444,50 +516,78 @@ def _parse_packed_chunks(raw_chunks: Any, path: str, shape: list[int], chunk_sha
         if not (isinstance(c, list) and len(c) == 2 and _is_int(c[0]) and c[0] in packed
                 and _is_int(c[1]) and 0 <= c[1] and c[1] + size <= packed[c[0]].nbytes):
             raise bad(f"leaf '{path}': chunk {c!r} lies outside the packed data")
+        if c[1] % _layout.PACK_ALIGN:  # every writer aligns them: a digit changed on disk
+            raise bad(f"leaf '{path}': chunk {c!r} does not start on a {_layout.PACK_ALIGN}-byte boundary")
     return tuple((c[0], c[1]) for c in raw_chunks)
 
 
-def _check_structure(structure: Any, n_leaves: int, bad) -> None:
-    seen = [False] * n_leaves
-    stack = [(structure, 0)]
+def _check_packed_sizes(packed: dict[int, PackedArray], leaves: list[LeafRecord], bad) -> None:
+    """Each packed array ends where its last chunk does (padded to ``PACK_ALIGN``), as
+    ``_layout.pack_offsets`` lays them out: no byte of it belongs to no leaf."""
+    ends = dict.fromkeys(packed, 0)
+    for rec in leaves:
+        if rec.kind == "value" or rec.store != "packed":
+            continue
+        itemsize = _dtypes.DTYPES[rec.dtype].itemsize
+        for cell, (proc, offset) in zip(_layout.chunk_cells(rec.shape, rec.chunk_shape), rec.chunks):
+            size = _layout.index_size(_layout.chunk_region(cell, rec.chunk_shape, rec.shape)) * itemsize
+            ends[proc] = max(ends[proc], offset + -(-size // _layout.PACK_ALIGN) * _layout.PACK_ALIGN)
+    for proc, end in ends.items():
+        if packed[proc].nbytes != end:
+            raise bad(f"packed entry of process {proc}: nbytes {packed[proc].nbytes}, but its chunks end at {end}")
+
+
+def _check_structure(structure: Any, paths: list[str], bad) -> None:
+    """Every leaf referenced once, at the key path its record names: a restore without a
+    target builds the tree from ``structure``, one with a target matches record paths, and
+    the two must agree on which data lands where."""
+    seen = [False] * len(paths)
+    stack: list[tuple[Any, tuple[str, ...]]] = [(structure, ())]
     while stack:
-        node, depth = stack.pop()
-        if depth > MAX_DEPTH:  # the tree is rebuilt recursively; save refuses deeper trees too
+        node, at = stack.pop()  # ``at``: the path components down to ``node``
+        if len(at) > MAX_DEPTH:  # the tree is rebuilt recursively; save refuses deeper trees too
             raise bad(f"structure is nested deeper than {MAX_DEPTH} levels")
         if not isinstance(node, dict) or len(node) not in (1, 2):
             raise bad("structure is malformed")
         if "leaf" in node:
             i = node["leaf"]
-            if not _is_int(i) or not 0 <= i < n_leaves or seen[i]:
+            if not _is_int(i) or not 0 <= i < len(paths) or seen[i]:
                 raise bad(f"structure references leaf {i!r} badly")
+            if paths[i] != "/".join(at):  # joined only here: a hostile tree of long keys stays linear
+                raise bad(f"structure puts leaf #{i} at '{'/'.join(at)}', but its record's path is '{paths[i]}'")
             seen[i] = True
-        elif "dict" in node:
-            items = node["dict"]
-            if not isinstance(items, list):
-                raise bad("structure is malformed")
-            for item in items:
-                if not (isinstance(item, list) and len(item) == 2 and
-                        (isinstance(item[0], str) or _is_int(item[0]))):
-                    raise bad("structure has a bad dict key")
-                stack.append((item[1], depth + 1))
-            _check_dict_keys([item[0] for item in items], bad)
-        elif "list" in node or "tuple" in node:
-            items = node.get("list", node.get("tuple"))
-            if not isinstance(items, list):
-                raise bad("structure is malformed")
-            stack.extend((c, depth + 1) for c in items)
-        elif "items" in node and isinstance(node.get("node"), str):
-            items = node["items"]
-            if not isinstance(items, list):
-                raise bad("structure is malformed")
-            for item in items:
-                if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
-                    raise bad("structure has a bad node item")
-                stack.append((item[1], depth + 1))
-        else:
-            raise bad("structure is malformed")
+            continue
+        stack.extend((child, (*at, part)) for part, child in _structure_children(node, bad))
     if not all(seen):
         raise bad("structure does not reference every leaf")
+
+
+def _structure_children(node: dict[str, Any], bad) -> list[tuple[str, Any]]:
+    """``(path component, child)`` of one container node of ``structure``."""
+    if "dict" in node:
+        items = node["dict"]
+        if not isinstance(items, list):
+            raise bad("structure is malformed")
+        for item in items:
+            if not (isinstance(item, list) and len(item) == 2 and
+                    (isinstance(item[0], str) or _is_int(item[0]))):
+                raise bad("structure has a bad dict key")
+        _check_dict_keys([item[0] for item in items], bad)
+        return [(_tree.encode_key(k) if isinstance(k, str) else str(k), c) for k, c in items]
+    if "list" in node or "tuple" in node:
+        items = node.get("list", node.get("tuple"))
+        if not isinstance(items, list):
+            raise bad("structure is malformed")
+        return [(str(i), c) for i, c in enumerate(items)]
+    if "items" in node and isinstance(node.get("node"), str):
+        items = node["items"]
+        if not isinstance(items, list):
+            raise bad("structure is malformed")
+        for item in items:
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+                raise bad("structure has a bad node item")
+        return [(k, c) for k, c in items]
+    raise bad("structure is malformed")
 
 
 def _check_dict_keys(keys: list[str | int], bad) -> None:

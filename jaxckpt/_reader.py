@@ -16,12 +16,19 @@ host array with ``get``. ``run`` plans all I/O together:
 
 Reads run concurrently within a byte budget, so the memory beyond the restored arrays
 themselves stays bounded.
+
+The manifest may be hostile (validated, but any size up to its caps): a buffer that
+cannot be allocated is a ``CheckpointError``, and before tensorstore reads a chunk it
+is checked that tensorstore can (``_check_before_tensorstore``): a local chunk must be
+a regular file of its size, and a chunk bigger than the read must be allocatable, since
+tensorstore aborts the process when an allocation fails and blocks on a FIFO.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +45,9 @@ DIRECT_READ_THREADS = 4
 # Whole chunks of big leaves on a local disk are read without tensorstore (see
 # _chunkfiles.read_chunk_file); False forces every read through tensorstore.
 DIRECT_READS = True
+# A tensorstore read that decodes a chunk bigger than this (and than the bytes it reads)
+# first checks that such a chunk can be allocated at all (``_check_before_tensorstore``).
+PROBE_BYTES = 64 << 20
 
 
 class Reader:
@@ -108,10 +118,11 @@ class Reader:
                     merged.append([offset, offset + nbytes])
             ranges[proc] = []
             for a, b in merged:
-                buf = _chunkfiles.aligned_empty((b - a,), np.uint8)
-                ranges[proc].append((a, b, buf))
                 leaves = sorted({p for s, e, p in owners[proc] if s < b and e > a})
-                ops.append(_Op(b - a, leaves, buf, None, store, ((a, b),)))
+                buf = _buffer(self.loc, leaves, (b - a,), np.uint8)
+                ranges[proc].append((a, b, buf))
+                files = tuple((f, chunk) for f in _chunkfiles.packed_chunk_files(self.root, proc, a, b, chunk))
+                ops.append(_Op(b - a, leaves, buf, None, store, ((a, b),), files=files))
         return ranges
 
     def _assemble_packed(self, rec: LeafRecord, index: _layout.Index, ranges) -> np.ndarray:
@@ -126,7 +137,7 @@ class Reader:
                     break
         if len(parts) == 1 and parts[0][3] == index:
             return views[0]  # exactly one saved chunk: no copy
-        out = _chunkfiles.aligned_empty(_layout.index_shape(index), storage)
+        out = _buffer(self.loc, [rec.path], _layout.index_shape(index), storage)
         for (_, _, _, region), view in zip(parts, views):
             overlap = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(index, region))
             out[_rel(overlap, index)] = view[_rel(overlap, region)]
@@ -142,18 +153,23 @@ class Reader:
             for cell, overlap in _layout.chunks_overlapping(index, rec.chunk_shape):
                 users[cell].append((index, overlap))
 
+        chunk_nbytes = math.prod(rec.chunk_shape) * storage.itemsize  # edge chunks are stored whole too
+
         def read(dest: Any, cell: tuple[int, ...], region: _layout.Index, whole: bool,
                  done: Callable[[np.ndarray], None] | None = None) -> _Op:
             # zarr stores an edge chunk at full size: only interior chunks map 1:1 to files
             whole = whole and _layout.index_shape(region) == tuple(rec.chunk_shape)
-            path = _chunkfiles.chunk_file(self.root, rec.key, cell) if direct and whole else None
+            local = _chunkfiles.chunk_file(self.root, rec.key, cell)  # None off a local disk
             contiguous = not isinstance(dest, np.ndarray) or dest.flags.c_contiguous
             nbytes = _layout.index_size(region) * storage.itemsize
-            return _Op(nbytes, [rec.path], dest, path if contiguous else None, store, region, done)
+            if direct and whole and contiguous and local is not None:
+                return _Op(nbytes, [rec.path], dest, local, store, region, done)
+            files = () if local is None else ((local, chunk_nbytes),)
+            return _Op(nbytes, [rec.path], dest, None, store, region, done, files, chunk_nbytes)
 
         dests = {}
         for index in indices:
-            dest = _chunkfiles.aligned_empty(_layout.index_shape(index), storage)
+            dest = _buffer(self.loc, [rec.path], _layout.index_shape(index), storage)
             dests[index] = dest
             self._out[(rec.path, index)] = dest
         for cell, uses in users.items():
@@ -169,19 +185,23 @@ class Reader:
                 for index, overlap in uses:
                     dests[index][_rel(overlap, index)] = tmp[_rel(overlap, region)]
 
-            temp = functools.partial(_chunkfiles.aligned_empty, _layout.index_shape(region), storage)
+            temp = functools.partial(_buffer, self.loc, [rec.path], _layout.index_shape(region), storage)
             ops.append(read(temp, cell, region, True, scatter))
 
 
 class _Op:
     """One read of ``region`` into ``dest`` (an array, or a factory of a temporary one):
     from the local chunk file ``path`` if set, else through tensorstore ``store``;
-    ``done(buffer)`` runs after it."""
+    ``done(buffer)`` runs after it. A tensorstore read of a local store first checks
+    ``files``, the chunk files it touches with their data bytes (``_chunkfiles.check_chunk_file``);
+    ``decoded`` is the bytes tensorstore allocates to decode the chunk it reads."""
 
     def __init__(self, nbytes: int, leaves: list[str], dest: Any, path: str | None, store: Any,
-                 region: _layout.Index, done: Callable[[np.ndarray], None] | None = None):
+                 region: _layout.Index, done: Callable[[np.ndarray], None] | None = None,
+                 files: tuple[tuple[str, int], ...] = (), decoded: int = 0):
         self.nbytes, self.leaves, self.dest, self.path = nbytes, leaves, dest, path
         self.store, self.region, self.done = store, region, done
+        self.files, self.decoded = files, decoded
 
     def buffer(self) -> np.ndarray:
         return self.dest if isinstance(self.dest, np.ndarray) else self.dest()
@@ -210,7 +230,7 @@ def _direct_task(op: _Op, loc: Location) -> Callable[[], None]:
         buf = op.buffer()
         try:
             _chunkfiles.read_chunk_file(buf, op.path)
-        except ValueError as e:
+        except (ValueError, OSError) as e:  # OSError: the file system refused (permissions, ...)
             raise _corrupt(loc, op, e) from e
         op.finish(buf)
 
@@ -234,6 +254,7 @@ def _tensorstore_job(op: _Op, loc: Location) -> tuple[int, Callable[[], Any], Ca
     bufs: list[np.ndarray] = []
 
     def start() -> Any:
+        _check_before_tensorstore(op, loc)
         bufs.append(op.buffer())
         return _zarr.read_into(bufs[0], op.store.result(), op.region)
 
@@ -245,6 +266,33 @@ def _tensorstore_job(op: _Op, loc: Location) -> tuple[int, Callable[[], Any], Ca
         op.finish(bufs[0])
 
     return op.nbytes, start, finish
+
+
+def _check_before_tensorstore(op: _Op, loc: Location) -> None:
+    """Refuse a read tensorstore would turn into a hang or a process abort: a local chunk
+    that is not a regular file of its size, or a chunk bigger than memory can hold
+    (tensorstore allocates the whole chunk before it reads a byte of it and aborts the
+    process, ``std::bad_alloc``, when that fails; numpy's ``MemoryError`` for the same
+    size is an error a restore can raise instead)."""
+    try:
+        for path, nbytes in op.files:
+            _chunkfiles.check_chunk_file(path, nbytes)
+    except ValueError as e:
+        raise _corrupt(loc, op, e) from e
+    if op.decoded > max(op.nbytes, PROBE_BYTES):
+        _buffer(loc, op.leaves, (op.decoded,), np.uint8)  # dropped at once: only a probe
+
+
+def _buffer(loc: Location, leaves: list[str], shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """``_chunkfiles.aligned_empty``, with a failed allocation a ``CheckpointError`` naming
+    the leaves (a hostile manifest may promise any size up to the per-leaf cap)."""
+    try:
+        return _chunkfiles.aligned_empty(shape, dtype)
+    except MemoryError:
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        names = ", ".join(f"'{p}'" for p in leaves[:5]) + (" ..." if len(leaves) > 5 else "")
+        raise CheckpointError(f"Checkpoint '{loc}': leaf {names}: could not allocate {nbytes} bytes to read it "
+                              "into") from None
 
 
 def _packed_chunks(rec: LeafRecord, index: _layout.Index) -> list[tuple[int, int, int, _layout.Index]]:
@@ -263,6 +311,7 @@ def _packed_chunks(rec: LeafRecord, index: _layout.Index) -> list[tuple[int, int
     return out
 
 
-def _rel(inner: _layout.Index, outer: _layout.Index) -> tuple[slice, ...]:
-    """``inner`` (global coordinates) as slices relative to ``outer``'s origin."""
-    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer))
+def _rel(inner: _layout.Index, outer: _layout.Index) -> tuple[Any, ...]:
+    """``inner`` (global coordinates) as slices relative to ``outer``'s origin. For a 0-d
+    array ``(...,)``: indexing with it gives a view (with ``()``, a numpy scalar)."""
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer)) or (Ellipsis,)

@@ -233,7 +233,7 @@ def verify(path: Any, *, progress: Progress | None = None) -> VerifyReport:
     start = time.perf_counter()
     loc = _location.resolve(path)
     try:
-        man = _commit.read_manifest(loc)
+        man = _sources.read_manifest(loc)  # also: a manifest copied from another step
     except CorruptCheckpointError as e:
         problem = {"leaf": None, "chunk": "manifest.json", "message": str(e)}
         return VerifyReport(str(loc), False, 0, 0, 0, time.perf_counter() - start, [problem])
@@ -249,6 +249,7 @@ def verify(path: Any, *, progress: Progress | None = None) -> VerifyReport:
     if root.local is not None:
         skip = _check_files(root.local, man, _expected_files(man, owners), problems)
     reads, n_chunks = _plan_reads(root, man, owners, skip)
+    _check_array_metadata(reads, problems)
     meter = _Meter(sum(r.nbytes for r in reads), progress)
     _run_reads(reads, problems, meter)
     return VerifyReport(str(loc), not problems.items, len(man.leaves), n_chunks, meter.good,
@@ -422,7 +423,7 @@ def _plan_reads(loc: Location, man: Manifest, owners, skip: set[str]) -> tuple[l
             continue
         storage = _dtypes.DTYPES[rec.storage_dtype]
         spec = _zarr.array_spec(loc, rec.key, rec.shape, rec.chunk_shape, rec.storage_dtype)
-        store = _zarr.open_array(spec, ctx, create=False)
+        store = _zarr.open_array(spec, ctx, create=False, check_metadata=True)
         direct = _reader.DIRECT_READS and loc.local is not None and (
             storage.itemsize == 1 or sys.byteorder == "little")
         for cell in _layout.chunk_cells(rec.shape, rec.chunk_shape):
@@ -436,7 +437,8 @@ def _plan_reads(loc: Location, man: Manifest, owners, skip: set[str]) -> tuple[l
             reads.append(_Read(name, _layout.index_size(region) * storage.itemsize, path, store, region,
                                storage, ((rec.path, _cell_label(cell)),)))
     for p in man.packed:
-        store = _zarr.open_array(_zarr.packed_spec(loc, p.process, p.nbytes, p.chunk_bytes), ctx, create=False)
+        store = _zarr.open_array(_zarr.packed_spec(loc, p.process, p.nbytes, p.chunk_bytes), ctx, create=False,
+                                 check_metadata=True)
         for n in range(-(-p.nbytes // p.chunk_bytes)):
             n_chunks += 1
             name = f"packed/p{p.process}/c/{n}"
@@ -445,6 +447,22 @@ def _plan_reads(loc: Location, man: Manifest, owners, skip: set[str]) -> tuple[l
                 reads.append(_Read(name, region[0][1] - region[0][0], None, store, region,
                                    np.dtype(np.uint8), _owner_list(owners, p.process, n)))
     return reads, n_chunks
+
+
+def _check_array_metadata(reads: list[_Read], problems: _Problems) -> None:
+    """Each array's ``zarr.json`` must agree with the manifest (restores never read it,
+    but other zarr readers do): one problem per array whose opening failed."""
+    seen: dict[int, _Read] = {}
+    for r in reads:
+        seen.setdefault(id(r.store), r)
+    for r in seen.values():
+        try:
+            r.store.result()
+        except Exception as e:  # noqa: BLE001 - reported, not raised
+            array = r.name.split("/c/")[0] if "/c/" in r.name else r.name.rsplit("/", 1)[0]
+            leaves = sorted({leaf for leaf, _ in r.owners if leaf is not None}) or [None]
+            for leaf in leaves:
+                problems.add(leaf, f"{array}/zarr.json", _storage.storage_cause(e))
 
 
 def _fail(problems: _Problems, read: _Read, error: BaseException) -> None:
@@ -466,11 +484,11 @@ def _run_reads(reads: list[_Read], problems: _Problems, meter: _Meter) -> None:
 
 
 def _direct_read(read: _Read, buffers: threading.local, problems: _Problems, meter: _Meter) -> None:
-    buf = getattr(buffers, "buf", None)
-    if buf is None or buf.nbytes < read.nbytes:
-        buffers.buf = None  # drop the old one before allocating its successor
-        buf = buffers.buf = _chunkfiles.aligned_empty((read.nbytes,), np.uint8)
     try:
+        buf = getattr(buffers, "buf", None)
+        if buf is None or buf.nbytes < read.nbytes:
+            buffers.buf = None  # drop the old one before allocating its successor
+            buf = buffers.buf = _chunkfiles.aligned_empty((read.nbytes,), np.uint8)
         _chunkfiles.read_chunk_file(buf[:read.nbytes], read.path)
     except Exception as e:  # noqa: BLE001 - a bad chunk is a problem to report, not to raise
         _fail(problems, read, e)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from . import _commit, _location, _reader
+from . import _commit, _location, _manifest, _reader
 from ._errors import CheckpointNotFoundError
 from ._location import Location
 from ._manifest import LeafRecord, Manifest
@@ -45,10 +45,12 @@ def open_source(path: Any) -> Source:
 
     Raises:
       CheckpointNotFoundError: nothing there is a checkpoint of a known format.
+      CorruptCheckpointError: a jaxckpt manifest that does not validate, or one in a
+        directory named like a manager's step (``7``) that records another step.
     """
     loc = _location.resolve(path)
     try:
-        man = _commit.read_manifest(loc)
+        man = read_manifest(loc)
     except CheckpointNotFoundError as not_ours:
         for module in _foreign_formats():
             source = module.open_source(loc)
@@ -56,6 +58,21 @@ def open_source(path: Any) -> Source:
                 return source
         raise not_ours
     return Source(loc, man, lambda: _reader.Reader(loc, man), "jaxckpt")
+
+
+def read_manifest(loc: Location) -> Manifest:
+    """The validated manifest of the jaxckpt checkpoint at ``loc``; in a directory named
+    like a manager's step (``7``), one that records that step (``_manifest.check_step``).
+
+    Raises:
+      CheckpointNotFoundError: no ``manifest.json``.
+      CorruptCheckpointError: it does not validate, or it records another step.
+    """
+    man = _commit.read_manifest(loc)
+    step = _commit._step_of(loc.kvstore.get("path", "").rstrip("/").rsplit("/", 1)[-1])
+    if step is not None:
+        _manifest.check_step(man, step, str(loc))
+    return man
 
 
 def _foreign_formats() -> list[Any]:

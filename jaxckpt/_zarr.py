@@ -137,9 +137,15 @@ class _ArrayLocation:
 
 
 
-def open_array(spec: dict[str, Any], ctx: ts.Context, *, create: bool) -> _Opening:
+def open_array(spec: dict[str, Any], ctx: ts.Context, *, create: bool, check_metadata: bool = False) -> _Opening:
+    """Start opening the array of ``spec``: creating it, or for reading. A read trusts
+    the manifest's metadata in ``spec`` and never reads ``zarr.json``, unless
+    ``check_metadata`` (``verify``): then ``zarr.json`` is read, and one that disagrees
+    with ``spec`` (another shape, chunk grid, dtype or codecs) fails the opening."""
     if create:
         return _Opening(ts.open(spec, create=True, context=ctx), spec["kvstore"])
+    if check_metadata:
+        return _Opening(ts.open(spec, open=True, context=ctx), spec["kvstore"])
     return _Opening(ts.open(spec, assume_metadata=True, context=ctx), spec["kvstore"])
 
 

@@ -43,8 +43,11 @@ BAD = {
     "bad_version": (lambda d: d.update(format_version=99), "format_version 99 is not supported"),
     "not_ours": (lambda d: d.update(format="orbax"), "not a jaxckpt manifest"),
     "bad_structure": (lambda d: d.update(structure={"leaf": 7}), "structure references leaf 7"),
-    "unreferenced_leaf": (lambda d: d.update(structure={"dict": [["w", {"leaf": 0}]]}),
+    "unreferenced_leaf": (lambda d: d.update(structure={"dict": [["w", {"leaf": d["leaves"].index(_leaf(d, "w"))}]]}),
                           "does not reference every leaf"),
+    "leaf_elsewhere": (lambda d: d.update(structure={"dict": [["big", {"leaf": 1}], ["step", {"leaf": 0}],
+                                                              ["w", {"leaf": 2}]]}),
+                       "structure puts leaf #0 at 'step', but its record's path is 'big'"),
     "bad_value": (lambda d: _leaf(d, "step").update(value={"x": 1}), "inline value of type dict"),
     "chunk_of_no_process": (lambda d: _leaf(d, "w").update(chunks=[[3, 0]]), "lies outside the packed data"),
     "chunk_past_the_end": (lambda d: _leaf(d, "w").update(chunks=[[0, 1 << 30]]), "lies outside the packed data"),
@@ -52,6 +55,25 @@ BAD = {
     "packed_table": (lambda d: d.update(packed=[{"process": 5, "nbytes": 10, "chunk_bytes": 10}]),
                      "packed entry"),
     "duplicate_path": (lambda d: d["leaves"].append(dict(_leaf(d, "step"))), "duplicate leaf path 'step'"),
+    # issue 12: fields a flipped byte or a hostile writer get wrong that nothing else would catch
+    "value_missing": (lambda d: _leaf(d, "step").pop("value"), "leaf 'step': inline value is missing"),
+    "unaligned_chunk": (lambda d: _leaf(d, "w").update(chunks=[[0, 8]]),
+                        "leaf 'w': chunk [0, 8] does not start on a 64-byte boundary"),
+    "packed_size_lie": (lambda d: d.update(packed=[{"process": 0, "nbytes": 128, "chunk_bytes": 128}]),
+                        "packed entry of process 0: nbytes 128, but its chunks end at 64"),
+    "unknown_impl": (lambda d: _leaf(d, "w").update(kind="prng_key", impl="nope", key_ndim=0),
+                     "leaf 'w': unknown PRNG key implementation 'nope'"),
+    "key_of_float_data": (lambda d: _leaf(d, "w").update(kind="prng_key", impl="threefry2x32", key_ndim=1,
+                                                         shape=[6, 2], chunk_shape=[6, 2]),
+                          "threefry2x32 keys are uint32 data of trailing shape (2,), not float32 of shape (2,)"),
+    "scalar_not_bool": (lambda d: _leaf(d, "w").update(scalar="yes"), "leaf 'w': scalar 'yes'"),
+    "sharding_type": (lambda d: _leaf(d, "w").update(sharding={"type": "pickled"}), "leaf 'w': sharding {'type'"),
+    "mesh_size_zero": (lambda d: _leaf(d, "w").update(sharding={"type": "named", "axis_names": ["x"],
+                                                                "axis_sizes": [0], "spec": ["x"]}),
+                       "leaf 'w': sharding {'type': 'named'"),
+    "mesh_size_str": (lambda d: _leaf(d, "w").update(sharding={"type": "named", "axis_names": ["x"],
+                                                               "axis_sizes": ["2"], "spec": ["x"]}),
+                      "leaf 'w': sharding {'type': 'named'"),
 }
 
 
@@ -81,7 +103,8 @@ def test_truncated_and_binary_manifests(saved):
 def test_round_trip_of_a_record():
     rec = _manifest.LeafRecord(path="a/b", kind="array", dtype="int4", shape=(4, 2), store="packed", key="3",
                                chunk_shape=(2, 2), storage_dtype="int4", nbytes=8, chunks=((0, 0), (0, 64)))
-    man = _manifest.Manifest(1, {"leaf": 0}, (rec,), {"m": 1}, 1, packed=(_manifest.PackedArray(0, 128, 128),))
+    structure = {"dict": [["a", {"dict": [["b", {"leaf": 0}]]}]]}
+    man = _manifest.Manifest(1, structure, (rec,), {"m": 1}, 1, packed=(_manifest.PackedArray(0, 128, 128),))
     back = _manifest.parse(man.to_bytes(), "x")
     assert back.leaves == (rec,)
     assert back.packed == man.packed
@@ -209,6 +232,8 @@ def test_limits_still_accept_the_largest_allowed_values(saved):
     doc = json.loads(path.read_text())
     doc["metadata"] = {"x": 10**40 - 1, "deep": _nest(99), "nan": float("nan")}
     doc["structure"] = _nest_structure(doc["structure"], 100 - 1)  # leaves end at depth 100
+    for rec in doc["leaves"]:
+        rec["path"] = "0/" * 99 + rec["path"]
     path.write_text(json.dumps(doc, allow_nan=True))
     info = jaxckpt.metadata(saved)
     assert info.metadata["x"] == 10**40 - 1 and np.isnan(info.metadata["nan"])

@@ -88,3 +88,24 @@ def test_a_store_that_fails_is_not_reported_as_corruption():
     gone = _reader._corrupt(loc, op, ValueError("UNAVAILABLE: Failed to connect to 127.0.0.1 port 9"))
     assert type(gone) is _errors.CheckpointError
     assert str(gone) == "Checkpoint 's3://b/ckpt': reading leaf 'params/w' failed: UNAVAILABLE: Failed to connect to 127.0.0.1 port 9"
+
+
+def test_a_0d_leaf_in_the_file_store_is_read(ckpt):
+    """No save puts a 0-d leaf in a file of its own (it is packed), but the format allows
+    it; the fuzzer (tests/test_fuzz.py) found its read failing with a TypeError."""
+    import json
+
+    import tensorstore as ts
+
+    jaxckpt.save(ckpt, {"s": np.float64(1.5)})
+    doc = json.loads((ckpt / "manifest.json").read_text())
+    rec = doc["leaves"][0]
+    rec.update(store="file", key="0")
+    del rec["chunks"]
+    doc["packed"] = []
+    (ckpt / "manifest.json").write_text(json.dumps(doc))
+    spec = _zarr.array_spec(_location.resolve(ckpt), "0", (), (), "float64")
+    ts.open(spec, create=True).result().write(np.float64(2.5)).result()
+    out = jaxckpt.restore(ckpt)["s"]
+    assert type(out) is np.float64 and out == 2.5
+    assert jaxckpt.open(ckpt)["s"][()] == 2.5
