@@ -102,3 +102,49 @@ def test_an_explicit_delete_of_a_step_being_read_elsewhere_is_refused(tmp_path):
         assert out.split() == ["DONE", "True"], err[-2000:]
         mgr.delete(1)
         assert mgr.all_steps() == [2] and steps_on_disk(tmp_path) == [2]
+
+
+POLLER = """
+    import sys, time
+    import numpy as np
+    import jaxckpt
+    seen, errors = set(), []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with jaxckpt.CheckpointManager({path!r}, read_only=True) as mgr:
+            latest = mgr.latest_step()
+            if latest is not None:
+                try:
+                    back = mgr.restore(latest)
+                except jaxckpt.CheckpointNotFoundError:
+                    continue  # deleted by retention between listing and reading: fine
+                w = back["w"]
+                if back["step"] != latest or w.tobytes() != np.full((512, 1024), latest, np.float32).tobytes():
+                    errors.append(latest)
+                if not seen:
+                    print("READY", flush=True)
+                seen.add(latest)
+                if latest >= {last}:
+                    break
+    print("SEEN", len(seen), "ERRORS", errors, flush=True)
+"""
+
+
+def test_readers_in_another_process_never_see_a_partial_step(tmp_path):
+    """A process polling the directory (list the latest, restore it) while the writer
+    saves and prunes: every step it reads is whole and is the step it says."""
+    last = 30
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with jaxckpt.CheckpointManager(tmp_path, max_to_keep=2) as mgr:
+        mgr.save(0, state(0))
+        mgr.wait_until_finished()
+        poller = subprocess.Popen([sys.executable, "-c", textwrap.dedent(POLLER.format(path=str(tmp_path), last=last))],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        assert poller.stdout.readline().strip() == "READY"  # it read step 0; now the saves begin
+        for i in range(1, last + 1):
+            mgr.save(i, state(i))
+        mgr.wait_until_finished()
+        out, err = poller.communicate(timeout=120)
+    words = out.split()
+    assert poller.returncode == 0 and words[:1] == ["SEEN"], err[-2000:]
+    assert int(words[1]) >= 2 and out.strip().endswith("ERRORS []"), out
