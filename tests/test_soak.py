@@ -1,7 +1,7 @@
 """Soak: async saves every step, with retention and random restores, for a while.
 
 The run lasts ``JAXCKPT_SOAK_S`` seconds (default 10; ``.ci/run`` sets 120, and
-``JAXCKPT_SOAK_S=3600 pytest tests/test_soak.py`` is the long soak). Checked: every step
+``JAXCKPT_SOAK_S=3600 pytest -m slow tests/test_soak.py`` is the long soak). Checked: every step
 retention must keep is there and restores bit for bit, every random restore is exact,
 and nothing leaks: threads, file descriptors, and memory (the RSS trend over the second
 half of the run, measured and printed).
@@ -14,6 +14,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 import jaxckpt
 
@@ -48,6 +49,7 @@ def slope_per_1000(samples):
     return float(np.polyfit(x, y, 1)[0] * 1000) if len(samples) > 2 else 0.0
 
 
+@pytest.mark.slow
 def test_soak_async_saves_retention_and_restores(tmp_path):
     seconds = float(os.environ.get("JAXCKPT_SOAK_S", "10"))
     rng = random.Random(0)
