@@ -19,7 +19,7 @@ def _restore_one(ckpt, key, target, **kw):
     return jaxckpt.restore(ckpt, {key: target}, partial=True, **kw)[key]
 
 
-def test_integer_narrowing_only_when_every_value_fits(ckpt):
+def test_integer_narrowing_only_when_every_value_fits(ckpt, monkeypatch):
     jaxckpt.save(ckpt, {
         "big": np.array([300, -1], np.int64),
         "small": np.array([5, -3], np.int64),
@@ -35,10 +35,14 @@ def test_integer_narrowing_only_when_every_value_fits(ckpt):
             _restore_one(ckpt, "big", np.zeros(2, dtype))
         assert err.value.paths == ("big",)
         assert f"{where} {np.dtype(dtype).name} {rng}; pass allow_narrowing=True" in str(err.value)
-    # the device path checks each host slice too
+    # the device path checks what it reads: a small leaf whole, a big one slice by slice
     s = NamedSharding(mesh((2,), ("x",)), P("x"))
+    with pytest.raises(jaxckpt.TreeMismatchError, match=r"leaf 'big': saved int64 values in \[-1, 300\]"):
+        _restore_one(ckpt, "big", jax.ShapeDtypeStruct((2,), jnp.int8, sharding=s))
+    monkeypatch.setattr(jaxckpt._checkpoint, "WHOLE_LEAF_BYTES", 0)  # as for a big leaf
     with pytest.raises(jaxckpt.TreeMismatchError, match=r"leaf 'big': saved int64 values in \[300, 300\]"):
         _restore_one(ckpt, "big", jax.ShapeDtypeStruct((2,), jnp.int8, sharding=s))
+    monkeypatch.undo()
     with pytest.raises(jaxckpt.TreeMismatchError,
                        match=r"leaf 'u8': saved uint8 values in \[7, 200\] .* int8"):
         _restore_one(ckpt, "u8", np.zeros(2, np.int8))
