@@ -543,9 +543,8 @@ def _place(reader: _sources.ReaderLike, requests: list[_Request], plans: list[An
                 slots.append((i, device))
     per_leaf: dict[int, dict[Any, Any]] = {}
     for (i, device), arr in zip(slots, jax.device_put(xs, ds) if xs else []):
-        if device is None:
-            out[i] = jax.random.wrap_key_data(arr, impl=requests[i].rec.impl) \
-                if requests[i].rec.kind == "prng_key" else arr
+        if device is None:  # placed whole
+            out[i] = _as_key(requests[i].rec, arr)
             continue
         per_leaf.setdefault(i, {})[device] = arr
     for i, arrays in per_leaf.items():
@@ -559,9 +558,12 @@ def _assemble(rec: LeafRecord, plan: Any, arrays: dict[Any, Any]) -> Any:
         (arr,) = arrays.values()
     else:
         arr = jax.make_array_from_single_device_arrays(rec.shape, sharding, [arrays[d] for d in per_device])
-    if rec.kind == "prng_key":
-        arr = jax.random.wrap_key_data(arr, impl=rec.impl)
-    return arr
+    return _as_key(rec, arr)
+
+
+def _as_key(rec: LeafRecord, arr: Any) -> Any:
+    """A PRNG key leaf's key array from its key data; any other leaf as it is."""
+    return jax.random.wrap_key_data(arr, impl=rec.impl) if rec.kind == "prng_key" else arr
 
 
 def _python_scalar(arr: np.ndarray, req: _Request, where: str) -> Any:

@@ -43,7 +43,7 @@ import stat
 import sys
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import _iostats, _location, _manifest, _storage, _tasks
@@ -503,27 +503,37 @@ def _recover_local(parent: str, name: str | None) -> list[str]:
     return done
 
 
-def delete_step(directory: Location, step: int, token: str) -> None:
+def delete_step(directory: Location, step: int, token: str, *,
+                held: Callable[[], bool] | None = None) -> bool:
     """Make a committed step invisible first, then delete its data (locally: renamed
     aside, then ``_storage.delete_tree``: its manifest, then the rest; no staging
     sibling shares its token, so it is never taken for an interrupted overwrite's old
-    copy)."""
+    copy). ``held`` is asked once the step is invisible (no new reader can find it):
+    ``True`` puts the step back as it was and returns ``False``. ``True``: it is gone."""
     loc = directory.child(step_name(step))
     if loc.local is not None:
         doomed = os.path.join(directory.local, f".{step_name(step)}{OLD_MARK}{token}")
         try:
             os.rename(loc.local, doomed)
         except FileNotFoundError:
-            return
+            return True
+        if held is not None and held():
+            os.rename(doomed, loc.local)
+            return False
         _storage.fsync_dir(directory.local)
         _iostats.fault("delete:after-rename", str(loc))
         _storage.delete_tree(_location.resolve(doomed))  # its manifest first
-        return
+        return True
     # No rename on an object store: the manifest goes first (the step is unlisted at
     # once; a crash here leaves data that is no checkpoint), then everything under it.
+    manifest = _storage.read_blob(loc, _manifest.MANIFEST) if held is not None else None
     _storage.delete_blob(loc, _manifest.MANIFEST)
     _iostats.fault("delete:after-manifest", str(loc))
+    if manifest is not None and held():
+        _storage.write_blob(loc, _manifest.MANIFEST, manifest)
+        return False
     _storage.delete_tree(loc)
+    return True
 
 
 def remove_dead_step_data(directory: Location, *, dry_run: bool = False) -> list[str]:

@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import Any
 
-from . import _commit, _iostats, _lease, _location, _manifest, _storage
+from . import _commit, _lease, _storage
 from ._location import Location
 
 _log = logging.getLogger("jaxckpt")
@@ -93,33 +93,6 @@ def live_readers(directory: Location, step: int) -> list[dict[str, Any]]:
 
 
 def delete_unless_read(directory: Location, step: int, token: str) -> bool:
-    """Delete committed ``step`` unless a live reader marks it; ``True`` when it is gone.
-
-    The step is made invisible first (renamed aside on a local disk; its manifest
-    removed on an object store), so no new reader finds it; then the marks are looked
-    at. A live one puts the step back as it was."""
-    name = _commit.step_name(step)
-    loc = directory.child(name)
-    if loc.local is not None:
-        hidden = os.path.join(directory.local, f".{name}{_commit.OLD_MARK}{token}")
-        try:
-            os.rename(loc.local, hidden)
-        except FileNotFoundError:
-            return True
-        if live_readers(directory, step):
-            os.rename(hidden, loc.local)
-            return False
-        _storage.fsync_dir(directory.local)
-        _iostats.fault("delete:after-rename", str(loc))
-        _storage.delete_tree(_location.resolve(hidden))
-        return True
-    manifest = _storage.read_blob(loc, _manifest.MANIFEST)
-    if manifest is None:
-        return True
-    _storage.delete_blob(loc, _manifest.MANIFEST)
-    _iostats.fault("delete:after-manifest", str(loc))
-    if live_readers(directory, step):
-        _storage.write_blob(loc, _manifest.MANIFEST, manifest)
-        return False
-    _storage.delete_tree(loc)
-    return True
+    """Delete committed ``step`` unless a live reader marks it; ``True`` when it is gone
+    (``_commit.delete_step`` hides it first, then asks)."""
+    return _commit.delete_step(directory, step, token, held=lambda: bool(live_readers(directory, step)))

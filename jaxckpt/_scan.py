@@ -247,7 +247,7 @@ def verify(path: Any, *, progress: Progress | None = None) -> VerifyReport:
     skip: set[str] = set()
     root = man.data_root(loc)  # file names below are relative to it
     if root.local is not None:
-        skip = _check_files(root.local, man, _expected_files(man, owners), problems)
+        skip = _check_files(root.local, man, expected_files(man, owners), problems)
     reads, n_chunks = _plan_reads(root, man, owners, skip)
     _check_array_metadata(reads, problems)
     meter = _Meter(sum(r.nbytes for r in reads), progress)
@@ -332,9 +332,11 @@ def _owner_list(owners: dict[tuple[int, int], dict[str, str]], proc: int, n: int
     return tuple(held.items()) if held else ((None, f"packed p{proc} chunk {n}"),)
 
 
-def _expected_files(man: Manifest, owners) -> dict[str, tuple[int | None, tuple]]:
+def expected_files(man: Manifest, owners: Any = None) -> dict[str, tuple[int | None, tuple]]:
     """Every file the manifest implies under ``arrays/`` and ``packed/``: its size
-    (``None``: any) and whom to name when it is missing or wrong."""
+    (``None``: any) and whom to name when it is missing or wrong (the two-tier copy
+    checks that the hosts' listings cover these)."""
+    owners = {} if owners is None else owners
     out: dict[str, tuple[int | None, tuple]] = {}
     for rec in man.leaves:
         if not _has_data(rec, "file"):
@@ -351,7 +353,7 @@ def _expected_files(man: Manifest, owners) -> dict[str, tuple[int | None, tuple]
     return out
 
 
-def _list_files(root: str) -> dict[str, int]:
+def list_files(root: str) -> dict[str, int]:
     """Size of every file under ``root``'s data directories, by relative name."""
     found = {}
     for top in sorted(_commit.DATA_DIRS):
@@ -369,7 +371,7 @@ def _list_files(root: str) -> dict[str, int]:
 def _check_files(root: str, man: Manifest, expected: dict[str, tuple[int | None, tuple]],
                  problems: _Problems) -> set[str]:
     """Missing, wrong-sized and unexpected files; returns the names not worth reading."""
-    found = _list_files(root)
+    found = list_files(root)
     bad = set()
     for name, (size, owners) in expected.items():
         got = found.pop(name, None)

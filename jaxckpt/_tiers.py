@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _commit, _distributed, _iostats, _layout, _manifest, _retention, _storage, _tasks
+from . import _commit, _distributed, _iostats, _layout, _manifest, _retention, _scan, _storage, _tasks
 from ._errors import CheckpointError
 from ._location import Location
 from ._manifest import Manifest
@@ -40,35 +40,12 @@ _log = logging.getLogger("jaxckpt")
 COPY_THREADS = 8
 
 
-def expected_files(man: Manifest) -> set[str]:
-    """Every data file a committed checkpoint's manifest needs, relative to its data root."""
-    out = set()
-    for rec in man.leaves:
-        if rec.kind == "value" or rec.store != "file":
-            continue
-        out.add(f"arrays/{rec.key}/zarr.json")
-        if rec.nbytes:
-            out.update(f"arrays/{rec.key}/c" + "".join(f"/{i}" for i in cell)
-                       for cell in _layout.chunk_cells(rec.shape, rec.chunk_shape))
-    for p in man.packed:
-        out.add(f"packed/p{p.process}/zarr.json")
-        out.update(f"packed/p{p.process}/c/{i}" for i in range(-(-p.nbytes // p.chunk_bytes)))
-    return out
-
-
 def list_files(root: Location) -> dict[str, int]:
     """The data files of the committed local checkpoint ``root`` (its manifest excluded),
     relative path -> size. Empty when it is not there (a host that lost its disk)."""
     if root.local is None:
         raise CheckpointError(f"'{root}': the local tier must be a local directory")
-    out = {}
-    for name in sorted(_commit.DATA_DIRS):
-        top = os.path.join(root.local, name)
-        for dirpath, _dirs, files in os.walk(top):
-            for f in files:
-                path = os.path.join(dirpath, f)
-                out[os.path.relpath(path, root.local).replace(os.sep, "/")] = os.lstat(path).st_size
-    return out
+    return _scan.list_files(root.local)
 
 
 def assign_copies(listings: dict[int, dict[str, int]], groups: Sequence[Sequence[int]]) -> dict[int, list[str]]:
@@ -151,7 +128,7 @@ class _Copy:
         try:
             listings = self._copy_mine(op, token)
             held = set().union(*listings.values()) if listings else set()
-            missing = sorted(expected_files(self.man) - held)
+            missing = sorted(set(_scan.expected_files(self.man)) - held)
             if missing:
                 raise CheckpointError(
                     f"step {self.step}: no process's local directory holds {len(missing)} of its files "

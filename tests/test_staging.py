@@ -247,11 +247,6 @@ def test_a_budget_is_a_positive_int(bad):
     assert _snapshot.staging_budget(None) is None
 
 
-def _manager(path, **kw):
-    try:
-        return jaxckpt.CheckpointManager(path, **kw)
-    except TypeError:
-        pytest.skip("CheckpointManager has no max_staging_bytes yet")
 
 
 def test_manager_saves_in_waves(tmp_path, monkeypatch):
@@ -264,7 +259,7 @@ def test_manager_saves_in_waves(tmp_path, monkeypatch):
             released.wait(0.05)
 
     monkeypatch.setattr(_storage, "fault_hook", hold)
-    with _manager(tmp_path, max_staging_bytes=BUDGET) as mgr:
+    with jaxckpt.CheckpointManager(tmp_path, max_staging_bytes=BUDGET) as mgr:
         mgr.save(1, tree)
         for v in tree["host"]:
             v[...] = 0
@@ -287,7 +282,7 @@ def test_manager_failure_in_a_wave_surfaces_later_and_commits_nothing(tmp_path, 
             raise OSError("disk on fire")
 
     monkeypatch.setattr(_storage, "fault_hook", fail)
-    mgr = _manager(tmp_path, max_staging_bytes=BUDGET)
+    mgr = jaxckpt.CheckpointManager(tmp_path, max_staging_bytes=BUDGET)
     assert mgr.save(1, tree)  # returns: the failure is the writer's
     with pytest.raises(jaxckpt.CheckpointError, match="disk on fire"):
         mgr.wait_until_finished()
