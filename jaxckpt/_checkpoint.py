@@ -22,7 +22,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from . import _commit, _distributed, _dtypes, _layout, _location, _manifest, _sources, _tree
+from . import _commit, _distributed, _dtypes, _exchange, _layout, _location, _manifest, _sources, _tree
 from ._errors import CheckpointError, TreeMismatchError
 from ._location import Location
 from ._manifest import LeafRecord, Manifest
@@ -479,8 +479,13 @@ def _cast(arr: np.ndarray, req: _Request, where: str) -> np.ndarray:
 
 
 def _restore_leaves(source: _sources.Source, requests: list[_Request]) -> list[Any]:
-    """Read what every request needs (each distinct slice once), then place it."""
-    reader = source.new_reader()
+    """Read what every request needs (each distinct slice once), then place it. In a
+    multi-process job a slice several processes need is read once per job (``_exchange``)."""
+    spanning = sum(req.mode == "jax" and not req.sharding.is_fully_addressable for req in requests)
+    if _exchange.applies(spanning, source.loc):
+        reader: Any = _exchange.ReadOnce(source.new_reader, str(source.loc), source.format == "jaxckpt")
+    else:
+        reader = source.new_reader()
     plans = [_plan_reads(reader, req) for req in requests]
     reader.run()
     return _place(reader, requests, plans, str(source.loc))
@@ -506,6 +511,9 @@ def _plan_reads(reader: _sources.ReaderLike, req: _Request) -> Any:
         reader.add(rec, full)
         return sharding, None
     per_device = _layout.needed_indices(sharding, rec.shape)
+    if isinstance(reader, _exchange.ReadOnce) and not sharding.is_fully_addressable:
+        reader.add_global(rec, sharding, set(per_device.values()))
+        return sharding, per_device
     for index in set(per_device.values()):
         reader.add(rec, index)
     return sharding, per_device

@@ -62,6 +62,7 @@ def read_chunk_file(dest: np.ndarray, path: str) -> None:
     one that is not a regular file (opened without blocking: a FIFO planted in a hostile
     checkpoint does not hang the read); ``OSError`` when the file system refuses it.
     """
+    _iostats.fault("read", path)
     _iostats.count(bytes_read=dest.nbytes, reads=1)
     view = memoryview(dest.reshape(-1).view(np.uint8))
     fd = _open_chunk(path)

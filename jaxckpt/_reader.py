@@ -256,7 +256,10 @@ def _tensorstore_job(op: _Op, loc: Location) -> tuple[int, Callable[[], Any], Ca
     def start() -> Any:
         _check_before_tensorstore(op, loc)
         bufs.append(op.buffer())
-        return _zarr.read_into(bufs[0], op.store.result(), op.region)
+        try:
+            return _zarr.read_into(bufs[0], op.store.result(), op.region)
+        except (OSError, ValueError) as e:  # refused before it started (e.g. the store cannot open)
+            raise _corrupt(loc, op, e) from e
 
     def finish(future: Any) -> None:
         try:

@@ -128,6 +128,8 @@ def main():
         result.update(run_no_manifest_reread(mesh, spec, path))
     elif scenario == "two_tiers":
         result.update(run_two_tiers(mesh, spec, path, args))
+    elif scenario == "read_once":
+        result.update(run_read_once(path, args))
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -180,6 +182,91 @@ def run_one_sided(mesh, spec, path):
         steps = mgr.all_steps()
         keys = _distributed.op_keys()
     return {"errors": errors, "steps": steps, "keys": keys}
+
+
+def read_once_state():
+    """Leaves of several dtypes and shapes (odd sizes, a 0-d array, a PRNG key)."""
+    rng = np.random.default_rng(3)
+    return {
+        "w": rng.standard_normal((256, 1024), dtype=np.float32),  # 1 MiB: chunk files
+        "cols": np.arange(64 * 512, dtype=np.int32).reshape(64, 512),
+        "h": rng.standard_normal((64, 96)).astype(jax.numpy.bfloat16),
+        "odd": np.arange(100, dtype=np.int8),
+        "mask": rng.standard_normal(48) > 0,
+        "s": np.array(7, np.int32),
+        "key": jax.random.key_data(jax.random.key(5)),
+    }
+
+
+def run_read_once(path, args):
+    """Save sharded over every process, restore with replicas in several processes (fully
+    replicated, and column blocks replicated over processes); report bytes read. ``bad``:
+    this process's reads fail (``fail``) or it dies in one (``die``)."""
+    from jaxckpt import _exchange
+
+    _exchange.READ_ONCE = args.get("read_once", "1")
+    if args.get("wave"):
+        _exchange.WAVE_BYTES = args["wave"]
+    devices = np.array(jax.devices()).reshape(nproc, ndev)
+    mesh = jax.sharding.Mesh(devices, ("d", "m"))
+    host = read_once_state()
+    rows = {k: (P("d") if v.ndim and v.shape[0] % nproc == 0 and k != "key" else P()) for k, v in host.items()}
+    saved = {k: jax.make_array_from_callback(v.shape, NamedSharding(mesh, rows[k]), lambda i, v=v: v[i])
+             for k, v in host.items()}
+    saved["key"] = jax.random.wrap_key_data(saved["key"])
+    saved["step"] = 3
+    if args.get("endpoint"):  # a plain s3:// URL, configured as users do: the environment
+        os.environ.update(AWS_ENDPOINT_URL=args["endpoint"], AWS_REGION="us-east-1")
+    jaxckpt.save(path, saved, timeout_s=30)
+    specs = {k: P() for k in host}
+    specs["cols"] = P(None, "m")  # column blocks, each replicated over the processes
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, specs[k]))
+              for k, v in host.items() if k != "key"}
+    target["key"] = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
+    target["step"] = 0
+    if pid == args.get("bad"):
+        def hook(op, key):
+            if op == "read":
+                if args["fault"] == "die":
+                    os._exit(3)
+                raise OSError(f"injected read failure in process {pid}")
+        _storage.fault_hook = hook
+    if args.get("stale"):
+        from jaxckpt import _distributed
+        _distributed.STALE_S = args["stale"]
+    if args.get("gather_fails"):
+        def broken(row, lengths):
+            raise RuntimeError("injected: no collectives")
+        _exchange.all_gather = broken
+    import logging
+
+    class Collect(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    collect = Collect()
+    logging.getLogger("jaxckpt").addHandler(collect)
+    _storage.reset_io_stats()
+    t0 = time.monotonic()
+    try:
+        back = jaxckpt.restore(path, target)
+    except jaxckpt.CheckpointError as e:
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
+    read = _storage.io_stats()["bytes_read"]
+    same = True
+    for k, v in host.items():
+        arr = jax.random.key_data(back[k]) if k == "key" else back[k]
+        if arr.sharding.spec != (specs[k] if k != "key" else P(None)):
+            same = False
+        for shard in arr.addressable_shards:
+            same &= np.asarray(shard.data).tobytes() == v[shard.index].tobytes()
+    same &= back["step"] == 3
+    return {"read": read, "same": bool(same), "state_bytes": int(sum(v.nbytes for v in host.values())),
+            "seconds": time.monotonic() - t0, "warnings": collect.messages}
 
 
 def run_replicated(mesh, path, args):

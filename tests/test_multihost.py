@@ -226,3 +226,82 @@ def test_two_tiers_with_a_shared_local_directory(tmp_path, s3_server):
     back = jaxckpt.restore(dict(durable, path="mp-tiers/b/2"))
     assert back["r"].tobytes() == (np.arange(300_000, dtype=np.int32) * 2).tobytes()
     assert back["w"].tobytes() == (np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024) + 2).tobytes()
+
+
+# --- read once per job (_exchange) ---------------------------------------------------
+
+
+def read_once_job(tmp_path, nproc=2, **args):
+    args.setdefault("path", str(tmp_path / "ckpt"))
+    res = run_job(nproc, 2, "read_once", {"mesh": (2 * nproc,), "names": ("x",), "spec": [None], **args}, timeout=120)
+    assert all("exit" not in r for r in res.values() if r["pid"] != args.get("bad")), res
+    return res
+
+
+def state_bytes():
+    sizes = {"w": 256 * 1024 * 4, "cols": 64 * 512 * 4, "h": 64 * 96 * 2, "odd": 100, "mask": 48, "s": 4, "key": 8}
+    return sum(sizes.values())
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_read_once_reads_each_replicated_byte_once_per_job(tmp_path, nproc):
+    """Fully replicated leaves and column blocks replicated over the processes: each
+    saved byte is read from storage by one process of the job, spread over them, and
+    every process gets every byte of what its devices hold. With the exchange off every
+    process reads all of it."""
+    once = read_once_job(tmp_path / "once", nproc, read_once="1")
+    each = read_once_job(tmp_path / "each", nproc, read_once="0")
+    total = state_bytes()
+    assert all(once[p]["same"] and each[p]["same"] for p in range(nproc)), (once, each)
+    assert [once[p]["state_bytes"] for p in range(nproc)] == [total] * nproc
+    reads = [once[p]["read"] for p in range(nproc)]
+    assert total <= sum(reads) <= total + 64 * 16, reads  # small leaves: + 64-byte chunk padding
+    # balanced, a saved chunk being the unit: saved from 2 processes the 1 MiB leaf is 2
+    # chunks; from 3 it is saved replicated, one chunk (replicas split only above 4 MiB)
+    assert max(reads) <= (total / 2 * 1.1 if nproc == 2 else 1 << 20), reads
+    if nproc == 3:
+        assert sorted(reads)[:2] == [12580, 131072], reads  # chunks are never read twice
+    assert all(total <= each[p]["read"] <= total + 64 * 16 for p in range(nproc)), each
+
+
+def test_read_once_in_many_waves(tmp_path):
+    res = read_once_job(tmp_path, read_once="1", wave=64 << 10)  # ~20 collectives
+    assert res[0]["same"] and res[1]["same"], res
+    assert sum(res[p]["read"] for p in (0, 1)) <= state_bytes() + 64 * 16
+
+
+def test_read_once_is_the_default_for_object_stores(tmp_path, s3_server):
+    endpoint = s3_server("unused")["endpoint"]
+    res = read_once_job(tmp_path, path="s3://jaxckpt-test/read-once", endpoint=endpoint)  # read_once: auto
+    assert res[0]["same"] and res[1]["same"], res
+    assert state_bytes() <= res[0]["read"] + res[1]["read"] <= state_bytes() + 64 * 16, res
+
+
+def test_read_once_is_off_by_default_for_local_paths(tmp_path):
+    res = read_once_job(tmp_path, read_once="auto")
+    assert all(res[p]["same"] and res[p]["read"] >= state_bytes() for p in (0, 1)), res
+
+
+def test_read_once_falls_back_to_storage_when_the_collective_fails(tmp_path):
+    res = read_once_job(tmp_path, read_once="1", gather_fails=True)
+    for p in (0, 1):
+        assert res[p]["same"], res
+        assert res[p]["read"] >= state_bytes()  # its own pieces, then everything it lacked
+        assert any("exchanging replicated slices between processes failed (injected: no collectives)" in w
+                   for w in res[p]["warnings"]), res[p]["warnings"]
+
+
+def test_a_failed_read_fails_the_restore_in_every_process(tmp_path):
+    res = read_once_job(tmp_path, read_once="1", bad=1, fault="fail")
+    assert res[1]["error"].startswith("CheckpointError: Checkpoint "), res[1]
+    assert "injected read failure in process 1" in res[1]["error"]
+    assert res[0]["error"].startswith("CheckpointError: restore"), res[0]
+    assert "/read " in res[0]["error"] and "failed in process 1" in res[0]["error"]
+    assert "injected read failure in process 1" in res[0]["error"]
+
+
+def test_a_reader_that_dies_fails_the_others_within_the_staleness_bound(tmp_path):
+    res = read_once_job(tmp_path, read_once="1", bad=1, fault="die", stale=3)
+    assert res[1].get("exit") == 3
+    assert "process 1 stopped responding (no heartbeat for 3s; dead or hung)" in res[0]["error"], res[0]
+    assert res[0]["seconds"] < 10

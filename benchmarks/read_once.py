@@ -1,0 +1,167 @@
+"""Read once per job (issue 14 item 6): a fully replicated state restored in N real JAX
+processes (jax.distributed, gloo, one CPU device each), with the exchange on (each
+replicated chunk read by one process, handed to the others by an all-gather) and off
+(every process reads everything). Repetitions interleaved; per repetition the slowest
+process's restore time and the job's total bytes read (the library's own count and the
+kernel's ``rchar``); medians printed with the ratios. ``--cold`` drops the checkpoint's
+pages (``POSIX_FADV_DONTNEED``) before every restore; ``--s3`` puts the checkpoint on a
+local S3 server (moto, a Python server on the same cores) through ``s3://`` and
+``AWS_ENDPOINT_URL``, where every read is a request to one shared service.
+
+    python benchmarks/read_once.py [--procs 4] [--mib 1024] [--reps 3] [--cold | --s3] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rchar() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def drop_cache(root: str) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def worker(port: int, nproc: int, pid: int, path: str, mib: int, reps: int, cold: bool) -> None:
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
+                               initialization_timeout=120)
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxckpt
+    from jaxckpt import _exchange, _storage
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+    everywhere = NamedSharding(mesh, P())
+    rows = mib * (1 << 20) // 8 // 4096  # 8 float32 leaves of (rows, 1024)
+    shape = (rows, 1024)
+    tree = {f"w{i}": jax.make_array_from_callback(
+        shape, everywhere, lambda idx, i=i: np.full(shape, i, np.float32)[idx]) for i in range(8)}
+    jaxckpt.save(path, tree, timeout_s=120)
+    del tree
+    target = {f"w{i}": jax.ShapeDtypeStruct(shape, np.float32, sharding=everywhere) for i in range(8)}
+    out = []
+    for rep in range(reps):
+        for mode in ("once", "each") if rep % 2 == 0 else ("each", "once"):
+            _exchange.READ_ONCE = "1" if mode == "once" else "0"
+            if cold and pid == 0 and "://" not in path:
+                drop_cache(path)
+            multihost_utils.sync_global_devices(f"r{rep}{mode}")
+            _storage.reset_io_stats()
+            before = rchar()
+            t0 = time.perf_counter()
+            back = jaxckpt.restore(path, target)
+            jax.block_until_ready(back)
+            seconds = time.perf_counter() - t0
+            kernel = rchar() - before
+            ok = all(float(np.asarray(back[f"w{i}"].addressable_data(0))[-1, -1]) == i for i in range(8))
+            del back
+            out.append({"rep": rep, "mode": mode, "seconds": seconds, "read": _storage.io_stats()["bytes_read"],
+                        "rchar": kernel, "ok": ok})
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def run(nproc: int, mib: int, reps: int, cold: bool, s3: bool = False) -> dict:
+    d = tempfile.mkdtemp(prefix="jaxckpt-readonce-")
+    path = os.path.join(d, "ckpt")
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    moto = None
+    if s3:
+        sys.path.insert(0, HERE)
+        from s3 import start_moto  # also sets dummy AWS credentials
+
+        moto, endpoint = start_moto()
+        env.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+                   AWS_REGION="us-east-1")
+        path = "s3://jaxckpt-bench/readonce"
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(port), str(nproc), str(i), path,
+                               str(mib), str(reps), str(int(cold))],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for i in range(nproc)]
+    results = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=1800)
+            lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+            if not lines:
+                raise SystemExit(f"a worker failed:\n{stderr[-3000:]}")
+            results.append(json.loads(lines[-1][7:]))
+    finally:
+        if moto is not None:
+            moto.terminate()
+        subprocess.run(["rm", "-rf", d], check=False)
+    table: dict[str, dict[str, list[float]]] = {"once": {}, "each": {}}
+    for rows in zip(*results):  # one repetition of one mode, every process
+        mode = rows[0]["mode"]
+        assert all(r["ok"] for r in rows), rows
+        for key, value in (("seconds", max(r["seconds"] for r in rows)),
+                           ("read", sum(r["read"] for r in rows)), ("rchar", sum(r["rchar"] for r in rows))):
+            table[mode].setdefault(key, []).append(value)
+    return {mode: {k: statistics.median(v) for k, v in cols.items()} for mode, cols in table.items()}
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        port, nproc, pid, path, mib, reps, cold = sys.argv[2:9]
+        worker(int(port), int(nproc), int(pid), path, int(mib), int(reps), cold == "1")
+        return
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--procs", type=int, default=4)
+    ap.add_argument("--mib", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--cold", action="store_true")
+    ap.add_argument("--s3", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="2 processes, 8 MiB, 1 repetition (CI)")
+    args = ap.parse_args()
+    if args.smoke:
+        args.procs, args.mib, args.reps = 2, 8, 1
+    state = args.mib << 20
+    res = run(args.procs, args.mib, args.reps, args.cold, args.s3)
+    where = "local S3 server (moto)" if args.s3 else f"local disk, {'cold' if args.cold else 'warm'} page cache"
+    print(f"fully replicated {args.mib} MiB state (8 leaves), {args.procs} processes x 1 CPU device, "
+          f"{where}, medians of {args.reps}:")
+    for mode, label in (("each", "every process reads all"), ("once", "read once + all-gather")):
+        r = res[mode]
+        kernel = "n/a (network)" if args.s3 else f"{r['rchar'] / state:.2f}x"
+        print(f"  {label:26s} restore {r['seconds']:.3f} s   bytes read (job) {r['read'] / state:.2f}x the state"
+              f"   rchar {kernel}")
+    print(f"  time once/each: {res['once']['seconds'] / res['each']['seconds']:.2f}x   "
+          f"bytes once/each: {res['once']['read'] / res['each']['read']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

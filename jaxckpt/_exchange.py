@@ -1,0 +1,325 @@
+"""Read once per job: a slice that several processes need is read from storage by one
+of them and handed to the others over the devices' collectives.
+
+A data-parallel restore has every replica of a leaf in a different process. Read
+naively, N replicas read the same bytes N times: a bucket serving a thousand hosts
+serves each replicated byte a thousand times. Here the slices the target needs are
+known in every process from the target shardings alone (``_layout.shards_of``), so
+every process computes the same plan without talking:
+
+1. every distinct slice held by several processes is cut at the saved chunk
+   boundaries into *pieces* (a chunk is the unit storage reads and checksums);
+2. each piece goes to one of the processes that need it, balanced by bytes on top of
+   what each process reads for itself (``_layout.assign_with_loads``, as the save
+   balances its writers);
+3. each process reads its own slices and its pieces, then posts whether that worked
+   (``_distributed.Operation``): a failed or dead reader fails the restore in every
+   process instead of leaving the others in a collective that never ends;
+4. the pieces go to every process in one all-gather per wave (one device per process,
+   a jitted reshard from "one row per process" to "replicated"; gloo on CPU, NCCL on
+   GPU), and each process assembles the slices it needs from them.
+
+If the collective itself fails (a multi-process CPU job without
+``jax_cpu_collectives_implementation``), every process reads what it lacks from
+storage instead, and says so in a warning.
+
+When: ``JAXCKPT_READ_ONCE`` (``READ_ONCE``) is ``auto`` by default: on for object
+stores, off for local paths, where the processes of one host share its page cache and
+reading again is cheaper than the exchange (measured in ``benchmarks/read_once.py``);
+``1`` always (a cluster file system many hosts read), ``0`` never.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from . import _chunkfiles, _distributed, _dtypes, _layout
+from ._location import Location
+from ._manifest import LeafRecord
+
+_log = logging.getLogger("jaxckpt")
+
+# "auto": on for object stores (every byte read is a request to a service that every
+# host shares), off for local paths (processes on one host share its page cache, where
+# reading is cheaper than the exchange); "1": always; "0": never.
+READ_ONCE = os.environ.get("JAXCKPT_READ_ONCE", "auto")
+SLICE_BALANCE = 1.1
+WAVE_BYTES = 512 << 20  # bytes gathered per collective (bounds the transient buffers)
+_ALIGN = 64  # pieces start 64-byte aligned in the gathered rows (zero-copy placement on CPU)
+
+
+class Piece(NamedTuple):
+    """Part of a shared slice inside one saved chunk, read by process ``reader``."""
+
+    path: str
+    index: _layout.Index
+    nbytes: int
+    reader: int
+
+
+class SharedSlice(NamedTuple):
+    rec: LeafRecord
+    index: _layout.Index
+    processes: tuple[int, ...]
+
+
+def applies(global_requests: int, loc: Location) -> bool:
+    """Whether a restore from ``loc`` with ``global_requests`` leaves placed on shardings
+    that span processes exchanges pieces (the same answer in every process)."""
+    if global_requests == 0 or _distributed.process_count() == 1:
+        return False
+    mode = READ_ONCE
+    return mode == "1" or (mode == "auto" and loc.local is None)
+
+
+def plan_pieces(shared: list[SharedSlice], load: dict[int, int], chunked: bool) -> list[list[Piece]]:
+    """The pieces of each shared slice, each assigned a reader. ``load``: the bytes
+    each process reads for itself already (updated).
+
+    A saved chunk is read whole (its checksum covers all of it), so everything needed
+    from one chunk goes to one reader: slices that share a chunk (column blocks of a
+    row-chunked leaf) form one unit. Two ways to cut are balanced and compared: whole
+    slices (a slice then arrives in one piece and is placed without a copy) and, with
+    ``chunked`` (jaxckpt's format; other formats' slices are never cut), pieces at the
+    saved chunk boundaries. Whole slices win unless the busiest reader would read more
+    than ``SLICE_BALANCE`` times what it reads with chunks.
+    """
+    cells = [list(_layout.chunks_overlapping(s.index, s.rec.chunk_shape)) if chunked
+             else [(("slice", i), s.index)] for i, s in enumerate(shared)]
+    owner = list(range(len(shared)))  # union-find: slices sharing a saved chunk
+
+    def root(i: int) -> int:
+        while owner[i] != i:
+            owner[i] = owner[owner[i]]
+            i = owner[i]
+        return i
+
+    first: dict[tuple[str, Any], int] = {}
+    for i, (s, parts) in enumerate(zip(shared, cells)):
+        for cell, _ in parts:
+            j = first.setdefault((s.rec.path, cell), i)
+            owner[root(i)] = root(j)
+    whole = {i: [(i, s.index)] for i, s in enumerate(shared)}
+    by_group: dict[Any, list[tuple[int, _layout.Index]]] = {}
+    for i in range(len(shared)):
+        by_group.setdefault(root(i), []).extend(whole[i])
+    options = [list(by_group.values())]
+    if chunked:
+        by_chunk: dict[Any, list[tuple[int, _layout.Index]]] = {}
+        for i, (s, parts) in enumerate(zip(shared, cells)):
+            for cell, idx in parts:
+                by_chunk.setdefault((s.rec.path, cell), []).append((i, idx))
+        options.append(list(by_chunk.values()))
+    plans = [_assign(shared, units, dict(load)) for units in options]
+    best, loads = plans[0]
+    if len(plans) == 2 and max(loads.values()) > SLICE_BALANCE * max(plans[1][1].values()):
+        best, loads = plans[1]
+    load.update(loads)
+    return best
+
+
+def _assign(shared: list[SharedSlice], units: list[list[tuple[int, _layout.Index]]],
+            loads: dict[int, int]) -> tuple[list[list[Piece]], dict[int, int]]:
+    """One reader per unit (a list of (slice number, piece index)), balanced over the
+    processes that need all of its slices (or any that needs one, if none needs all)."""
+    weights = []
+    for unit in units:
+        needs = [set(shared[i].processes) for i, _ in unit]
+        holders = set.intersection(*needs) or set.union(*needs)
+        weights.append((sum(_nbytes(shared[i].rec, idx) for i, idx in unit), sorted(holders)))
+    out: list[list[Piece]] = [[] for _ in shared]
+    for unit, reader in zip(units, _layout.assign_with_loads(weights, loads)):
+        for i, idx in unit:
+            out[i].append(Piece(shared[i].rec.path, idx, _nbytes(shared[i].rec, idx), reader))
+    return out, loads
+
+
+def _nbytes(rec: LeafRecord, index: _layout.Index) -> int:
+    return _layout.index_size(index) * _dtypes.DTYPES[rec.storage_dtype].itemsize
+
+
+def waves(pieces: list[Piece], budget: int = 0) -> list[list[Piece]]:
+    """``pieces`` (in plan order) in consecutive groups of about ``budget`` bytes."""
+    budget = budget or WAVE_BYTES
+    out: list[list[Piece]] = [[]]
+    size = 0
+    for p in pieces:
+        if out[-1] and size + p.nbytes > budget:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += p.nbytes
+    return [w for w in out if w]
+
+
+def _padded(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class ReadOnce:
+    """A reader (``_sources.ReaderLike``) that reads shared slices once per job.
+
+    ``add`` a slice only this process needs; ``add_global`` a leaf placed on a sharding
+    that spans processes (in the same order in every process). ``run`` then reads,
+    agrees and exchanges; ``get`` returns any slice added either way.
+    """
+
+    def __init__(self, new_reader: Any, where: str, chunked: bool):
+        self.new_reader, self.where, self.chunked = new_reader, where, chunked
+        self.inner = new_reader()
+        self.me = _distributed.process_index()
+        self.load: dict[int, int] = {}
+        self.shared: list[SharedSlice] = []
+        self.needed: set[tuple[str, _layout.Index]] = set()
+        self.records: dict[str, LeafRecord] = {}
+        self.out: dict[tuple[str, _layout.Index], np.ndarray] = {}
+
+    def add(self, rec: LeafRecord, index: _layout.Index) -> None:
+        self.inner.add(rec, index)
+
+    def add_global(self, rec: LeafRecord, sharding: Any, mine: set[_layout.Index]) -> None:
+        itemsize = _dtypes.DTYPES[rec.storage_dtype].itemsize
+        self.records[rec.path] = rec
+        for shard in sorted(_layout.shards_of(sharding, rec.shape), key=lambda s: s.index):
+            if len(shard.processes) == 1:
+                p = shard.processes[0]
+                self.load[p] = self.load.get(p, 0) + _layout.index_size(shard.index) * itemsize
+                if p == self.me:
+                    self.inner.add(rec, shard.index)
+                continue
+            self.shared.append(SharedSlice(rec, shard.index, shard.processes))
+            if shard.index in mine:
+                self.needed.add((rec.path, shard.index))
+
+    def get(self, rec: LeafRecord, index: _layout.Index) -> np.ndarray:
+        got = self.out.get((rec.path, index))
+        if got is None:
+            return self.inner.get(rec, index)
+        saved = _dtypes.DTYPES[rec.dtype]
+        return got if got.dtype == saved else got.view(saved)
+
+    def run(self) -> None:
+        if not self.shared:
+            self.inner.run()
+            return
+        plan = plan_pieces(self.shared, self.load, self.chunked)
+        for s, pieces in zip(self.shared, plan):
+            for p in pieces:
+                if p.reader == self.me:
+                    self.inner.add(s.rec, p.index)
+        t0 = time.perf_counter()
+        op = _distributed.Operation(f"restore{_distributed.next_id()}", self.where, lane="restore")
+        with op:
+            try:
+                self.inner.run()
+            except BaseException as e:
+                op.post("read", e)  # the others fail too, instead of waiting in the collective
+                raise
+            op.post("read")
+            op.wait_for("read", [p for p in range(_distributed.process_count()) if p != self.me])
+        t1 = time.perf_counter()
+        try:
+            got = self._exchange([p for pieces in plan for p in pieces])
+        except Exception as e:  # noqa: BLE001 - every process fails alike: read from storage instead
+            _log.warning("jaxckpt: '%s': exchanging replicated slices between processes failed (%s); "
+                         "every process reads them from storage", self.where, e)
+            self._read_the_rest()
+            return
+        t2 = time.perf_counter()
+        self._assemble(plan, got)
+        _log.debug("jaxckpt: '%s': read %.3f s (with the agreement), exchange %.3f s, assembly %.3f s",
+                   self.where, t1 - t0, t2 - t1, time.perf_counter() - t2)
+
+    def _exchange(self, pieces: list[Piece]) -> dict[tuple[str, _layout.Index], np.ndarray]:
+        """Every piece's bytes, in every process, after one all-gather per wave."""
+        got: dict[tuple[str, _layout.Index], np.ndarray] = {}
+        nproc = _distributed.process_count()
+        for wave in waves(pieces):
+            lengths = [0] * nproc
+            for p in wave:
+                lengths[p.reader] += _padded(p.nbytes)
+            row = np.zeros((1, row_width(lengths)), np.uint8)
+            at = 0
+            for p in wave:
+                if p.reader == self.me:
+                    data = np.ascontiguousarray(self.inner.get(self.records[p.path], p.index)).reshape(-1)
+                    row[0, at:at + p.nbytes] = data.view(np.uint8)
+                    at += _padded(p.nbytes)
+            rows = all_gather(row, lengths)
+            offsets = [0] * nproc
+            for p in wave:
+                at = offsets[p.reader]
+                got[(p.path, p.index)] = rows[p.reader][at:at + p.nbytes]
+                offsets[p.reader] = at + _padded(p.nbytes)
+        return got
+
+    def _assemble(self, plan: list[list[Piece]], got: dict[tuple[str, _layout.Index], np.ndarray]) -> None:
+        for s, pieces in zip(self.shared, plan):
+            key = (s.rec.path, s.index)
+            if key not in self.needed:
+                continue
+            storage = _dtypes.DTYPES[s.rec.storage_dtype]
+            shape = _layout.index_shape(s.index)
+            if len(pieces) == 1 and pieces[0].index == s.index:
+                self.out[key] = got[(s.rec.path, s.index)].view(storage).reshape(shape)
+                continue
+            out = _chunkfiles.aligned_empty(shape, storage)
+            for p in pieces:
+                part = got[(p.path, p.index)].view(storage).reshape(_layout.index_shape(p.index))
+                out[_layout.relative(p.index, s.index)] = part
+            self.out[key] = out
+
+    def _read_the_rest(self) -> None:
+        """The fallback: read every needed shared slice from storage in this process."""
+        wanted = [s for s in self.shared if (s.rec.path, s.index) in self.needed]
+        if not wanted:
+            return
+        reader = self.new_reader()
+        for s in wanted:
+            reader.add(s.rec, s.index)
+        reader.run()
+        for s in wanted:
+            storage = _dtypes.DTYPES[s.rec.storage_dtype]
+            self.out[(s.rec.path, s.index)] = reader.get(s.rec, s.index).view(storage)
+
+
+def all_gather(row: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
+    """Each process's ``row`` (uint8, shape ``(1, row_width(lengths))``, its first
+    ``lengths[p]`` bytes meaningful in process p) in every process: one jitted reshard
+    over one device per process."""
+    devices = _one_device_per_process()
+    mesh = jax.sharding.Mesh(np.array(devices), ("p",))
+    spread = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("p"))
+    local = jax.device_put(row, devices[_distributed.process_index()])
+    arr = jax.make_array_from_single_device_arrays((len(devices), row.shape[1]), spread, [local])
+    out = _replicate(mesh)(arr)
+    host = np.asarray(out.addressable_data(0))
+    return [host[p, :n] for p, n in enumerate(lengths)]
+
+
+def _one_device_per_process() -> list[Any]:
+    first: dict[int, Any] = {}
+    for d in sorted(jax.devices(), key=lambda d: d.id):
+        first.setdefault(d.process_index, d)
+    return [first[p] for p in sorted(first)]
+
+
+def row_width(lengths: list[int]) -> int:
+    """The longest of ``lengths`` rounded up to 4 significant bits (at most 12.5% more),
+    so that few distinct shapes are compiled over many restores."""
+    n = max(max(lengths), 4096)
+    step = 1 << max(n.bit_length() - 4, 0)
+    return -(-n // step) * step
+
+
+@functools.lru_cache(maxsize=8)
+def _replicate(mesh: Any) -> Any:
+    everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.jit(lambda x: x, out_shardings=everywhere)
