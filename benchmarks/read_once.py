@@ -1,4 +1,5 @@
-"""Read once per job (issue 14 item 6): a fully replicated state restored in N real JAX
+"""Read once per job (issue 14 items 6 and 2): a fully replicated state (or, with
+``--layout columns``, a row-sharded one restored as column blocks) restored in N real JAX
 processes (jax.distributed, gloo, one CPU device each), with the exchange on (each
 replicated chunk read by one process, handed to the others by an all-gather) and off
 (every process reads everything). Repetitions interleaved; per repetition the slowest
@@ -9,6 +10,7 @@ local S3 server (moto, a Python server on the same cores) through ``s3://`` and
 ``AWS_ENDPOINT_URL``, where every read is a request to one shared service.
 
     python benchmarks/read_once.py [--procs 4] [--mib 1024] [--reps 3] [--cold | --s3] [--smoke]
+                                   [--layout replicated|columns]
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def drop_cache(root: str) -> None:
                 os.close(fd)
 
 
-def worker(port: int, nproc: int, pid: int, path: str, mib: int, reps: int, cold: bool) -> None:
+def worker(port: int, nproc: int, pid: int, path: str, mib: int, reps: int, cold: bool, layout: str) -> None:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     import jax
 
@@ -68,11 +70,16 @@ def worker(port: int, nproc: int, pid: int, path: str, mib: int, reps: int, cold
     everywhere = NamedSharding(mesh, P())
     rows = mib * (1 << 20) // 8 // 4096  # 8 float32 leaves of (rows, 1024)
     shape = (rows, 1024)
+    saved_as, restored_as = everywhere, everywhere
+    if layout == "columns":  # saved as row blocks, restored as column blocks: no replicas
+        saved_as, restored_as = NamedSharding(mesh, P("d", None)), NamedSharding(mesh, P(None, "d"))
     tree = {f"w{i}": jax.make_array_from_callback(
-        shape, everywhere, lambda idx, i=i: np.full(shape, i, np.float32)[idx]) for i in range(8)}
+        shape, saved_as, lambda idx, i=i: np.full(shape, i, np.float32)[idx]) for i in range(8)}
     jaxckpt.save(path, tree, timeout_s=120)
     del tree
-    target = {f"w{i}": jax.ShapeDtypeStruct(shape, np.float32, sharding=everywhere) for i in range(8)}
+    target = {f"w{i}": jax.ShapeDtypeStruct(shape, np.float32, sharding=restored_as) for i in range(8)}
+    held = 8 * len({str(i) for i in restored_as.addressable_devices_indices_map(shape).values()}) * (
+        int(np.prod(restored_as.shard_shape(shape))) * 4)
     out = []
     for rep in range(reps):
         for mode in ("once", "each") if rep % 2 == 0 else ("each", "once"):
@@ -90,11 +97,11 @@ def worker(port: int, nproc: int, pid: int, path: str, mib: int, reps: int, cold
             ok = all(float(np.asarray(back[f"w{i}"].addressable_data(0))[-1, -1]) == i for i in range(8))
             del back
             out.append({"rep": rep, "mode": mode, "seconds": seconds, "read": _storage.io_stats()["bytes_read"],
-                        "rchar": kernel, "ok": ok})
+                        "rchar": kernel, "ok": ok, "held": held})
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def run(nproc: int, mib: int, reps: int, cold: bool, s3: bool = False) -> dict:
+def run(nproc: int, mib: int, reps: int, cold: bool, s3: bool = False, layout: str = "replicated") -> dict:
     d = tempfile.mkdtemp(prefix="jaxckpt-readonce-")
     path = os.path.join(d, "ckpt")
     port = free_port()
@@ -109,7 +116,7 @@ def run(nproc: int, mib: int, reps: int, cold: bool, s3: bool = False) -> dict:
                    AWS_REGION="us-east-1")
         path = "s3://jaxckpt-bench/readonce"
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(port), str(nproc), str(i), path,
-                               str(mib), str(reps), str(int(cold))],
+                               str(mib), str(reps), str(int(cold)), layout],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for i in range(nproc)]
     results = []
@@ -129,15 +136,16 @@ def run(nproc: int, mib: int, reps: int, cold: bool, s3: bool = False) -> dict:
         mode = rows[0]["mode"]
         assert all(r["ok"] for r in rows), rows
         for key, value in (("seconds", max(r["seconds"] for r in rows)),
-                           ("read", sum(r["read"] for r in rows)), ("rchar", sum(r["rchar"] for r in rows))):
+                           ("read", sum(r["read"] for r in rows)), ("rchar", sum(r["rchar"] for r in rows)),
+                           ("worst", max(r["read"] / r["held"] for r in rows))):
             table[mode].setdefault(key, []).append(value)
     return {mode: {k: statistics.median(v) for k, v in cols.items()} for mode, cols in table.items()}
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        port, nproc, pid, path, mib, reps, cold = sys.argv[2:9]
-        worker(int(port), int(nproc), int(pid), path, int(mib), int(reps), cold == "1")
+        port, nproc, pid, path, mib, reps, cold, layout = sys.argv[2:10]
+        worker(int(port), int(nproc), int(pid), path, int(mib), int(reps), cold == "1", layout)
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("--procs", type=int, default=4)
@@ -146,19 +154,24 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true")
     ap.add_argument("--s3", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="2 processes, 8 MiB, 1 repetition (CI)")
+    ap.add_argument("--layout", choices=["replicated", "columns"], default="replicated",
+                    help="replicated: saved and restored replicated on every process; columns: saved as "
+                         "row blocks, restored as column blocks (each process reads parts of every chunk)")
     args = ap.parse_args()
     if args.smoke:
         args.procs, args.mib, args.reps = 2, 8, 1
     state = args.mib << 20
-    res = run(args.procs, args.mib, args.reps, args.cold, args.s3)
+    res = run(args.procs, args.mib, args.reps, args.cold, args.s3, args.layout)
     where = "local S3 server (moto)" if args.s3 else f"local disk, {'cold' if args.cold else 'warm'} page cache"
-    print(f"fully replicated {args.mib} MiB state (8 leaves), {args.procs} processes x 1 CPU device, "
+    what = ("fully replicated" if args.layout == "replicated" else
+            "row blocks restored as column blocks,")
+    print(f"{what} {args.mib} MiB state (8 leaves), {args.procs} processes x 1 CPU device, "
           f"{where}, medians of {args.reps}:")
     for mode, label in (("each", "every process reads all"), ("once", "read once + all-gather")):
         r = res[mode]
         kernel = "n/a (network)" if args.s3 else f"{r['rchar'] / state:.2f}x"
         print(f"  {label:26s} restore {r['seconds']:.3f} s   bytes read (job) {r['read'] / state:.2f}x the state"
-              f"   rchar {kernel}")
+              f"   rchar {kernel}   most read by a process {r['worst']:.2f}x the bytes it holds")
     print(f"  time once/each: {res['once']['seconds'] / res['each']['seconds']:.2f}x   "
           f"bytes once/each: {res['once']['read'] / res['each']['read']:.2f}x")
 

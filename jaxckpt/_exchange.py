@@ -7,8 +7,10 @@ serves each replicated byte a thousand times. Here the slices the target needs a
 known in every process from the target shardings alone (``_layout.shards_of``), so
 every process computes the same plan without talking:
 
-1. every distinct slice held by several processes is cut at the saved chunk
-   boundaries into *pieces* (a chunk is the unit storage reads and checksums);
+1. every distinct slice held by several processes, or touching a saved chunk that a
+   slice of another process touches (a layout that cuts across the saved chunks), is
+   cut at the saved chunk boundaries into *pieces* (a chunk is the unit storage reads
+   and checksums);
 2. each piece goes to one of the processes that need it, balanced by bytes on top of
    what each process reads for itself (``_layout.assign_with_loads``, as the save
    balances its writers);
@@ -79,7 +81,8 @@ def applies(global_requests: int, loc: Location) -> bool:
     return mode == "1" or (mode == "auto" and loc.local is None)
 
 
-def plan_pieces(shared: list[SharedSlice], load: dict[int, int], chunked: bool) -> list[list[Piece]]:
+def plan_pieces(shared: list[SharedSlice], load: dict[int, int], chunked: bool,
+                packed_chunks: dict[int, int] | None = None) -> list[list[Piece]]:
     """The pieces of each shared slice, each assigned a reader. ``load``: the bytes
     each process reads for itself already (updated).
 
@@ -89,8 +92,19 @@ def plan_pieces(shared: list[SharedSlice], load: dict[int, int], chunked: bool) 
     slices (a slice then arrives in one piece and is placed without a copy) and, with
     ``chunked`` (jaxckpt's format; other formats' slices are never cut), pieces at the
     saved chunk boundaries. Whole slices win unless the busiest reader would read more
-    than ``SLICE_BALANCE`` times what it reads with chunks.
+    than ``SLICE_BALANCE`` times what it reads with chunks. Small leaves share the
+    stored chunks of their packed array (``packed_chunks``: each packed array's chunk
+    size by saving process): those chunks are the units for them.
     """
+    packed_chunks = packed_chunks or {}
+
+    def unit(rec: Any, cell: Any) -> tuple[Any, ...]:
+        if getattr(rec, "store", "file") != "packed" or not isinstance(cell, tuple):
+            return (rec.path, cell)
+        grid = _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
+        proc, offset = rec.chunks[min(_layout.chunk_flat_index(cell, grid), len(rec.chunks) - 1)]
+        return ("packed", proc, offset // packed_chunks.get(proc, 1 << 62))
+
     cells = [list(_layout.chunks_overlapping(s.index, s.rec.chunk_shape)) if chunked
              else [(("slice", i), s.index)] for i, s in enumerate(shared)]
     owner = list(range(len(shared)))  # union-find: slices sharing a saved chunk
@@ -101,10 +115,10 @@ def plan_pieces(shared: list[SharedSlice], load: dict[int, int], chunked: bool) 
             i = owner[i]
         return i
 
-    first: dict[tuple[str, Any], int] = {}
+    first: dict[tuple[Any, ...], int] = {}
     for i, (s, parts) in enumerate(zip(shared, cells)):
         for cell, _ in parts:
-            j = first.setdefault((s.rec.path, cell), i)
+            j = first.setdefault(unit(s.rec, cell), i)
             owner[root(i)] = root(j)
     whole = {i: [(i, s.index)] for i, s in enumerate(shared)}
     by_group: dict[Any, list[tuple[int, _layout.Index]]] = {}
@@ -115,7 +129,7 @@ def plan_pieces(shared: list[SharedSlice], load: dict[int, int], chunked: bool) 
         by_chunk: dict[Any, list[tuple[int, _layout.Index]]] = {}
         for i, (s, parts) in enumerate(zip(shared, cells)):
             for cell, idx in parts:
-                by_chunk.setdefault((s.rec.path, cell), []).append((i, idx))
+                by_chunk.setdefault(unit(s.rec, cell), []).append((i, idx))
         options.append(list(by_chunk.values()))
     plans = [_assign(shared, units, dict(load)) for units in options]
     best, loads = plans[0]
@@ -143,6 +157,18 @@ def _assign(shared: list[SharedSlice], units: list[list[tuple[int, _layout.Index
 
 def _nbytes(rec: LeafRecord, index: _layout.Index) -> int:
     return _layout.index_size(index) * _dtypes.DTYPES[rec.storage_dtype].itemsize
+
+
+def _crossing(shards: Any, chunk_shape: tuple[int, ...]) -> set[int]:
+    """The positions in ``shards`` of the slices that touch a saved chunk some slice
+    held by another process touches too."""
+    touched: dict[tuple[int, ...], set[int]] = {}
+    cells = []
+    for shard in shards:
+        cells.append([cell for cell, _ in _layout.chunks_overlapping(shard.index, chunk_shape)])
+        for cell in cells[-1]:
+            touched.setdefault(cell, set()).update(shard.processes)
+    return {k for k, cs in enumerate(cells) if any(len(touched[c]) > 1 for c in cs)}
 
 
 def waves(pieces: list[Piece], budget: int = 0) -> list[list[Piece]]:
@@ -185,10 +211,17 @@ class ReadOnce:
         self.inner.add(rec, index)
 
     def add_global(self, rec: LeafRecord, sharding: Any, mine: set[_layout.Index]) -> None:
+        """Plan ``rec`` placed on ``sharding`` (``mine``: the slices this process's
+        devices hold). A slice is exchanged when several processes hold it, or when it
+        touches a saved chunk that another process's slice touches too (a restore onto
+        a layout that cuts across the saved chunks: each chunk is then read once per
+        job, not once per process that needs part of it)."""
         itemsize = _dtypes.DTYPES[rec.storage_dtype].itemsize
         self.records[rec.path] = rec
-        for shard in sorted(_layout.shards_of(sharding, rec.shape), key=lambda s: s.index):
-            if len(shard.processes) == 1:
+        shards = sorted(_layout.shards_of(sharding, rec.shape), key=lambda s: s.index)
+        crossing = _crossing(shards, rec.chunk_shape) if self.chunked else set()
+        for k, shard in enumerate(shards):
+            if len(shard.processes) == 1 and k not in crossing:
                 p = shard.processes[0]
                 self.load[p] = self.load.get(p, 0) + _layout.index_size(shard.index) * itemsize
                 if p == self.me:
@@ -209,7 +242,8 @@ class ReadOnce:
         if not self.shared:
             self.inner.run()
             return
-        plan = plan_pieces(self.shared, self.load, self.chunked)
+        packed = {p.process: p.chunk_bytes for p in getattr(getattr(self.inner, "man", None), "packed", ())}
+        plan = plan_pieces(self.shared, self.load, self.chunked, packed)
         for s, pieces in zip(self.shared, plan):
             for p in pieces:
                 if p.reader == self.me:

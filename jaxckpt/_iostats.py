@@ -24,7 +24,9 @@ The fault points (``grep -rn "_iostats.fault(" jaxckpt``), in the order a save m
 * deleting: ``delete:after-rename`` (``_commit.delete_step``, local: renamed aside),
   ``delete:middle`` (any local tree ``_storage.delete_tree`` removes that holds a
   manifest, the replaced copy of an overwrite and every deleted step included: its
-  manifest removed, its data not yet), ``delete:after-manifest`` (object stores).
+  manifest removed, its data not yet), ``delete:after-manifest`` (object stores);
+* restoring: ``read`` (before each chunk read: key the local chunk file's path from a
+  direct read, ``""`` from a tensorstore read).
 """
 
 from __future__ import annotations

@@ -122,7 +122,9 @@ class Reader:
                 buf = _buffer(self.loc, leaves, (b - a,), np.uint8)
                 ranges[proc].append((a, b, buf))
                 files = tuple((f, chunk) for f in _chunkfiles.packed_chunk_files(self.root, proc, a, b, chunk))
-                ops.append(_Op(b - a, leaves, buf, None, store, ((a, b),), files=files))
+                # tensorstore fetches (and checksums) each stored chunk the range touches whole
+                fetched = min(-(-b // chunk) * chunk, info.nbytes) - a // chunk * chunk
+                ops.append(_Op(b - a, leaves, buf, None, store, ((a, b),), files=files, fetched=fetched))
         return ranges
 
     def _assemble_packed(self, rec: LeafRecord, index: _layout.Index, ranges) -> np.ndarray:
@@ -165,7 +167,7 @@ class Reader:
             if direct and whole and contiguous and local is not None:
                 return _Op(nbytes, [rec.path], dest, local, store, region, done)
             files = () if local is None else ((local, chunk_nbytes),)
-            return _Op(nbytes, [rec.path], dest, None, store, region, done, files, chunk_nbytes)
+            return _Op(nbytes, [rec.path], dest, None, store, region, done, files, chunk_nbytes, chunk_nbytes)
 
         dests = {}
         for index in indices:
@@ -194,14 +196,16 @@ class _Op:
     from the local chunk file ``path`` if set, else through tensorstore ``store``;
     ``done(buffer)`` runs after it. A tensorstore read of a local store first checks
     ``files``, the chunk files it touches with their data bytes (``_chunkfiles.check_chunk_file``);
-    ``decoded`` is the bytes tensorstore allocates to decode the chunk it reads."""
+    ``decoded`` is the bytes tensorstore allocates to decode the chunk it reads;
+    ``fetched`` the bytes it reads from storage for it (whole stored chunks: a part of
+    a chunk costs the whole chunk, which its checksum covers), counted in ``io_stats``."""
 
     def __init__(self, nbytes: int, leaves: list[str], dest: Any, path: str | None, store: Any,
                  region: _layout.Index, done: Callable[[np.ndarray], None] | None = None,
-                 files: tuple[tuple[str, int], ...] = (), decoded: int = 0):
+                 files: tuple[tuple[str, int], ...] = (), decoded: int = 0, fetched: int = 0):
         self.nbytes, self.leaves, self.dest, self.path = nbytes, leaves, dest, path
         self.store, self.region, self.done = store, region, done
-        self.files, self.decoded = files, decoded
+        self.files, self.decoded, self.fetched = files, decoded, fetched or nbytes
 
     def buffer(self) -> np.ndarray:
         return self.dest if isinstance(self.dest, np.ndarray) else self.dest()
@@ -257,7 +261,7 @@ def _tensorstore_job(op: _Op, loc: Location) -> tuple[int, Callable[[], Any], Ca
         _check_before_tensorstore(op, loc)
         bufs.append(op.buffer())
         try:
-            return _zarr.read_into(bufs[0], op.store.result(), op.region)
+            return _zarr.read_into(bufs[0], op.store.result(), op.region, op.fetched)
         except (OSError, ValueError) as e:  # refused before it started (e.g. the store cannot open)
             raise _corrupt(loc, op, e) from e
 

@@ -160,10 +160,13 @@ def write_region(store: ts.TensorStore, index: Sequence[tuple[int, int]], data: 
 
 
 
-def read_into(dest: np.ndarray, store: ts.TensorStore, index: Sequence[tuple[int, int]]) -> _Pending:
-    """Start reading ``store[index]`` straight into ``dest`` (a numpy array or view)."""
+def read_into(dest: np.ndarray, store: ts.TensorStore, index: Sequence[tuple[int, int]],
+              fetched: int = 0) -> _Pending:
+    """Start reading ``store[index]`` straight into ``dest`` (a numpy array or view);
+    ``fetched``: the bytes this reads from storage, when more than ``dest`` (the whole
+    stored chunks a part of them costs), for ``io_stats``."""
     _iostats.fault("read", "")
-    _iostats.count(bytes_read=dest.nbytes, reads=1)
+    _iostats.count(bytes_read=max(fetched, dest.nbytes), reads=1)
     target = ts.array(dest, copy=False, write=True)
     return _Pending(target.write(store[_layout.index_to_slices(index)] if index else store), store, "reading",
                     dest.nbytes)

@@ -36,6 +36,7 @@ Progress = Callable[[int, int], None]
 # Hugging Face's default max_shard_size ("5GB", decimal).
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 _CAST_BLOCK_BYTES = 16 << 20  # elements cast and written at a time by to_safetensors
+SMALL_BATCH_BYTES = 64 << 20  # small leaves read together (see _SmallLeaves)
 
 
 # --- import ---------------------------------------------------------------------------
@@ -96,11 +97,12 @@ def _copy(source: _sources.Source, dest: Any, structure: dict[str, Any], indices
     as the writer asks (each saved chunk read once, a few in flight); any other leaf is
     read whole once and written from views of that buffer (one leaf in memory)."""
     saved = [source.manifest.leaves[i] for i in indices]
+    small = _SmallLeaves(source, saved)
 
     def chunk_data(i: int, rec: LeafRecord) -> _stream.ChunkData:
         if rec.store == "file" and _aligned(saved[i], rec):
             return functools.partial(_read_region, source, saved[i])
-        return _read_leaf(source, saved[i])  # the writer writes views of it, casting
+        return small.leaf(saved[i])  # the writer writes views of it, casting
 
     info = {"converted_from": {"path": str(source.loc), "format": source.format}}
     _stream.write_checkpoint(dest, structure, leaves, chunk_data, metadata=source.manifest.metadata,
@@ -123,6 +125,47 @@ def _read_region(source: _sources.Source, rec: LeafRecord, index: _layout.Index)
 def _read_leaf(source: _sources.Source, rec: LeafRecord) -> np.ndarray:
     """The whole of one saved leaf, as a host array of its saved dtype."""
     return _read_region(source, rec, tuple((0, d) for d in rec.shape))
+
+
+class _SmallLeaves:
+    """Whole leaves, as ``_read_leaf`` gives them, for leaves asked for in (about) the
+    order of ``recs``. The small leaves of a jaxckpt checkpoint are packed many to a
+    stored chunk, which is read (and checksummed) whole: read one at a time, each chunk
+    would be read once per leaf in it. They are read in batches of consecutive small
+    leaves (up to ``SMALL_BATCH_BYTES`` of them) with one reader, each chunk once."""
+
+    def __init__(self, source: _sources.Source, recs: list[LeafRecord]):
+        self.source = source
+        self.batch_of: dict[str, list[LeafRecord]] = {}
+        self.ready: dict[str, np.ndarray] = {}
+        if source.format != "jaxckpt":
+            return
+        batch: list[LeafRecord] = []
+        size = 0
+        for rec in recs:
+            if rec.kind == "value" or rec.store != "packed":
+                continue
+            if batch and size + rec.nbytes > SMALL_BATCH_BYTES:
+                batch, size = [], 0
+            batch.append(rec)
+            size += rec.nbytes
+            self.batch_of[rec.path] = batch
+
+    def leaf(self, rec: LeafRecord) -> np.ndarray:
+        if rec.path in self.ready:
+            return self.ready.pop(rec.path)
+        batch = self.batch_of.get(rec.path)
+        if batch is None:
+            return _read_leaf(self.source, rec)
+        reader = self.source.new_reader()
+        whole = {r.path: tuple((0, d) for d in r.shape) for r in batch}
+        for r in batch:
+            reader.add(r, whole[r.path])
+        reader.run()
+        for r in batch:
+            self.batch_of.pop(r.path, None)
+            self.ready[r.path] = reader.get(r, whole[r.path])
+        return self.ready.pop(rec.path)
 
 
 def _retarget(rec: LeafRecord, sharding: dict[str, Any] | None, dtype: str | None,
@@ -510,8 +553,9 @@ def _write_file(source: _sources.Source, tmp: str, tensors: list[_Tensor], progr
                 done: list[int]) -> None:
     with open(tmp, "wb") as fh:
         fh.write(_header(tensors))
+        small = _SmallLeaves(source, [t.rec for t in tensors])
         for t in tensors:
-            _write_tensor(fh, _read_leaf(source, t.rec), _dtypes.DTYPES[t.dtype])  # one tensor in memory
+            _write_tensor(fh, small.leaf(t.rec), _dtypes.DTYPES[t.dtype])  # one big tensor in memory
             done[0] += t.nbytes
             if progress is not None:
                 progress(*done)

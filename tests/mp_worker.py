@@ -190,6 +190,7 @@ def read_once_state():
     return {
         "w": rng.standard_normal((256, 1024), dtype=np.float32),  # 1 MiB: chunk files
         "cols": np.arange(64 * 512, dtype=np.int32).reshape(64, 512),
+        "across": np.arange(96 * 384, dtype=np.float32).reshape(96, 384),
         "h": rng.standard_normal((64, 96)).astype(jax.numpy.bfloat16),
         "odd": np.arange(100, dtype=np.int8),
         "mask": rng.standard_normal(48) > 0,
@@ -220,6 +221,7 @@ def run_read_once(path, args):
     jaxckpt.save(path, saved, timeout_s=30)
     specs = {k: P() for k in host}
     specs["cols"] = P(None, "m")  # column blocks, each replicated over the processes
+    specs["across"] = P(None, ("d", "m"))  # column blocks of row-block chunks: no replicas
     target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, specs[k]))
               for k, v in host.items() if k != "key"}
     target["key"] = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))

@@ -15,6 +15,8 @@ class Rec(NamedTuple):  # the fields of a LeafRecord the plan reads
     shape: tuple
     chunk_shape: tuple
     storage_dtype: str = "float32"
+    store: str = "file"
+    chunks: tuple = ()  # packed leaves: (saving process, byte offset) of each chunk
 
 
 def rows(rec, n):
@@ -61,6 +63,17 @@ def test_slices_sharing_a_saved_chunk_have_one_reader():
     plan = _exchange.plan_pieces([SharedSlice(rec, left, (0, 1, 2)), SharedSlice(rec, right, (0, 1, 2))],
                                  {}, chunked=True)
     assert readers(plan) == [[0], [0]]
+
+
+def test_small_leaves_in_one_packed_chunk_have_one_reader():
+    # two small leaves packed into process 0's array, in its first 4 KiB chunk, and one
+    # in its second chunk: the first chunk is fetched whole, so by one process only
+    recs = [Rec(f"b{i}", (16,), (16,), store="packed", chunks=((0, off),)) for i, off in
+            enumerate([0, 64, 4096])]
+    shared = [SharedSlice(r, ((0, 16),), (0, 1)) for r in recs]
+    plan = _exchange.plan_pieces(shared, {}, chunked=True, packed_chunks={0: 4096})
+    first, second, third = readers(plan)
+    assert first == second and first != third
 
 
 def test_own_reads_count_towards_the_balance():

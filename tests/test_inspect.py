@@ -51,7 +51,7 @@ def test_indexing_reads_only_touched_chunks(saved):
     _storage.reset_io_stats()
     row = view["params/big"][130]  # inside the second of 4 row chunks
     assert_bit_equal(row, big[130])
-    assert _storage.io_stats()["bytes_read"] == 1024 * 4
+    assert _storage.io_stats()["bytes_read"] == big.nbytes // 4  # that chunk, whole (its checksum covers it)
     assert_bit_equal(view["params/small"][1, :, 2], small[1, :, 2])
     with pytest.raises(IndexError, match="out of bounds"):
         view["params/big"][512]
