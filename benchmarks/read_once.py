@@ -167,7 +167,7 @@ def main() -> None:
             "row blocks restored as column blocks,")
     print(f"{what} {args.mib} MiB state (8 leaves), {args.procs} processes x 1 CPU device, "
           f"{where}, medians of {args.reps}:")
-    for mode, label in (("each", "every process reads all"), ("once", "read once + all-gather")):
+    for mode, label in (("each", "exchange off"), ("once", "exchange on (read once)")):
         r = res[mode]
         kernel = "n/a (network)" if args.s3 else f"{r['rchar'] / state:.2f}x"
         print(f"  {label:26s} restore {r['seconds']:.3f} s   bytes read (job) {r['read'] / state:.2f}x the state"
