@@ -8,6 +8,7 @@ An *index* here is a tuple of ``(start, stop)`` pairs, one per dimension, with n
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
@@ -266,6 +267,16 @@ def chunk_cells(shape: Sequence[int], chunk_shape: Sequence[int]) -> list[tuple[
     if tuple(shape) == tuple(chunk_shape):  # the common small-leaf case: one chunk
         return [(0,) * len(shape)]
     return list(np.ndindex(*chunk_grid_shape(shape, chunk_shape)))
+
+
+def chunk_sizes(shape: Sequence[int], chunk_shape: Sequence[int]) -> list[int]:
+    """The number of elements of each chunk, in ``chunk_cells``' order (edge chunks
+    clipped): ``index_size(chunk_region(cell, ...))`` for every cell, without building
+    the regions."""
+    if tuple(shape) == tuple(chunk_shape):
+        return [math.prod(shape)]
+    per_dim = [[min(c, s - g * c) for g in range(-(-s // c))] for s, c in zip(shape, chunk_shape)]
+    return [math.prod(p) for p in itertools.product(*per_dim)]
 
 
 PACK_ALIGN = 64  # bytes; aligned host buffers let jax alias them on CPU

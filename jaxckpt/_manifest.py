@@ -509,10 +509,8 @@ def _parse_packed_chunks(raw_chunks: Any, path: str, shape: list[int], chunk_sha
     """Each chunk's (process, offset) in the packed arrays, every one inside its array."""
     if not isinstance(raw_chunks, list) or len(raw_chunks) != n_chunks:
         raise bad(f"leaf '{path}': chunks do not match its {n_chunks} chunk grid")
-    cells = _layout.chunk_cells(shape, chunk_shape)
-    for cell, c in zip(cells, raw_chunks):
-        region = _layout.chunk_region(cell, chunk_shape, shape)
-        size = _layout.index_size(region) * itemsize
+    for elements, c in zip(_layout.chunk_sizes(shape, chunk_shape), raw_chunks):
+        size = elements * itemsize
         if not (isinstance(c, list) and len(c) == 2 and _is_int(c[0]) and c[0] in packed
                 and _is_int(c[1]) and 0 <= c[1] and c[1] + size <= packed[c[0]].nbytes):
             raise bad(f"leaf '{path}': chunk {c!r} lies outside the packed data")
@@ -529,8 +527,8 @@ def _check_packed_sizes(packed: dict[int, PackedArray], leaves: list[LeafRecord]
         if rec.kind == "value" or rec.store != "packed":
             continue
         itemsize = _dtypes.DTYPES[rec.dtype].itemsize
-        for cell, (proc, offset) in zip(_layout.chunk_cells(rec.shape, rec.chunk_shape), rec.chunks):
-            size = _layout.index_size(_layout.chunk_region(cell, rec.chunk_shape, rec.shape)) * itemsize
+        for elements, (proc, offset) in zip(_layout.chunk_sizes(rec.shape, rec.chunk_shape), rec.chunks):
+            size = elements * itemsize
             ends[proc] = max(ends[proc], offset + -(-size // _layout.PACK_ALIGN) * _layout.PACK_ALIGN)
     for proc, end in ends.items():
         if packed[proc].nbytes != end:

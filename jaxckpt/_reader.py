@@ -305,9 +305,12 @@ def _buffer(loc: Location, leaves: list[str], shape: tuple[int, ...], dtype: Any
 def _packed_chunks(rec: LeafRecord, index: _layout.Index) -> list[tuple[int, int, int, _layout.Index]]:
     """(process, offset, nbytes, chunk region) of each saved chunk ``index`` touches."""
     itemsize = _dtypes.DTYPES[rec.dtype].itemsize
+    full = tuple((0, d) for d in rec.shape)
     if rec.chunk_shape == rec.shape or len(rec.chunks) == 1:  # one chunk: the whole leaf
         proc, offset = rec.chunks[0]
-        full = tuple((0, d) for d in rec.shape)
+        return [(proc, offset, rec.nbytes, full)]
+    if index == full and _back_to_back(rec, itemsize):  # the whole leaf is one byte range
+        proc, offset = rec.chunks[0]
         return [(proc, offset, rec.nbytes, full)]
     grid = _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
     out = []
@@ -316,6 +319,17 @@ def _packed_chunks(rec: LeafRecord, index: _layout.Index) -> list[tuple[int, int
         proc, offset = rec.chunks[_layout.chunk_flat_index(cell, grid)]
         out.append((proc, offset, _layout.index_size(region) * itemsize, region))
     return out
+
+
+def _back_to_back(rec: LeafRecord, itemsize: int) -> bool:
+    """Whether ``rec``'s packed chunks are row blocks (split along the first axis only)
+    stored one after the other in one packed array: then the leaf's bytes in C order are
+    one range of that array, read and placed without assembling."""
+    if tuple(rec.chunk_shape[1:]) != tuple(rec.shape[1:]):
+        return False
+    step = math.prod(rec.chunk_shape) * itemsize
+    proc, first = rec.chunks[0]
+    return all(p == proc and offset == first + k * step for k, (p, offset) in enumerate(rec.chunks))
 
 
 def _rel(inner: _layout.Index, outer: _layout.Index) -> tuple[Any, ...]:

@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 from conftest import mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -77,3 +78,11 @@ def test_needed_indices_normalized():
     m = mesh((2,), ("x",))
     got = _layout.needed_indices(NamedSharding(m, P("x")), (4, 3))
     assert sorted(got.values()) == [((0, 2), (0, 3)), ((2, 4), (0, 3))]
+
+
+@pytest.mark.parametrize("shape, chunk_shape", [((10, 7), (3, 2)), ((), ()), ((0, 4), (1, 4)), ((64, 128), (16, 128)),
+                                                ((5,), (5,)), ((9, 9, 3), (4, 2, 3)), ((1,), (1,))])
+def test_chunk_sizes_are_the_clipped_regions_sizes(shape, chunk_shape):
+    want = [_layout.index_size(_layout.chunk_region(c, chunk_shape, shape))
+            for c in _layout.chunk_cells(shape, chunk_shape)]
+    assert _layout.chunk_sizes(shape, chunk_shape) == want

@@ -1,5 +1,7 @@
 """The restore data path: aligned buffers, merged packed ranges, shared chunks read once."""
 
+import dataclasses
+
 import numpy as np
 from conftest import assert_bit_equal, sharded
 
@@ -112,3 +114,37 @@ def test_a_0d_leaf_in_the_file_store_is_read(ckpt):
     out = jaxckpt.restore(ckpt)["s"]
     assert type(out) is np.float64 and out == 2.5
     assert jaxckpt.open(ckpt)["s"][()] == 2.5
+
+
+def test_a_leaf_of_back_to_back_row_chunks_is_one_range_without_assembly(ckpt):
+    # a small kernel sharded by rows over 4 devices: 4 packed chunks one after the other
+    # in process 0's array, so the whole leaf is one byte range (a view, no copy); by
+    # columns the chunks are not C-order blocks of the leaf and are assembled
+    rows = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
+    jaxckpt.save(ckpt, {"rows": sharded(rows, (4,), ("x",), ("x", None)),
+                        "cols": sharded(rows, (4,), ("x",), (None, "x"))})
+    loc, man = _reader_for(ckpt)
+    recs = {r.path: r for r in man.leaves}
+    full = ((0, 64), (0, 48))
+    assert len(recs["rows"].chunks) == len(recs["cols"].chunks) == 4
+    assert _reader._packed_chunks(recs["rows"], full) == [(0, recs["rows"].chunks[0][1], rows.nbytes, full)]
+    assert len(_reader._packed_chunks(recs["cols"], full)) == 4
+    reader = _reader.Reader(loc, man)
+    for name in ("rows", "cols"):
+        reader.add(recs[name], full)
+    reader.run()
+    assert_bit_equal(reader.get(recs["rows"], full), rows)
+    assert_bit_equal(reader.get(recs["cols"], full), rows)
+    assert reader.get(recs["rows"], full).base is not None  # a view of the packed bytes read
+    # part of the leaf is still read by chunk
+    assert len(_reader._packed_chunks(recs["rows"], ((16, 48), (0, 48)))) == 2
+
+
+def test_rows_out_of_order_in_the_packed_array_are_assembled(ckpt):
+    rows = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
+    jaxckpt.save(ckpt, {"rows": sharded(rows, (4,), ("x",), ("x", None))})
+    loc, man = _reader_for(ckpt)
+    rec = man.leaves[0]
+    swapped = dataclasses.replace(rec, chunks=(rec.chunks[1], rec.chunks[0], *rec.chunks[2:]))
+    assert not _reader._back_to_back(swapped, 4)
+    assert len(_reader._packed_chunks(swapped, ((0, 64), (0, 48)))) == 4
