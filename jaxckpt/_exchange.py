@@ -53,6 +53,7 @@ _log = logging.getLogger("jaxckpt")
 # reading is cheaper than the exchange); "1": always; "0": never.
 READ_ONCE = os.environ.get("JAXCKPT_READ_ONCE", "auto")
 SLICE_BALANCE = 1.1
+VIEW_SHARE = 0.75  # see ReadOnce._exchange
 WAVE_BYTES = 512 << 20  # bytes gathered per collective (bounds the transient buffers)
 _ALIGN = 64  # pieces start 64-byte aligned in the gathered rows (zero-copy placement on CPU)
 
@@ -260,55 +261,69 @@ class ReadOnce:
             op.wait_for("read", [p for p in range(_distributed.process_count()) if p != self.me])
         t1 = time.perf_counter()
         try:
-            got = self._exchange([p for pieces in plan for p in pieces])
+            self._exchange(plan)
         except Exception as e:  # noqa: BLE001 - every process fails alike: read from storage instead
             _log.warning("jaxckpt: '%s': exchanging replicated slices between processes failed (%s); "
                          "every process reads them from storage", self.where, e)
+            self.out.clear()
             self._read_the_rest()
             return
-        t2 = time.perf_counter()
-        self._assemble(plan, got)
-        _log.debug("jaxckpt: '%s': read %.3f s (with the agreement), exchange %.3f s, assembly %.3f s",
-                   self.where, t1 - t0, t2 - t1, time.perf_counter() - t2)
+        _log.debug("jaxckpt: '%s': read %.3f s (with the agreement), exchange and assembly %.3f s",
+                   self.where, t1 - t0, time.perf_counter() - t1)
 
-    def _exchange(self, pieces: list[Piece]) -> dict[tuple[str, _layout.Index], np.ndarray]:
-        """Every piece's bytes, in every process, after one all-gather per wave."""
-        got: dict[tuple[str, _layout.Index], np.ndarray] = {}
+    def _exchange(self, plan: list[list[Piece]]) -> None:
+        """One all-gather per wave. Each wave's pieces go into the slices this process
+        needs before the next wave is gathered, so at most one wave's buffer is alive
+        beyond the slices; a slice that arrived in one piece stays a view of that buffer
+        only when this process needs most of the wave (``VIEW_SHARE``), else it is copied
+        out and the buffer freed."""
+        owner = {(p.path, p.index): i for i, pieces in enumerate(plan) for p in pieces}
+        for wave in waves([p for pieces in plan for p in pieces]):
+            parts = self._gather(wave)
+            mine = sum(p.nbytes for p in wave if self._key(owner[(p.path, p.index)]) in self.needed)
+            view_ok = mine >= VIEW_SHARE * sum(p.nbytes for p in wave)
+            for p, data in zip(wave, parts):
+                self._put(owner[(p.path, p.index)], len(plan[owner[(p.path, p.index)]]), p, data, view_ok)
+
+    def _key(self, i: int) -> tuple[str, _layout.Index]:
+        return self.shared[i].rec.path, self.shared[i].index
+
+    def _gather(self, wave: list[Piece]) -> list[np.ndarray]:
+        """The bytes of every piece of ``wave``, in every process."""
         nproc = _distributed.process_count()
-        for wave in waves(pieces):
-            lengths = [0] * nproc
-            for p in wave:
-                lengths[p.reader] += _padded(p.nbytes)
-            row = np.zeros((1, row_width(lengths)), np.uint8)
-            at = 0
-            for p in wave:
-                if p.reader == self.me:
-                    data = np.ascontiguousarray(self.inner.get(self.records[p.path], p.index)).reshape(-1)
-                    row[0, at:at + p.nbytes] = data.view(np.uint8)
-                    at += _padded(p.nbytes)
-            rows = all_gather(row, lengths)
-            offsets = [0] * nproc
-            for p in wave:
-                at = offsets[p.reader]
-                got[(p.path, p.index)] = rows[p.reader][at:at + p.nbytes]
-                offsets[p.reader] = at + _padded(p.nbytes)
-        return got
+        lengths = [0] * nproc
+        for p in wave:
+            lengths[p.reader] += _padded(p.nbytes)
+        row = np.zeros((1, row_width(lengths)), np.uint8)
+        at = 0
+        for p in wave:
+            if p.reader == self.me:
+                data = np.ascontiguousarray(self.inner.get(self.records[p.path], p.index)).reshape(-1)
+                row[0, at:at + p.nbytes] = data.view(np.uint8)
+                at += _padded(p.nbytes)
+        rows = all_gather(row, lengths)
+        offsets, parts = [0] * nproc, []
+        for p in wave:
+            at = offsets[p.reader]
+            parts.append(rows[p.reader][at:at + p.nbytes])
+            offsets[p.reader] = at + _padded(p.nbytes)
+        return parts
 
-    def _assemble(self, plan: list[list[Piece]], got: dict[tuple[str, _layout.Index], np.ndarray]) -> None:
-        for s, pieces in zip(self.shared, plan):
-            key = (s.rec.path, s.index)
-            if key not in self.needed:
-                continue
-            storage = _dtypes.DTYPES[s.rec.storage_dtype]
-            shape = _layout.index_shape(s.index)
-            if len(pieces) == 1 and pieces[0].index == s.index:
-                self.out[key] = got[(s.rec.path, s.index)].view(storage).reshape(shape)
-                continue
-            out = _chunkfiles.aligned_empty(shape, storage)
-            for p in pieces:
-                part = got[(p.path, p.index)].view(storage).reshape(_layout.index_shape(p.index))
-                out[_layout.relative(p.index, s.index)] = part
-            self.out[key] = out
+    def _put(self, i: int, npieces: int, piece: Piece, data: np.ndarray, view_ok: bool) -> None:
+        """Piece ``piece`` of shared slice ``i`` (of ``npieces``) into that slice, if
+        this process needs it."""
+        key = self._key(i)
+        if key not in self.needed:
+            return
+        s = self.shared[i]
+        storage = _dtypes.DTYPES[s.rec.storage_dtype]
+        part = data.view(storage).reshape(_layout.index_shape(piece.index))
+        if npieces == 1 and piece.index == s.index:
+            self.out[key] = part if view_ok else _copy_aligned(part)
+            return
+        if key not in self.out:
+            self.out[key] = _chunkfiles.aligned_empty(_layout.index_shape(s.index), storage)
+        self.out[key][_layout.relative(piece.index, s.index)] = part
 
     def _read_the_rest(self) -> None:
         """The fallback: read every needed shared slice from storage in this process."""
@@ -322,6 +337,12 @@ class ReadOnce:
         for s in wanted:
             storage = _dtypes.DTYPES[s.rec.storage_dtype]
             self.out[(s.rec.path, s.index)] = reader.get(s.rec, s.index).view(storage)
+
+
+def _copy_aligned(x: np.ndarray) -> np.ndarray:
+    out = _chunkfiles.aligned_empty(x.shape, x.dtype)
+    out[...] = x
+    return out
 
 
 def all_gather(row: np.ndarray, lengths: list[int]) -> list[np.ndarray]:

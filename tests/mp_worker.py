@@ -208,6 +208,8 @@ def run_read_once(path, args):
     _exchange.READ_ONCE = args.get("read_once", "1")
     if args.get("wave"):
         _exchange.WAVE_BYTES = args["wave"]
+    if args.get("view_share"):
+        _exchange.VIEW_SHARE = args["view_share"]
     devices = np.array(jax.devices()).reshape(nproc, ndev)
     mesh = jax.sharding.Mesh(devices, ("d", "m"))
     host = read_once_state()
