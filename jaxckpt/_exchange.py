@@ -54,6 +54,11 @@ _log = logging.getLogger("jaxckpt")
 READ_ONCE = os.environ.get("JAXCKPT_READ_ONCE", "auto")
 SLICE_BALANCE = 1.1
 VIEW_SHARE = 0.75  # see ReadOnce._exchange
+# How long a process that has read its part waits for a peer that has not started the
+# restore (processes reach a restore at different times: one may load data first). A
+# peer inside the restore is waited for while it heartbeats; a dead one fails it after
+# ``_distributed.STALE_S``.
+START_TIMEOUT_S = 300.0
 WAVE_BYTES = 512 << 20  # bytes gathered per collective (bounds the transient buffers)
 _ALIGN = 64  # pieces start 64-byte aligned in the gathered rows (zero-copy placement on CPU)
 
@@ -250,15 +255,22 @@ class ReadOnce:
                 if p.reader == self.me:
                     self.inner.add(s.rec, p.index)
         t0 = time.perf_counter()
-        op = _distributed.Operation(f"restore{_distributed.next_id()}", self.where, lane="restore")
+        op = _distributed.Operation(f"restore{_distributed.next_id()}", self.where, START_TIMEOUT_S,
+                                    lane="restore")
         with op:
             try:
                 self.inner.run()
             except BaseException as e:
                 op.post("read", e)  # the others fail too, instead of waiting in the collective
                 raise
+            others = [p for p in range(_distributed.process_count()) if p != self.me]
             op.post("read")
-            op.wait_for("read", [p for p in range(_distributed.process_count()) if p != self.me])
+            op.wait_for("read", others)
+            # A second round before the collective: a process that gave up waiting for a
+            # late peer (after posting "read") never posts "go", so the late one fails
+            # here too instead of entering the all-gather alone.
+            op.post("go")
+            op.wait_for("go", others)
         t1 = time.perf_counter()
         try:
             self._exchange(plan)

@@ -210,6 +210,8 @@ def run_read_once(path, args):
         _exchange.WAVE_BYTES = args["wave"]
     if args.get("view_share"):
         _exchange.VIEW_SHARE = args["view_share"]
+    if args.get("start_timeout"):
+        _exchange.START_TIMEOUT_S = args["start_timeout"]
     devices = np.array(jax.devices()).reshape(nproc, ndev)
     mesh = jax.sharding.Mesh(devices, ("d", "m"))
     host = read_once_state()
@@ -254,6 +256,8 @@ def run_read_once(path, args):
 
     collect = Collect()
     logging.getLogger("jaxckpt").addHandler(collect)
+    if pid == args.get("late"):
+        time.sleep(args["late_s"])  # reaches the restore late (loading data, say)
     _storage.reset_io_stats()
     t0 = time.monotonic()
     try:

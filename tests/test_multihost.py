@@ -309,3 +309,17 @@ def test_a_reader_that_dies_fails_the_others_within_the_staleness_bound(tmp_path
     assert res[1].get("exit") == 3
     assert "process 1 stopped responding (no heartbeat for 3s; dead or hung)" in res[0]["error"], res[0]
     assert res[0]["seconds"] < 10
+
+
+def test_a_late_process_is_waited_for(tmp_path):
+    res = read_once_job(tmp_path, read_once="1", late=1, late_s=4)
+    assert res[0]["same"] and res[1]["same"], res
+
+
+def test_a_process_too_late_fails_the_restore_in_both_without_a_hang(tmp_path):
+    # process 0 gives up on process 1 after START_TIMEOUT_S (1 s here) having posted its
+    # own read; process 1, arriving later, must not enter the all-gather alone
+    res = read_once_job(tmp_path, read_once="1", late=1, late_s=3, start_timeout=1)
+    assert "process 1 did not report within 1s" in res[0]["error"], res[0]
+    assert "process 0 did not report within 1s" in res[1]["error"], res[1]
+    assert res[1]["seconds"] < 5
