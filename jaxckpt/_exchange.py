@@ -33,6 +33,7 @@ reading again is cheaper than the exchange (measured in ``benchmarks/read_once.p
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
@@ -88,61 +89,77 @@ def applies(global_requests: int, loc: Location) -> bool:
 
 
 def plan_pieces(shared: list[SharedSlice], load: dict[int, int], chunked: bool,
-                packed_chunks: dict[int, int] | None = None) -> list[list[Piece]]:
+                packed_chunks: dict[int, int] | None = None, nproc: int = 0) -> list[list[Piece]]:
     """The pieces of each shared slice, each assigned a reader. ``load``: the bytes
-    each process reads for itself already (updated).
+    each process reads for itself already (updated); ``nproc``: the processes of the
+    job (default: those named in ``shared`` and ``load``).
 
     A saved chunk is read whole (its checksum covers all of it), so everything needed
     from one chunk goes to one reader: slices that share a chunk (column blocks of a
-    row-chunked leaf) form one unit. Two ways to cut are balanced and compared: whole
-    slices (a slice then arrives in one piece and is placed without a copy) and, with
-    ``chunked`` (jaxckpt's format; other formats' slices are never cut), pieces at the
-    saved chunk boundaries. Whole slices win unless the busiest reader would read more
-    than ``SLICE_BALANCE`` times what it reads with chunks. Small leaves share the
-    stored chunks of their packed array (``packed_chunks``: each packed array's chunk
-    size by saving process): those chunks are the units for them.
+    row-chunked leaf) form one unit. Whole slices are assigned (a slice then arrives in
+    one piece and is placed without a copy) when that keeps the busiest reader within
+    ``SLICE_BALANCE`` of the average; otherwise, with ``chunked`` (jaxckpt's format;
+    other formats' slices are never cut), pieces cut at the saved chunk boundaries are
+    balanced too, and win unless whole slices are within ``SLICE_BALANCE`` of them.
+    Small leaves share the stored chunks of their packed array (``packed_chunks``: each
+    packed array's chunk size by saving process): those chunks are the units for them.
     """
-    packed_chunks = packed_chunks or {}
+    units = _Units(shared, chunked, packed_chunks or {})
+    nproc = nproc or len(set(load) | {p for s in shared for p in s.processes})
+    best, loads = _assign(shared, units.whole(), dict(load))
+    if chunked and max(loads.values()) > SLICE_BALANCE * sum(loads.values()) / max(nproc, 1):
+        cut, cut_loads = _assign(shared, units.chunks(), dict(load))
+        if max(loads.values()) > SLICE_BALANCE * max(cut_loads.values()):
+            best, loads = cut, cut_loads
+    load.update(loads)
+    return best
 
-    def unit(rec: Any, cell: Any) -> tuple[Any, ...]:
-        if getattr(rec, "store", "file") != "packed" or not isinstance(cell, tuple):
+
+class _Units:
+    """The two ways to group ``shared`` into units of reading (see ``plan_pieces``)."""
+
+    def __init__(self, shared: list[SharedSlice], chunked: bool, packed_chunks: dict[int, int]):
+        self.shared, self.chunked, self.packed_chunks = shared, chunked, packed_chunks
+
+    def _unit(self, rec: Any, cell: Any) -> tuple[Any, ...]:
+        if getattr(rec, "store", "file") != "packed":
             return (rec.path, cell)
         grid = _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
         proc, offset = rec.chunks[min(_layout.chunk_flat_index(cell, grid), len(rec.chunks) - 1)]
-        return ("packed", proc, offset // packed_chunks.get(proc, 1 << 62))
+        return ("packed", proc, offset // self.packed_chunks.get(proc, 1 << 62))
 
-    cells = [list(_layout.chunks_overlapping(s.index, s.rec.chunk_shape)) if chunked
-             else [(("slice", i), s.index)] for i, s in enumerate(shared)]
-    owner = list(range(len(shared)))  # union-find: slices sharing a saved chunk
+    def whole(self) -> list[list[tuple[int, _layout.Index]]]:
+        """Whole slices, those sharing a saved chunk together (union-find). A file-store
+        slice that is a union of whole chunks shares none and is not walked."""
+        owner = list(range(len(self.shared)))
 
-    def root(i: int) -> int:
-        while owner[i] != i:
-            owner[i] = owner[owner[i]]
-            i = owner[i]
-        return i
+        def root(i: int) -> int:
+            while owner[i] != i:
+                owner[i] = owner[owner[i]]
+                i = owner[i]
+            return i
 
-    first: dict[tuple[Any, ...], int] = {}
-    for i, (s, parts) in enumerate(zip(shared, cells)):
-        for cell, _ in parts:
-            j = first.setdefault(unit(s.rec, cell), i)
-            owner[root(i)] = root(j)
-    whole = {i: [(i, s.index)] for i, s in enumerate(shared)}
-    by_group: dict[Any, list[tuple[int, _layout.Index]]] = {}
-    for i in range(len(shared)):
-        by_group.setdefault(root(i), []).extend(whole[i])
-    options = [list(by_group.values())]
-    if chunked:
-        by_chunk: dict[Any, list[tuple[int, _layout.Index]]] = {}
-        for i, (s, parts) in enumerate(zip(shared, cells)):
-            for cell, idx in parts:
-                by_chunk.setdefault(unit(s.rec, cell), []).append((i, idx))
-        options.append(list(by_chunk.values()))
-    plans = [_assign(shared, units, dict(load)) for units in options]
-    best, loads = plans[0]
-    if len(plans) == 2 and max(loads.values()) > SLICE_BALANCE * max(plans[1][1].values()):
-        best, loads = plans[1]
-    load.update(loads)
-    return best
+        first: dict[tuple[Any, ...], int] = {}
+        for i, s in enumerate(self.shared):
+            rec = s.rec
+            if not self.chunked or (getattr(rec, "store", "file") != "packed"
+                                    and _aligned(s.index, rec.chunk_shape, rec.shape)):
+                continue
+            for cell, _ in _layout.chunks_overlapping(s.index, rec.chunk_shape):
+                j = first.setdefault(self._unit(rec, cell), i)
+                owner[root(i)] = root(j)
+        groups: dict[int, list[tuple[int, _layout.Index]]] = {}
+        for i, s in enumerate(self.shared):
+            groups.setdefault(root(i), []).append((i, s.index))
+        return list(groups.values())
+
+    def chunks(self) -> list[list[tuple[int, _layout.Index]]]:
+        """Pieces cut at the saved chunk boundaries, one unit per stored chunk."""
+        by_chunk: dict[tuple[Any, ...], list[tuple[int, _layout.Index]]] = {}
+        for i, s in enumerate(self.shared):
+            for cell, idx in _layout.chunks_overlapping(s.index, s.rec.chunk_shape):
+                by_chunk.setdefault(self._unit(s.rec, cell), []).append((i, idx))
+        return list(by_chunk.values())
 
 
 def _assign(shared: list[SharedSlice], units: list[list[tuple[int, _layout.Index]]],
@@ -151,6 +168,10 @@ def _assign(shared: list[SharedSlice], units: list[list[tuple[int, _layout.Index
     processes that need all of its slices (or any that needs one, if none needs all)."""
     weights = []
     for unit in units:
+        if len(unit) == 1:
+            i, idx = unit[0]
+            weights.append((_nbytes(shared[i].rec, idx), shared[i].processes))
+            continue
         needs = [set(shared[i].processes) for i, _ in unit]
         holders = set.intersection(*needs) or set.union(*needs)
         weights.append((sum(_nbytes(shared[i].rec, idx) for i, idx in unit), sorted(holders)))
@@ -165,9 +186,38 @@ def _nbytes(rec: LeafRecord, index: _layout.Index) -> int:
     return _layout.index_size(index) * _dtypes.DTYPES[rec.storage_dtype].itemsize
 
 
-def _crossing(shards: Any, chunk_shape: tuple[int, ...]) -> set[int]:
+@functools.lru_cache(maxsize=1024)
+def _leaf_plan(sharding: Any, shape: tuple[int, ...], chunk_shape: tuple[int, ...], itemsize: int, chunked: bool,
+               me: int) -> tuple[tuple[tuple[_layout.Index, tuple[int, ...]], ...], tuple[tuple[int, int], ...],
+                                 tuple[_layout.Index, ...]]:
+    """What ``ReadOnce.add_global`` needs of a kind of leaf (the same for every leaf of
+    that sharding, shape and chunking; a 70B-shaped state has a few dozen kinds): the
+    exchanged slices with their holders, the bytes each process reads for itself, and
+    the slices process ``me`` reads for itself."""
+    shards = _layout.shards_of(sharding, shape)
+    crossing = _crossing(shards, shape, chunk_shape) if chunked else set()
+    shared, load, local = [], collections.Counter(), []
+    for k, shard in enumerate(shards):
+        if len(shard.processes) == 1 and k not in crossing:
+            load[shard.processes[0]] += _layout.index_size(shard.index) * itemsize
+            if shard.processes[0] == me:
+                local.append(shard.index)
+        else:
+            shared.append((shard.index, shard.processes))
+    return tuple(shared), tuple(sorted(load.items())), tuple(local)
+
+
+def _aligned(index: _layout.Index, chunk_shape: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether ``index`` is a union of whole saved chunks (then no other slice touches
+    any chunk it touches)."""
+    return all(a % c == 0 and (b % c == 0 or b == n) for (a, b), c, n in zip(index, chunk_shape, shape))
+
+
+def _crossing(shards: Any, shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> set[int]:
     """The positions in ``shards`` of the slices that touch a saved chunk some slice
     held by another process touches too."""
+    if all(_aligned(shard.index, chunk_shape, shape) for shard in shards):
+        return set()  # the usual case: the target cuts along saved chunk boundaries
     touched: dict[tuple[int, ...], set[int]] = {}
     cells = []
     for shard in shards:
@@ -224,18 +274,15 @@ class ReadOnce:
         job, not once per process that needs part of it)."""
         itemsize = _dtypes.DTYPES[rec.storage_dtype].itemsize
         self.records[rec.path] = rec
-        shards = sorted(_layout.shards_of(sharding, rec.shape), key=lambda s: s.index)
-        crossing = _crossing(shards, rec.chunk_shape) if self.chunked else set()
-        for k, shard in enumerate(shards):
-            if len(shard.processes) == 1 and k not in crossing:
-                p = shard.processes[0]
-                self.load[p] = self.load.get(p, 0) + _layout.index_size(shard.index) * itemsize
-                if p == self.me:
-                    self.inner.add(rec, shard.index)
-                continue
-            self.shared.append(SharedSlice(rec, shard.index, shard.processes))
-            if shard.index in mine:
-                self.needed.add((rec.path, shard.index))
+        shared, load, local = _leaf_plan(sharding, rec.shape, rec.chunk_shape, itemsize, self.chunked, self.me)
+        for p, nbytes in load:
+            self.load[p] = self.load.get(p, 0) + nbytes
+        for index in local:
+            self.inner.add(rec, index)
+        for index, processes in shared:
+            self.shared.append(SharedSlice(rec, index, processes))
+            if index in mine:
+                self.needed.add((rec.path, index))
 
     def get(self, rec: LeafRecord, index: _layout.Index) -> np.ndarray:
         got = self.out.get((rec.path, index))
@@ -249,7 +296,7 @@ class ReadOnce:
             self.inner.run()
             return
         packed = {p.process: p.chunk_bytes for p in getattr(getattr(self.inner, "man", None), "packed", ())}
-        plan = plan_pieces(self.shared, self.load, self.chunked, packed)
+        plan = plan_pieces(self.shared, self.load, self.chunked, packed, _distributed.process_count())
         for s, pieces in zip(self.shared, plan):
             for p in pieces:
                 if p.reader == self.me:

@@ -8,6 +8,7 @@ An *index* here is a tuple of ``(start, stop)`` pairs, one per dimension, with n
 from __future__ import annotations
 
 import functools
+import heapq
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -240,7 +241,9 @@ def assign_with_loads(chunks: Sequence[tuple[int, Sequence[int]]], load: dict[in
     """``assign_writers`` on top of the bytes each process already writes (``load``,
     updated). A chunk with one holder has no choice and is counted first; only chunks
     held by several processes are balanced, largest first (cheap when, as in large
-    fully-sharded states, almost every chunk has one holder)."""
+    fully-sharded states, almost every chunk has one holder). The least loaded holder
+    is found with a heap per set of holders (entries refreshed lazily: a load only
+    grows), so replicated data over hundreds of processes costs a log, not a scan."""
     out = [0] * len(chunks)
     flexible = []
     for i, (nbytes, holders) in enumerate(chunks):
@@ -249,10 +252,19 @@ def assign_with_loads(chunks: Sequence[tuple[int, Sequence[int]]], load: dict[in
             load[p] = load.get(p, 0) + nbytes
         else:
             flexible.append(i)
+    heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}
     for i in sorted(flexible, key=lambda i: -chunks[i][0]):
         nbytes, holders = chunks[i]
-        best = min(holders, key=lambda p: (load.get(p, 0), p))
-        load[best] = load.get(best, 0) + nbytes
+        key = tuple(holders)
+        heap = heaps.get(key)
+        if heap is None:
+            heap = heaps[key] = [(load.get(p, 0), p) for p in key]
+            heapq.heapify(heap)
+        while heap[0][0] != load.get(heap[0][1], 0):  # stale: that process got more elsewhere
+            heapq.heapreplace(heap, (load.get(heap[0][1], 0), heap[0][1]))
+        held, best = heap[0]
+        load[best] = held + nbytes
+        heapq.heapreplace(heap, (held + nbytes, best))
         out[i] = best
     return out
 

@@ -86,3 +86,28 @@ def test_chunk_sizes_are_the_clipped_regions_sizes(shape, chunk_shape):
     want = [_layout.index_size(_layout.chunk_region(c, chunk_shape, shape))
             for c in _layout.chunk_cells(shape, chunk_shape)]
     assert _layout.chunk_sizes(shape, chunk_shape) == want
+
+
+def test_assign_with_loads_picks_the_least_loaded_holder_lowest_first():
+    # the heap version against the plain rule: largest first, each to the holder with
+    # the fewest bytes so far, ties to the lowest process
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        n = int(rng.integers(1, 8))
+        chunks = []
+        for _ in range(int(rng.integers(1, 40))):
+            holders = sorted(rng.choice(n, size=int(rng.integers(1, n + 1)), replace=False).tolist())
+            chunks.append((int(rng.integers(1, 5)) * 64, holders))
+        start = {p: int(rng.integers(0, 3)) * 64 for p in range(n) if rng.random() < 0.5}
+        want, load = [0] * len(chunks), dict(start)
+        for i, (nbytes, holders) in enumerate(chunks):
+            if len(holders) == 1:
+                want[i] = holders[0]
+                load[holders[0]] = load.get(holders[0], 0) + nbytes
+        for i in sorted((i for i, c in enumerate(chunks) if len(c[1]) > 1), key=lambda i: -chunks[i][0]):
+            best = min(chunks[i][1], key=lambda p: (load.get(p, 0), p))
+            load[best] = load.get(best, 0) + chunks[i][0]
+            want[i] = best
+        got_load = dict(start)
+        assert _layout.assign_with_loads(chunks, got_load) == want
+        assert got_load == load
