@@ -65,6 +65,9 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run import drop_page_cache  # noqa: E402 - the benchmarks' one page-cache drop
+
 LAYOUTS = ("jaxckpt", "raw", "ocdbt", "ocdbt-txn", "shard")
 STATES = ("big", "many")
 COLS = 4096
@@ -311,18 +314,6 @@ def disk_usage(root: str) -> tuple[int, int, int]:
     return len(files), sum(s.st_size for s in stats), sum(s.st_blocks * 512 for s in stats)
 
 
-def drop_from_cache(root: str) -> None:
-    """Every file under ``root`` out of the page cache (made durable first, so that
-    ``DONTNEED`` can drop its pages)."""
-    for path in files_of(root):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def check_equal(layout: str, state: State, restored: list[Any]) -> None:
     """Fail loudly unless every restored leaf has the saved bytes, bit for bit."""
     if len(restored) != len(state.leaves):
@@ -362,7 +353,7 @@ def run_one(layout: Any, state: State, work: str, cold: bool, verify: bool, res:
         save_s, _ = timed(lambda: layout.save(root, state))
         files, nbytes, disk = disk_usage(root)
         if cold:
-            drop_from_cache(root)
+            drop_page_cache(root)
         restore_s, restored = timed(lambda: layout.restore(root, state))
         if verify:
             check_equal(layout.name, state, restored)

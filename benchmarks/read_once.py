@@ -27,6 +27,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from run import drop_page_cache  # noqa: E402 - the benchmarks' one page-cache drop
 
 
 def free_port() -> int:
@@ -38,17 +41,6 @@ def free_port() -> int:
 def rchar() -> int:
     with open("/proc/self/io") as f:
         return int(next(line for line in f if line.startswith("rchar:")).split()[1])
-
-
-def drop_cache(root: str) -> None:
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def worker(port: int, nproc: int, pid: int, path: str, mib: int, reps: int, cold: bool, layout: str) -> None:
@@ -85,7 +77,7 @@ def worker(port: int, nproc: int, pid: int, path: str, mib: int, reps: int, cold
         for mode in ("once", "each") if rep % 2 == 0 else ("each", "once"):
             _exchange.READ_ONCE = "1" if mode == "once" else "0"
             if cold and pid == 0 and "://" not in path:
-                drop_cache(path)
+                drop_page_cache(path)
             multihost_utils.sync_global_devices(f"r{rep}{mode}")
             _storage.reset_io_stats()
             before = rchar()
@@ -108,7 +100,6 @@ def run(nproc: int, mib: int, reps: int, cold: bool, s3: bool = False, layout: s
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     moto = None
     if s3:
-        sys.path.insert(0, HERE)
         from s3 import start_moto  # also sets dummy AWS credentials
 
         moto, endpoint = start_moto()

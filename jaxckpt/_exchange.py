@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _chunkfiles, _distributed, _dtypes, _layout
+from . import _chunkfiles, _distributed, _dtypes, _layout, _tasks
 from ._location import Location
 from ._manifest import LeafRecord
 
@@ -122,7 +122,7 @@ class _Units:
         self.shared, self.chunked, self.packed_chunks = shared, chunked, packed_chunks
 
     def _unit(self, rec: Any, cell: Any) -> tuple[Any, ...]:
-        if getattr(rec, "store", "file") != "packed":
+        if rec.store != "packed":
             return (rec.path, cell)
         grid = _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
         proc, offset = rec.chunks[min(_layout.chunk_flat_index(cell, grid), len(rec.chunks) - 1)]
@@ -142,7 +142,7 @@ class _Units:
         first: dict[tuple[Any, ...], int] = {}
         for i, s in enumerate(self.shared):
             rec = s.rec
-            if not self.chunked or (getattr(rec, "store", "file") != "packed"
+            if not self.chunked or (rec.store != "packed"
                                     and _aligned(s.index, rec.chunk_shape, rec.shape)):
                 continue
             for cell, _ in _layout.chunks_overlapping(s.index, rec.chunk_shape):
@@ -229,16 +229,7 @@ def _crossing(shards: Any, shape: tuple[int, ...], chunk_shape: tuple[int, ...])
 
 def waves(pieces: list[Piece], budget: int = 0) -> list[list[Piece]]:
     """``pieces`` (in plan order) in consecutive groups of about ``budget`` bytes."""
-    budget = budget or WAVE_BYTES
-    out: list[list[Piece]] = [[]]
-    size = 0
-    for p in pieces:
-        if out[-1] and size + p.nbytes > budget:
-            out.append([])
-            size = 0
-        out[-1].append(p)
-        size += p.nbytes
-    return [w for w in out if w]
+    return _tasks.batches(pieces, budget or WAVE_BYTES)
 
 
 def _padded(n: int) -> int:

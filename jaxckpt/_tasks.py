@@ -11,6 +11,20 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 
+def batches(items: Iterable[Any], limit: int) -> list[list[Any]]:
+    """``items`` in order, in consecutive groups of at most ``limit`` bytes (by their
+    ``nbytes``; an item bigger than ``limit`` goes alone); none for no items."""
+    out: list[list[Any]] = []
+    size = 0
+    for item in items:
+        if not out or size + item.nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append(item)
+        size += item.nbytes
+    return out
+
+
 def run_tasks(tasks: Sequence[Any], n_threads: int) -> None:
     """Run callables on up to ``n_threads`` threads; raise the first error once all stopped.
 

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _dtypes, _layout, _location, _safetensors, _sources, _stream, _tree
+from . import _dtypes, _layout, _location, _safetensors, _sources, _stream, _tasks, _tree
 from ._errors import CheckpointError, TreeMismatchError
 from ._manifest import LeafRecord
 
@@ -140,16 +140,10 @@ class _SmallLeaves:
         self.ready: dict[str, np.ndarray] = {}
         if source.format != "jaxckpt":
             return
-        batch: list[LeafRecord] = []
-        size = 0
-        for rec in recs:
-            if rec.kind == "value" or rec.store != "packed":
-                continue
-            if batch and size + rec.nbytes > SMALL_BATCH_BYTES:
-                batch, size = [], 0
-            batch.append(rec)
-            size += rec.nbytes
-            self.batch_of[rec.path] = batch
+        small = [r for r in recs if r.kind != "value" and r.store == "packed"]
+        for batch in _tasks.batches(small, SMALL_BATCH_BYTES):
+            for rec in batch:
+                self.batch_of[rec.path] = batch
 
     def leaf(self, rec: LeafRecord) -> np.ndarray:
         if rec.path in self.ready:
@@ -496,16 +490,9 @@ def _plan_tensors(source: _sources.Source, select: Any, dtype: str | None) -> tu
 
 
 def _shard(tensors: list[_Tensor], limit: int) -> list[list[_Tensor]]:
-    """Greedy, in order: a new shard when the next tensor would take this one past ``limit``."""
-    shards: list[list[_Tensor]] = [[]]
-    size = 0
-    for t in tensors:
-        if shards[-1] and size + t.nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(t)
-        size += t.nbytes
-    return shards
+    """Greedy, in order: a new shard when the next tensor would take this one past
+    ``limit`` (one empty shard for no tensors)."""
+    return _tasks.batches(tensors, limit) or [[]]
 
 
 def _header(tensors: list[_Tensor]) -> bytes:
