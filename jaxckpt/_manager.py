@@ -204,42 +204,52 @@ class CheckpointManager:
             self._groups = self._find_groups(op)
             self._group = next(g for g in self._groups if _distributed.process_index() in g)
             error: BaseException | None = None
-            if self._leads():
-                try:
-                    self._take_directory()
-                except BaseException as e:  # noqa: BLE001 - reported to every process
-                    error = e
+            try:
+                if self._leads():
+                    self._lease = self._take_directory(self._dir)
+                if self._persistent is not None and _distributed.process_index() == 0:
+                    # the copies commit and retention deletes there: a writer like any other
+                    self._persistent.lease = self._take_directory(self._persistent.dir)
+            except BaseException as e:  # noqa: BLE001 - reported to every process
+                error = e
+            if error is not None:
+                self._release_leases()
             op.post("started", error if error is not None else b"")
             if error is not None:
                 raise error
             try:
                 op.wait_for("started", self._others())
             except BaseException:
-                if self._lease is not None:
-                    self._lease.release()
+                self._release_leases()
                 raise
             self._steps = self._agreed_steps(op)
 
-    def _take_directory(self) -> None:
-        """Create the directory, take its writer lease, clean what a gone writer left."""
-        if self._dir.local is not None:
+    def _release_leases(self) -> None:
+        for lease in (self._lease, self._persistent.lease if self._persistent is not None else None):
+            if lease is not None:
+                lease.release()
+
+    def _take_directory(self, where: _location.Location) -> _lease.Lease:
+        """Create ``where``, take its writer lease, clean what a gone writer left there."""
+        if where.local is not None:
             try:
-                os.makedirs(self._dir.local, exist_ok=True)
+                os.makedirs(where.local, exist_ok=True)
             except OSError as e:
-                raise CheckpointError(f"Cannot create manager directory '{self._dir}': {e}") from e
-        self._lease = _lease.Lease.acquire(self._dir)
-        weakref.finalize(self, self._lease.release)  # a manager dropped unclosed
+                raise CheckpointError(f"Cannot create manager directory '{where}': {e}") from e
+        lease = _lease.Lease.acquire(where)
+        weakref.finalize(self, lease.release)  # a manager dropped unclosed
         try:
             # Every attempt left here belongs to a writer that is gone: ours to clean.
-            for attempt in _commit.stale_attempts(self._dir):
+            for attempt in _commit.stale_attempts(where):
                 _log.info("jaxckpt: removing attempt %s left by a writer that is gone", attempt)
-                _storage.delete_tree(self._dir.child(attempt))
+                _storage.delete_tree(where.child(attempt))
             # On an object store: data prefixes inside steps that no manifest names.
-            for key in _commit.remove_dead_step_data(self._dir):
+            for key in _commit.remove_dead_step_data(where):
                 _log.info("jaxckpt: removed data %s left by a writer that is gone", key)
         except BaseException:
-            self._lease.release()
+            lease.release()
             raise
+        return lease
 
     def _leads(self) -> bool:
         """Whether this process acts for its directory (lease, commits, deletes)."""
@@ -896,8 +906,7 @@ class CheckpointManager:
             self._preemption.close()  # gives the SIGTERM handler back
             self._executor.shutdown(wait=True)
             self._deleter.close()
-            if self._lease is not None:
-                self._lease.release()
+            self._release_leases()
             atexit.unregister(self._atexit)
 
     def _check_open(self) -> None:

@@ -84,8 +84,10 @@ class _Copy:
     """One step's copy to the persistent tier, by every process of the job."""
 
     def __init__(self, step: int, local: Location, dest: Location, man: Manifest,
-                 groups: Sequence[Sequence[int]], timeout_s: float | None):
+                 groups: Sequence[Sequence[int]], timeout_s: float | None,
+                 check_lease: Callable[[], None] = lambda: None):
         self.step, self.local, self.dest, self.man = step, local, dest, man
+        self.check_lease = check_lease
         self.groups, self.timeout_s = groups, timeout_s
         me = _distributed.process_index()
         self.me = me
@@ -119,6 +121,7 @@ class _Copy:
     def _coordinate(self, op: _distributed.Operation) -> Manifest:
         staging = None
         try:
+            self.check_lease()
             token = _commit.new_token(self.dest)
             staging = _commit.prepare(self.dest, token, overwrite=True)
         except BaseException as e:  # noqa: BLE001 - reported to every process, then re-raised
@@ -136,6 +139,7 @@ class _Copy:
             op.wait_for("copied", list(range(1, _distributed.process_count())))
             new = self._persistent_manifest(token)
             data = new.to_bytes()
+            self.check_lease()
             _commit.commit(self.dest, staging, data, token)
             committed = True
         except BaseException as e:
@@ -162,6 +166,9 @@ class PersistentTier:
         self.dir, self.interval, self.max_to_keep = directory, interval_steps, max_to_keep
         self.timeout_s = timeout_s
         self.steps: dict[int, Manifest] = dict(_commit.discover_steps(directory))
+        # Process 0 of a writing manager holds the tier's writer lease (the manager takes
+        # it): a cleaner or a second job sees the copy in progress as a live writer's.
+        self.lease: Any = None
         self._lock = threading.Lock()
         self._worker = _tasks.Worker("jaxckpt-persist", self._run)
         self.errors: list[tuple[int, BaseException]] = []
@@ -178,7 +185,8 @@ class PersistentTier:
     def _run(self, item: tuple[Any, ...]) -> None:
         step, local, man, groups, done = item
         try:
-            copied = _Copy(step, local, self.dir.child(_commit.step_name(step)), man, groups, self.timeout_s).run()
+            copied = _Copy(step, local, self.dir.child(_commit.step_name(step)), man, groups, self.timeout_s,
+                           self._check_lease).run()
             with self._lock:
                 self.steps[step] = copied
             self._apply_retention()
@@ -188,6 +196,12 @@ class PersistentTier:
                 self.errors.append((step, e))
         finally:
             done()
+
+    def _check_lease(self) -> None:
+        """Process 0, before it commits or deletes in the tier: refuse once another writer
+        took the directory over."""
+        if self.lease is not None and self.lease.lost:
+            raise CheckpointError(f"the persistent tier '{self.dir}' cannot be written: {self.lease.lost}")
 
     def _apply_retention(self) -> None:
         """The same decision in every process; process 0 deletes (the tier is shared)."""
@@ -201,6 +215,7 @@ class PersistentTier:
             with self._lock:
                 self.steps.pop(s, None)
             if _distributed.process_index() == 0:
+                self._check_lease()
                 _commit.delete_step(self.dir, s, _commit.new_token())
 
     def wait(self) -> list[tuple[int, BaseException]]:
