@@ -17,24 +17,49 @@ every process computes the same plan without talking:
 3. each process reads its own slices and its pieces, then posts whether that worked
    (``_distributed.Operation``): a failed or dead reader fails the restore in every
    process instead of leaving the others in a collective that never ends;
-4. the pieces go to every process in one all-gather per wave (one device per process,
-   a jitted reshard from "one row per process" to "replicated"; gloo on CPU, NCCL on
-   GPU), and each process assembles the slices it needs from them.
+4. the pieces go to every process in all-gathers (one device per process, a jitted
+   reshard from "one row per process" to "replicated"; gloo on CPU, NCCL on GPU), in
+   *waves* (``plan_waves``), and each process assembles the slices it needs from them.
+
+Before reading, every process posts a digest of its plan (``plan_digest``: the shared
+slices, the pieces with their readers, the waves) and compares it with everyone's.
+The plan is a function of global facts, so the digests agree; if they do not (the
+processes were given different leaves or shardings, or different settings), every
+process raises a ``CheckpointError`` naming the processes that differ, instead of
+exchanging another leaf's bytes.
+
+Memory: the all-gather pads every process's row to the longest, so a wave gathers
+``nproc`` times its longest row. A wave's rows are therefore capped per reader, not
+in total: with ``w = row_cap(nproc, WAVE_BYTES)``, the largest row width with
+``(nproc + 2) * w <= WAVE_BYTES``, a process holds per wave its own row (on host and
+on its device) and the ``nproc`` gathered rows: at most ``WAVE_BYTES`` in all on CPU
+(where device memory is host memory), and at most ``WAVE_BYTES`` of device memory and
+of host memory each on an accelerator, whatever the number of processes (when
+``WAVE_BYTES < (nproc + 2) * 4096``, the smallest row, ``(nproc + 2) * 4096``). A
+piece larger than ``w`` is sent in blocks (rows, or parts of one row, of the piece:
+each a contiguous run of its bytes) over several waves; its reader holds the piece,
+read whole, until its last block is sent. Each wave takes from every reader's queue up
+to ``w`` bytes, so the rows are balanced and the number of waves is set by the
+busiest reader. Beyond the waves a process holds what it reads and the slices it
+needs; a slice placed as a view of a wave's gathered rows keeps them alive only when
+this process needs ``VIEW_SHARE`` of that wave's bytes.
 
 If the collective itself fails (a multi-process CPU job without
 ``jax_cpu_collectives_implementation``), every process reads what it lacks from
 storage instead, and says so in a warning.
 
-When: ``JAXCKPT_READ_ONCE`` (``READ_ONCE``) is ``auto`` by default: on for object
-stores, off for local paths, where the processes of one host share its page cache and
-reading again is cheaper than the exchange (measured in ``benchmarks/read_once.py``);
-``1`` always (a cluster file system many hosts read), ``0`` never.
+When: ``JAXCKPT_READ_ONCE``, read at each restore, is ``auto`` by default: on for
+object stores, off for local paths, where the processes of one host share its page
+cache and reading again is cheaper than the exchange (measured in
+``benchmarks/read_once.py``); ``1`` always (a cluster file system many hosts read),
+``0`` never. ``READ_ONCE``, when set (tests), overrides it.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import hashlib
 import logging
 import os
 import time
@@ -43,16 +68,20 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _chunkfiles, _distributed, _dtypes, _layout, _tasks
+from . import _chunkfiles, _distributed, _dtypes, _layout
+from ._errors import CheckpointError
 from ._location import Location
 from ._manifest import LeafRecord
 
 _log = logging.getLogger("jaxckpt")
 
-# "auto": on for object stores (every byte read is a request to a service that every
-# host shares), off for local paths (processes on one host share its page cache, where
-# reading is cheaper than the exchange); "1": always; "0": never.
-READ_ONCE = os.environ.get("JAXCKPT_READ_ONCE", "auto")
+# JAXCKPT_READ_ONCE: "auto" (the default): on for object stores (every byte read is a
+# request to a service that every host shares), off for local paths (processes on one
+# host share its page cache, where reading is cheaper than the exchange); "1": always;
+# "0": never. Read at each restore (a library reads the environment when it is asked,
+# not when it is imported); READ_ONCE, when not None, overrides it (tests).
+READ_ONCE: str | None = None
+_MODES = ("auto", "1", "0")
 SLICE_BALANCE = 1.1
 VIEW_SHARE = 0.75  # see ReadOnce._exchange
 # How long a process that has read its part waits for a peer that has not started the
@@ -60,7 +89,7 @@ VIEW_SHARE = 0.75  # see ReadOnce._exchange
 # peer inside the restore is waited for while it heartbeats; a dead one fails it after
 # ``_distributed.STALE_S``.
 START_TIMEOUT_S = 300.0
-WAVE_BYTES = 512 << 20  # bytes gathered per collective (bounds the transient buffers)
+WAVE_BYTES = 512 << 20  # a wave's buffers in each process, gathered rows included (see above)
 _ALIGN = 64  # pieces start 64-byte aligned in the gathered rows (zero-copy placement on CPU)
 
 
@@ -84,8 +113,16 @@ def applies(global_requests: int, loc: Location) -> bool:
     that span processes exchanges pieces (the same answer in every process)."""
     if global_requests == 0 or _distributed.process_count() == 1:
         return False
-    mode = READ_ONCE
+    mode = read_once_mode()
     return mode == "1" or (mode == "auto" and loc.local is None)
+
+
+def read_once_mode() -> str:
+    """``READ_ONCE`` if set, else ``JAXCKPT_READ_ONCE`` as it is now (default ``auto``)."""
+    mode = READ_ONCE if READ_ONCE is not None else os.environ.get("JAXCKPT_READ_ONCE", "auto")
+    if mode not in _MODES:
+        raise ValueError(f"JAXCKPT_READ_ONCE={mode!r}: expected one of {', '.join(_MODES)}")
+    return mode
 
 
 def plan_pieces(shared: list[SharedSlice], load: dict[int, int], chunked: bool,
@@ -227,9 +264,93 @@ def _crossing(shards: Any, shape: tuple[int, ...], chunk_shape: tuple[int, ...])
     return {k for k, cs in enumerate(cells) if any(len(touched[c]) > 1 for c in cs)}
 
 
-def waves(pieces: list[Piece], budget: int = 0) -> list[list[Piece]]:
-    """``pieces`` (in plan order) in consecutive groups of about ``budget`` bytes."""
-    return _tasks.batches(pieces, budget or WAVE_BYTES)
+class Part(NamedTuple):
+    """What a reader sends in one wave: block ``index`` of ``piece`` (all of it, unless
+    the piece is larger than a row), a piece of shared slice number ``slice_no``."""
+
+    slice_no: int
+    piece: Piece
+    index: _layout.Index
+    nbytes: int
+
+
+def row_cap(nproc: int, budget: int) -> int:
+    """The widest row a wave may gather from each of ``nproc`` processes: the largest
+    width that ``row_width`` keeps (so no wave's row rounds up past it) with the
+    process's own row on host and device plus the ``nproc`` gathered rows within
+    ``budget``; 4096 at least (the narrowest row)."""
+    fits = budget // (nproc + 2)
+    if fits <= 4096:
+        return 4096
+    step = 1 << max(fits.bit_length() - 4, 0)  # row_width's grid at this size
+    return fits // step * step
+
+
+def plan_waves(shared: list[SharedSlice], plan: list[list[Piece]], nproc: int, budget: int = 0) -> list[list[Part]]:
+    """The waves of the exchange: each reader's pieces (in plan order) cut into blocks of
+    at most ``row_cap`` bytes, each wave taking up to that many bytes from every reader
+    (see the module docstring for the bound this keeps)."""
+    cap = row_cap(nproc, budget or WAVE_BYTES)
+    queues: list[collections.deque[Part]] = [collections.deque() for _ in range(nproc)]
+    for i, pieces in enumerate(plan):
+        itemsize = _dtypes.DTYPES[shared[i].rec.storage_dtype].itemsize
+        for piece in pieces:
+            for index in blocks(piece.index, itemsize, cap):
+                queues[piece.reader].append(Part(i, piece, index, _layout.index_size(index) * itemsize))
+    out = []
+    while any(queues):
+        wave = []
+        for queue in queues:
+            used = 0
+            while queue and used + _padded(queue[0].nbytes) <= cap:
+                used += _padded(queue[0].nbytes)
+                wave.append(queue.popleft())
+        out.append(wave)
+    return out
+
+
+def blocks(index: _layout.Index, itemsize: int, cap: int) -> list[_layout.Index]:
+    """``index`` cut into blocks of at most ``cap`` bytes (``cap`` >= ``itemsize``): runs
+    of whole rows along its first dimension, or, where one row is larger, blocks of each
+    row cut the same way along the next. Each block is a contiguous run of the C-order
+    bytes of ``index``, so a reader copies it out of the piece it read whole."""
+    if _layout.index_size(index) * itemsize <= cap:
+        return [index]
+    (a, b), rest = index[0], index[1:]
+    row = _layout.index_size(rest) * itemsize
+    if row <= cap:
+        k = cap // row
+        return [((i, min(i + k, b)),) + rest for i in range(a, b, k)]
+    return [((i, i + 1),) + sub for i in range(a, b) for sub in blocks(rest, itemsize, cap)]
+
+
+def plan_digest(shared: list[SharedSlice], waves: list[list[Part]]) -> str:
+    """A digest of everything the processes must agree on: the shared slices with their
+    holders, and what each wave carries from which reader (pieces, blocks, order)."""
+    h = hashlib.sha256()
+    for s in shared:
+        h.update(repr((s.rec.path, s.rec.storage_dtype, s.index, s.processes)).encode())
+    h.update(b"|")
+    for wave in waves:
+        h.update(repr([(p.slice_no, p.piece.index, p.piece.reader, p.index) for p in wave]).encode())
+        h.update(b";")
+    return h.hexdigest()
+
+
+def plan_mismatch(digests: dict[int, bytes]) -> str:
+    """'' when every process posted the same digest, else which processes differ from
+    process 0 (the same text in every process: each sees every digest)."""
+    ref = digests[0]
+    differ = [p for p in sorted(digests) if digests[p] != ref]
+    if not differ:
+        return ""
+    groups: dict[bytes, list[int]] = {}
+    for p in sorted(digests):
+        groups.setdefault(digests[p], []).append(p)
+    detail = "; ".join(f"process{'es' if len(ps) > 1 else ''} {', '.join(map(str, ps))}: {d[:12].decode()}"
+                       for d, ps in groups.items())
+    return (f"process{'es' if len(differ) > 1 else ''} {', '.join(map(str, differ))} planned a different "
+            f"exchange than process 0 ({detail})")
 
 
 def _padded(n: int) -> int:
@@ -240,8 +361,9 @@ class ReadOnce:
     """A reader (``_sources.ReaderLike``) that reads shared slices once per job.
 
     ``add`` a slice only this process needs; ``add_global`` a leaf placed on a sharding
-    that spans processes (in the same order in every process). ``run`` then reads,
-    agrees and exchanges; ``get`` returns any slice added either way.
+    that spans processes (in the same order in every process). ``run`` then plans,
+    checks that every process planned the same, reads, agrees and exchanges; ``get``
+    returns any slice added either way.
     """
 
     def __init__(self, new_reader: Any, where: str, chunked: bool):
@@ -251,7 +373,6 @@ class ReadOnce:
         self.load: dict[int, int] = {}
         self.shared: list[SharedSlice] = []
         self.needed: set[tuple[str, _layout.Index]] = set()
-        self.records: dict[str, LeafRecord] = {}
         self.out: dict[tuple[str, _layout.Index], np.ndarray] = {}
 
     def add(self, rec: LeafRecord, index: _layout.Index) -> None:
@@ -264,7 +385,6 @@ class ReadOnce:
         a layout that cuts across the saved chunks: each chunk is then read once per
         job, not once per process that needs part of it)."""
         itemsize = _dtypes.DTYPES[rec.storage_dtype].itemsize
-        self.records[rec.path] = rec
         shared, load, local = _leaf_plan(sharding, rec.shape, rec.chunk_shape, itemsize, self.chunked, self.me)
         for p, nbytes in load:
             self.load[p] = self.load.get(p, 0) + nbytes
@@ -283,11 +403,10 @@ class ReadOnce:
         return got if got.dtype == saved else got.view(saved)
 
     def run(self) -> None:
-        if not self.shared:
-            self.inner.run()
-            return
+        nproc = _distributed.process_count()
         packed = {p.process: p.chunk_bytes for p in getattr(getattr(self.inner, "man", None), "packed", ())}
-        plan = plan_pieces(self.shared, self.load, self.chunked, packed, _distributed.process_count())
+        plan = plan_pieces(self.shared, self.load, self.chunked, packed, nproc) if self.shared else []
+        waves = plan_waves(self.shared, plan, nproc)
         for s, pieces in zip(self.shared, plan):
             for p in pieces:
                 if p.reader == self.me:
@@ -295,13 +414,19 @@ class ReadOnce:
         t0 = time.perf_counter()
         op = _distributed.Operation(f"restore{_distributed.next_id()}", self.where, START_TIMEOUT_S,
                                     lane="restore")
+        others = [p for p in range(nproc) if p != self.me]
         with op:
+            # Even an empty plan is compared: a process that planned nothing while
+            # another planned an exchange must fail too, not leave it waiting.
+            self._agree_on_plan(op, others, plan_digest(self.shared, waves))
+            if not waves:
+                self.inner.run()
+                return
             try:
                 self.inner.run()
             except BaseException as e:
                 op.post("read", e)  # the others fail too, instead of waiting in the collective
                 raise
-            others = [p for p in range(_distributed.process_count()) if p != self.me]
             op.post("read")
             op.wait_for("read", others)
             # A second round before the collective: a process that gave up waiting for a
@@ -311,69 +436,83 @@ class ReadOnce:
             op.wait_for("go", others)
         t1 = time.perf_counter()
         try:
-            self._exchange(plan)
+            self._exchange(waves)
         except Exception as e:  # noqa: BLE001 - every process fails alike: read from storage instead
             _log.warning("jaxckpt: '%s': exchanging replicated slices between processes failed (%s); "
                          "every process reads them from storage", self.where, e)
             self.out.clear()
             self._read_the_rest()
             return
-        _log.debug("jaxckpt: '%s': read %.3f s (with the agreement), exchange and assembly %.3f s",
-                   self.where, t1 - t0, time.perf_counter() - t1)
+        _log.debug("jaxckpt: '%s': read %.3f s (with the agreement), exchange and assembly %.3f s "
+                   "(%d waves)", self.where, t1 - t0, time.perf_counter() - t1, len(waves))
 
-    def _exchange(self, plan: list[list[Piece]]) -> None:
-        """One all-gather per wave. Each wave's pieces go into the slices this process
-        needs before the next wave is gathered, so at most one wave's buffer is alive
-        beyond the slices; a slice that arrived in one piece stays a view of that buffer
-        only when this process needs most of the wave (``VIEW_SHARE``), else it is copied
-        out and the buffer freed."""
-        owner = {(p.path, p.index): i for i, pieces in enumerate(plan) for p in pieces}
-        for wave in waves([p for pieces in plan for p in pieces]):
-            parts = self._gather(wave)
-            mine = sum(p.nbytes for p in wave if self._key(owner[(p.path, p.index)]) in self.needed)
+    def _agree_on_plan(self, op: _distributed.Operation, others: list[int], digest: str) -> None:
+        """Raise in every process if the processes' plans differ (see ``plan_digest``)."""
+        op.post("plan", digest.encode())
+        digests = op.wait_for("plan", others)
+        digests[self.me] = digest.encode()
+        differ = plan_mismatch(digests)
+        if differ:
+            raise CheckpointError(
+                f"Checkpoint '{self.where}': read-once plan mismatch: {differ}. The processes planned "
+                "from different inputs (the leaves and shardings each restores, or settings such as "
+                "WAVE_BYTES); nothing was exchanged")
+
+    def _exchange(self, waves: list[list[Part]]) -> None:
+        """One all-gather per wave. Each wave's blocks go into the slices this process
+        needs before the next wave is gathered, so at most one wave's buffers are alive
+        beyond the slices; a slice that arrived in one block stays a view of that
+        buffer only when this process needs most of the wave (``VIEW_SHARE``), else it
+        is copied out and the buffer freed."""
+        nparts = collections.Counter(p.slice_no for wave in waves for p in wave)
+        for wave in waves:
+            data = self._gather(wave)
+            mine = sum(p.nbytes for p in wave if self._key(p.slice_no) in self.needed)
             view_ok = mine >= VIEW_SHARE * sum(p.nbytes for p in wave)
-            for p, data in zip(wave, parts):
-                self._put(owner[(p.path, p.index)], len(plan[owner[(p.path, p.index)]]), p, data, view_ok)
+            for part, got in zip(wave, data):
+                self._put(part, nparts[part.slice_no], got, view_ok)
 
     def _key(self, i: int) -> tuple[str, _layout.Index]:
         return self.shared[i].rec.path, self.shared[i].index
 
-    def _gather(self, wave: list[Piece]) -> list[np.ndarray]:
-        """The bytes of every piece of ``wave``, in every process."""
+    def _gather(self, wave: list[Part]) -> list[np.ndarray]:
+        """The bytes of every block of ``wave``, in every process."""
         nproc = _distributed.process_count()
         lengths = [0] * nproc
         for p in wave:
-            lengths[p.reader] += _padded(p.nbytes)
+            lengths[p.piece.reader] += _padded(p.nbytes)
         row = np.zeros((1, row_width(lengths)), np.uint8)
         at = 0
         for p in wave:
-            if p.reader == self.me:
-                data = np.ascontiguousarray(self.inner.get(self.records[p.path], p.index)).reshape(-1)
-                row[0, at:at + p.nbytes] = data.view(np.uint8)
+            if p.piece.reader == self.me:
+                whole = self.inner.get(self.shared[p.slice_no].rec, p.piece.index)
+                block = whole[_layout.relative(p.index, p.piece.index)]
+                np.copyto(row[0, at:at + p.nbytes].view(block.dtype).reshape(block.shape), block)
                 at += _padded(p.nbytes)
         rows = all_gather(row, lengths)
-        offsets, parts = [0] * nproc, []
+        del row
+        offsets, out = [0] * nproc, []
         for p in wave:
-            at = offsets[p.reader]
-            parts.append(rows[p.reader][at:at + p.nbytes])
-            offsets[p.reader] = at + _padded(p.nbytes)
-        return parts
+            at = offsets[p.piece.reader]
+            out.append(rows[p.piece.reader][at:at + p.nbytes])
+            offsets[p.piece.reader] = at + _padded(p.nbytes)
+        return out
 
-    def _put(self, i: int, npieces: int, piece: Piece, data: np.ndarray, view_ok: bool) -> None:
-        """Piece ``piece`` of shared slice ``i`` (of ``npieces``) into that slice, if
-        this process needs it."""
-        key = self._key(i)
+    def _put(self, part: Part, nparts: int, data: np.ndarray, view_ok: bool) -> None:
+        """Block ``part`` into its shared slice (one of ``nparts``), if this process
+        needs that slice."""
+        key = self._key(part.slice_no)
         if key not in self.needed:
             return
-        s = self.shared[i]
+        s = self.shared[part.slice_no]
         storage = _dtypes.DTYPES[s.rec.storage_dtype]
-        part = data.view(storage).reshape(_layout.index_shape(piece.index))
-        if npieces == 1 and piece.index == s.index:
-            self.out[key] = part if view_ok else _copy_aligned(part)
+        block = data.view(storage).reshape(_layout.index_shape(part.index))
+        if nparts == 1 and part.index == s.index:
+            self.out[key] = block if view_ok else _copy_aligned(block)
             return
         if key not in self.out:
             self.out[key] = _chunkfiles.aligned_empty(_layout.index_shape(s.index), storage)
-        self.out[key][_layout.relative(piece.index, s.index)] = part
+        self.out[key][_layout.relative(part.index, s.index)] = block
 
     def _read_the_rest(self) -> None:
         """The fallback: read every needed shared slice from storage in this process."""
