@@ -535,8 +535,9 @@ class CheckpointManager:
         self._check_open()
         if self._read_only:
             raise CheckpointError(f"CheckpointManager for '{self._dir}' is read-only: save() is not allowed")
-        if self._lease is not None and self._lease.lost:
-            raise CheckpointError(f"CheckpointManager for '{self._dir}' cannot save: {self._lease.lost}")
+        # A lost writer lease is not checked here: only the process holding it knows, and
+        # raising in it alone would skip its operation counter. The commit refuses it
+        # instead (``info`` in ``_write``), and every process learns that outcome.
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, got {step!r}")
         step = int(step)
@@ -583,8 +584,9 @@ class CheckpointManager:
         metrics = _metrics_to_json(metrics)
 
         def info() -> dict[str, Any]:  # process 0, right before the commit
-            if self._lease is not None and self._lease.lost:
-                raise CheckpointError(self._lease.lost)
+            lost = self._lease.lost if self._lease is not None else None
+            if lost:  # the save fails in every process (its outcome), at the same call
+                raise CheckpointError(f"CheckpointManager for '{self._dir}' cannot commit: {lost}")
             return {
                 "step": step,
                 "metrics": metrics,
@@ -798,7 +800,9 @@ class CheckpointManager:
 
         Raises:
           CheckpointNotFoundError: ``step`` is not committed.
-          CheckpointError: the manager is read-only or closed, or ``step`` is being restored.
+          CheckpointError: the manager is read-only or closed, ``step`` is being restored,
+            or the writer lease was lost. In a multi-process job every process raises
+            (the step stays listed) when any of them refuses.
 
         Example:
           >>> mgr.delete(100)
@@ -808,22 +812,52 @@ class CheckpointManager:
         self._check_open()
         if self._read_only:
             raise CheckpointError(f"CheckpointManager for '{self._dir}' is read-only: delete() is not allowed")
-        if self._lease is not None and self._lease.lost:
-            raise CheckpointError(f"CheckpointManager for '{self._dir}' cannot delete: {self._lease.lost}")
+        op_id = _distributed.next_id()  # before any verdict that one process may reach alone
+        error: BaseException | None = None
         with self._lock:
             if step not in self._steps:
-                raise CheckpointNotFoundError(
+                error = CheckpointNotFoundError(
                     f"No committed step {step} in '{self._dir}' (committed: {sorted(self._steps)})")
-            if self._reading.get(step):
-                raise CheckpointError(f"Step {step} in '{self._dir}' is being restored; delete it afterwards")
-            del self._steps[step]
-            self._deferred_delete.discard(step)
-        if self._leads() and not _readers.delete_unless_read(self._dir, step, _commit.new_token()):
-            readers = _readers.live_readers(self._dir, step)
-            who = ", ".join(_lease.describe_owner(r) for r in readers) or "another process"
+            elif self._reading.get(step):
+                error = CheckpointError(f"Step {step} in '{self._dir}' is being restored; delete it afterwards")
+            else:
+                del self._steps[step]
+                self._deferred_delete.discard(step)
+        unlisted = error is None
+        if error is None and self._leads():
+            try:
+                error = self._delete_as_leader(step)
+            except Exception as e:  # noqa: BLE001 - reported to every process, then raised
+                error = e
+        # Only the lease holder knows whether its lease is lost, only the first process of
+        # a directory sees its reader marks: every process learns every verdict.
+        with _distributed.Operation(f"delete{op_id}", str(self._dir), self._timeout) as op:
+            op.post("deleted", error if error is not None else b"")
+            try:
+                op.wait_for("deleted", self._others())
+            except CheckpointError as e:
+                error = error or e
+        if error is None:
+            return
+        if unlisted:
+            try:
+                manifest = self._manifest_on_disk(step)
+            except CheckpointError:  # deleted here, refused for another host's directory
+                raise error from None
             with self._lock:
-                self._steps[step] = self._manifest_on_disk(step)
-            raise CheckpointError(f"Step {step} in '{self._dir}' is being restored by {who}; delete it afterwards")
+                self._steps[step] = manifest
+        raise error
+
+    def _delete_as_leader(self, step: int) -> CheckpointError | None:
+        """Delete ``step`` in this process's directory; the error refusing it, if any."""
+        lost = self._lease.lost if self._lease is not None else None
+        if lost:
+            return CheckpointError(f"CheckpointManager for '{self._dir}' cannot delete step {step}: {lost}")
+        if _readers.delete_unless_read(self._dir, step, _commit.new_token()):
+            return None
+        readers = _readers.live_readers(self._dir, step)
+        who = ", ".join(_lease.describe_owner(r) for r in readers) or "another process"
+        return CheckpointError(f"Step {step} in '{self._dir}' is being restored by {who}; delete it afterwards")
 
     def _manifest_on_disk(self, step: int) -> Manifest:
         return _commit.read_manifest(self._dir.child(_commit.step_name(step)))
@@ -1017,10 +1051,7 @@ def writer_lease(directory: _location.Location) -> tuple[dict[str, Any] | None, 
     holder = _lease._parse(_storage.read_blob(directory, _lease.LEASE_FILE))
     if holder is None:
         return None, True
-    lease_s = holder.get("lease_s")
-    if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not 0 < lease_s < 1e9:
-        lease_s = _lease.LEASE_S
-    return holder, _lease._judge(holder, float(lease_s)) == "gone"
+    return holder, _lease._judge(holder, _lease.lease_period(holder, _lease.LEASE_S)) == "gone"
 
 
 def _local_size_and_mtime(path: str | None) -> tuple[int | None, float | None]:

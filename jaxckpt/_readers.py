@@ -1,12 +1,15 @@
 """Restores in other processes hold a step against the writer's retention.
 
 A manager's ``restore`` (a read-only evaluator, a notebook, another job) marks the step
-while it reads: ``<directory>/.jaxckpt-readers/<step>-<token>.json`` with its host, pid
-and a renewal time, rewritten every ``RENEW_S`` while the read lasts and removed after.
+while it reads: ``<directory>/.jaxckpt-readers/<step>-<token>.json`` with its host, pid,
+what identifies that process beyond its pid (``_lease.identity``) and a renewal time, rewritten every ``RENEW_S`` while the read lasts and removed after.
 Before the writer deletes a step it makes the step invisible (no new reader can find
 it), then looks for marks of that step: a live one puts the step back and defers the
-delete; a dead one (its pid gone on this host, or not renewed for ``LEASE_S``, judged
-like the writer's lease) is removed. A reader marks first and looks for the step
+delete; a dead one is removed. A mark is judged like the writer's lease (``_lease``):
+dead when its pid is gone on this host or is now another process (a restarted
+container: the start time and boot id the mark records differ), or when its renewal
+time is older than its ``lease_s`` (this host: one clock) or ``lease_s`` + 60 s (another
+host, whose clock may differ). A reader marks first and looks for the step
 after, so a reader and a delete never both proceed.
 """
 
@@ -21,7 +24,7 @@ import time
 import uuid
 from typing import Any
 
-from . import _commit, _lease, _storage
+from . import _commit, _iostats, _lease, _storage
 from ._location import Location
 
 _log = logging.getLogger("jaxckpt")
@@ -38,8 +41,8 @@ class ReaderMark:
         self.directory = directory.child(READERS_DIR)
         self.key = f"{step}-{uuid.uuid4().hex[:12]}.json"
         now = time.time()
-        self.owner = {"host": socket.gethostname(), "pid": os.getpid(), "started": now, "renewed": now,
-                      "lease_s": LEASE_S}
+        self.owner = {"host": socket.gethostname(), "pid": os.getpid(), **_lease.identity(os.getpid()),
+                      "started": now, "renewed": now, "lease_s": LEASE_S}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -55,6 +58,7 @@ class ReaderMark:
         while not self._stop.wait(RENEW_S):
             self.owner["renewed"] = time.time()
             try:
+                _iostats.fault("renew", self.key)
                 _storage.write_blob(self.directory, self.key, json.dumps(self.owner).encode())
             except Exception as e:  # noqa: BLE001 - the mark stays, just older
                 _log.warning("jaxckpt: renewing the reader mark %s failed: %s", self.key, e)
@@ -82,10 +86,7 @@ def live_readers(directory: Location, step: int) -> list[dict[str, Any]]:
         owner = _lease._parse(_storage.read_blob(where, name))
         if owner is None:
             continue  # removed as we looked
-        lease_s = owner.get("lease_s")
-        if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not 0 < lease_s < 1e9:
-            lease_s = LEASE_S
-        if owner and _lease._judge(owner, float(lease_s)) == "gone":
+        if owner and _lease._judge(owner, _lease.lease_period(owner, LEASE_S)) == "gone":
             _storage.delete_blob(where, name)
             continue
         live.append(owner)
