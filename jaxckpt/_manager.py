@@ -12,6 +12,7 @@ import html
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -28,6 +29,7 @@ from . import (
     _commit,
     _distributed,
     _history,
+    _hostcopy,
     _html,
     _lease,
     _location,
@@ -158,6 +160,7 @@ class CheckpointManager:
         self._reading: dict[int, int] = {}  # step -> restores in progress
         self._deferred_delete: set[int] = set()
         self._scanning: set[int] | None = None  # steps committed while reload() scans
+        self._partial: dict[int, Manifest] = {}  # per-host: committed here, lacking on some host
         self._closed = False
         self._lease: _lease.Lease | None = None
         self._advice: _cadence.CadenceAdvice | None = None  # the last advise_interval()
@@ -294,23 +297,45 @@ class CheckpointManager:
         return groups
 
     def _agreed_steps(self, op: _distributed.Operation) -> dict[int, Manifest]:
-        """The committed steps: with per-host directories, those every host holds."""
+        """The committed steps: with per-host directories, those every host holds.
+
+        A step that some host lacks (a replaced node, a disk mounted late) is left out of
+        the listing but never deleted here: with replicated state another host's copy is
+        complete, and a restore can still get it (``_hostcopy``). It is deleted once a
+        newer step is committed everywhere or the persistent tier holds it (``_write``).
+        """
         found = dict(_commit.discover_steps(self._dir))
         if not self._per_host():
             return found
         op.post("steps", json.dumps(sorted(found)).encode())
-        every = set(found)
-        for data in op.wait_for("steps", self._others()).values():
-            every &= set(json.loads(data))
-        orphans = sorted(set(found) - every)
-        if orphans and self._leads():
-            # Never restorable from this tier again (a host lacks its part), and in the way
-            # of the steps this job saves next; the persistent tier keeps its own copies.
-            _log.warning("jaxckpt: steps %s in '%s' are not held by every host; deleting them",
-                         orphans, self._dir)
-            for s in orphans:
-                _commit.delete_step(self._dir, s, _commit.new_token())
+        views = {p: set(json.loads(d)) for p, d in op.wait_for("steps", self._others()).items()}
+        views[_distributed.process_index()] = set(found)
+        every = set.intersection(*views.values())
+        partial = {s: m for s, m in found.items() if s not in every}
+        if partial:
+            lacking = {s: [p for p, v in sorted(views.items()) if s not in v] for s in partial}
+            _log.warning("jaxckpt: steps %s in '%s' are not held by every host (lacking: %s); not listed, "
+                         "kept until a newer step is committed everywhere or the persistent tier holds them",
+                         sorted(partial), self._dir,
+                         "; ".join(f"step {s}: process(es) {ps}" for s, ps in sorted(lacking.items())))
+        with self._lock:
+            self._partial = partial
         return {s: m for s, m in found.items() if s in every}
+
+    def _drop_partial(self, committed: int) -> None:
+        """After ``committed`` is committed everywhere: delete the partial steps it
+        supersedes (older ones) and those the persistent tier holds (the same decision in
+        every process of a group; its first process deletes)."""
+        durable = set(self._persistent_steps())
+        with self._lock:
+            doomed = sorted(s for s in self._partial if s != committed and (s < committed or s in durable))
+            self._partial.pop(committed, None)  # replaced by this commit
+            for s in doomed:
+                del self._partial[s]
+        if doomed and self._leads():
+            _log.info("jaxckpt: deleting steps %s in '%s' that some host lacked (step %d is committed "
+                      "everywhere)", doomed, self._dir, committed)
+            self._deleter.submit(doomed)
 
     # --- queries ---------------------------------------------------------------------
 
@@ -608,6 +633,8 @@ class CheckpointManager:
                 _history.append(self._dir, step, manifest.info)
             except Exception as e:  # noqa: BLE001 - the step is committed; the log is a convenience
                 _log.warning("jaxckpt: recording step %d in the history of '%s' failed: %s", step, self._dir, e)
+        if self._per_host():
+            self._drop_partial(step)
         if self._persistent is not None and self._persistent.wants(step):
             self._pin(step)  # retention keeps the local copy until the persistent one is done
             self._persistent.submit(step, final, manifest, self._groups, functools.partial(self._unpin, step))
@@ -723,29 +750,61 @@ class CheckpointManager:
     def _restore_agreed(self, step: int | None, read: Callable[[Any], Any]) -> Any:
         """Per-host directories: the newest step (or ``step``) that every host holds
         locally or the persistent tier holds. Read locally only when every process read
-        its part there; otherwise every process reads the persistent copy."""
+        its part there; otherwise every process reads the persistent copy. A step that
+        some hosts lack and the persistent tier does not hold is first copied to them
+        from a host that holds all of it (``_hostcopy``); when none does, it is skipped
+        (the latest) or named with the hosts that lack it (a step asked for)."""
         me = _distributed.process_index()
         with _distributed.Operation(f"restore{_distributed.next_id()}", str(self._dir), self._timeout,
                                     lane="restore") as op:
             held = sorted(_commit.discover_steps(self._dir))
-            view = [held, sorted(self._persistent_steps())]
+            view = [held, sorted(self._persistent_steps()), socket.gethostname()]
             op.post("held", json.dumps(view).encode())
             views = {p: json.loads(d) for p, d in op.wait_for("held", self._others()).items()}
             views[me] = view
             everywhere = set.intersection(*(set(v[0]) for v in views.values()))
             durable = set(views[0][1])  # process 0's view of the persistent tier decides
             known = set().union(*(set(v[0]) for v in views.values())) | durable
+            lacked: list[str] = []
             for s in [step] if step is not None else sorted(known, reverse=True):
+                if s not in everywhere and s not in durable and s in known and self._copy_to_lacking(op, s, views):
+                    everywhere.add(s)
                 if s in everywhere:
                     result = self._read_local_agreed(op, s, read, s in durable)
                     if result is not _FALL_BACK:
                         return result
                 if s in durable:
                     return self._read_pinned(self._persistent.dir.child(_commit.step_name(s)), s, read)
+                if s in known:
+                    lacked.append(self._lacking(s, views))
+                    if step is None:
+                        _log.warning("jaxckpt: %s; restoring an older step", lacked[-1])
+        where = f" ({'; '.join(lacked)})" if lacked else ""
         if step is None:
-            raise CheckpointNotFoundError(f"No committed step in '{self._dir}' held by every host")
+            raise CheckpointNotFoundError(f"No committed step in '{self._dir}' held by every host{where}")
+        if lacked:
+            raise CheckpointError(f"Cannot restore step {step} from '{self._dir}': {lacked[0]}")
         raise CheckpointNotFoundError(
             f"No committed step {step} held by every host in '{self._dir}' (committed: {sorted(known)})")
+
+    def _lacking(self, step: int, views: dict[int, list[Any]]) -> str:
+        who = [f"process {p} on host {v[2]!r}" for p, v in sorted(views.items()) if step not in v[0]]
+        return (f"step {step} is missing on {', '.join(who)}, no host holds all of it and the persistent "
+                "tier does not hold it")
+
+    def _copy_to_lacking(self, op: _distributed.Operation, step: int, views: dict[int, list[Any]]) -> bool:
+        """Copy ``step`` to the hosts that lack it from one that holds all of it; the same
+        answer in every process. The step is then listed like any other."""
+        me = _distributed.process_index()
+        holds = step in views[me][0]
+        man = _hostcopy.copy_from_holders(op, step, self._dir, holds, self._leads(),
+                                          self._leads() and not holds, self._read_only)
+        if man is None:
+            return False
+        with self._lock:
+            self._steps[step] = man
+            self._partial.pop(step, None)
+        return True
 
     def _read_local_agreed(self, op: _distributed.Operation, step: int, read: Callable[[Any], Any],
                            durable: bool) -> Any:

@@ -215,7 +215,8 @@ def test_two_tiers_with_a_local_directory_per_host_and_a_lost_host(tmp_path, s3_
         assert res[p]["tiers_at_start"] == {"2": ["persistent"], "4": ["persistent"]}
         assert res[p]["restored"] == 4  # step 5 is on host 0 only: the persistent step 4 restores
         assert res[p]["tiers_after"] == {"4": ["persistent"], "5": ["local"], "6": ["local", "persistent"]}
-    # host 0's steps that host 1 lost can never restore locally again: deleted
+    # host 0's steps that host 1 lost (sharded: no host holds them whole) are deleted once step 5
+    # is committed everywhere, never at the start
     assert res[0]["local_steps"] == res[1]["local_steps"] == ["5", "6"]
 
 
