@@ -345,9 +345,8 @@ def _target_kind(path: str, leaf: Any, rec: LeafRecord, sharding: Any, where: st
         sharding = leaf.sharding
     if isinstance(leaf, (np.ndarray, np.generic)) and sharding is None:
         return _Request(rec, "numpy", np.dtype(dtype), None, leaf, check_range=check_range)
-    if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    sharding = _concrete_sharding(sharding, path, where)
+    if sharding is not None:  # None: placed with the restore's other leaves known (_place_unsharded)
+        sharding = _concrete_sharding(sharding, path, where)
     if saved_key:
         return _Request(rec, "jax", None, sharding, leaf)
     return _Request(rec, "jax", np.dtype(dtype) if dtype is not None else _dtypes.DTYPES[rec.dtype],
@@ -377,6 +376,64 @@ def _concrete_sharding(sharding: Any, path: str, where: str) -> Any:
             f"Checkpoint '{where}': leaf '{path}': the target's sharding is on an abstract mesh "
             f"({axes}) but the mesh set in context has axes ({have})")
     return jax.sharding.NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
+
+
+def _place_unsharded(requests: list[_Request], where: str) -> list[_Request]:
+    """``requests`` with every device leaf that has no sharding (what ``jax.eval_shape``
+    gives a step counter or a key) placed replicated on the restore's mesh
+    (``_unsharded_placement``), so that every process holds it."""
+    unplaced = [r.rec.path for r in requests if r.mode == "jax" and r.sharding is None]
+    if not unplaced:
+        return requests
+    placed = [r.sharding for r in requests if r.mode == "jax" and r.sharding is not None]
+    sharding = _unsharded_placement(placed, unplaced, where)
+    return [r._replace(sharding=sharding) if r.mode == "jax" and r.sharding is None else r for r in requests]
+
+
+def _unsharded_placement(placed: list[Any], unplaced: list[str], where: str) -> Any:
+    """Where leaves without a sharding go: replicated on the concrete mesh in context
+    (``jax.set_mesh``), else on the one mesh every sharded leaf of the target uses. With
+    no mesh to choose, a single process keeps the default device; in a multi-process job
+    one process's device is no place for a leaf every process asked for, so it raises."""
+    mesh = _mesh_in_context() or _one_mesh(placed)
+    if mesh is not None:
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    if _distributed.process_count() == 1:
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shown = ", ".join(unplaced[:5]) + (f" and {len(unplaced) - 5} more" if len(unplaced) > 5 else "")
+    raise CheckpointError(
+        f"Checkpoint '{where}': {len(unplaced)} target leaves have no sharding ({shown}) and there is no "
+        "mesh to place them on in this multi-process job (none set in context, and the target's sharded "
+        "leaves do not all use one mesh); pass shardings= for them, or restore inside "
+        "`with jax.set_mesh(mesh):` to have them replicated on that mesh")
+
+
+def _mesh_in_context() -> Any:
+    """The concrete mesh set with ``jax.set_mesh``, or None."""
+    mesh = jax.sharding.get_mesh()
+    if mesh.empty or isinstance(mesh, jax.sharding.AbstractMesh):
+        return None
+    return mesh
+
+
+def _one_mesh(shardings: list[Any]) -> Any:
+    """The mesh all of ``shardings`` are on, or None (none, several, or one not on a mesh)."""
+    if not shardings or not all(isinstance(s, jax.sharding.NamedSharding) for s in shardings):
+        return None
+    meshes = {s.mesh for s in shardings}
+    return meshes.pop() if len(meshes) == 1 else None
+
+
+def _all_devices_replicated() -> Any:
+    """Replicated over every device of the job: a leaf every process holds."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("devices",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def _processes(sharding: Any) -> frozenset[int]:
+    """The processes whose devices ``sharding`` places data on: a global fact, the same
+    in every process (``is_fully_addressable`` is not: it depends on who asks)."""
+    return frozenset(d.process_index for d in sharding.device_set)
 
 
 def _value_request(rec: LeafRecord, leaf: Any, mismatch: Any, allow_narrowing: bool) -> _Request:
@@ -480,8 +537,10 @@ def _cast(arr: np.ndarray, req: _Request, where: str) -> np.ndarray:
 
 def _restore_leaves(source: _sources.Source, requests: list[_Request]) -> list[Any]:
     """Read what every request needs (each distinct slice once), then place it. In a
-    multi-process job a slice several processes need is read once per job (``_exchange``)."""
-    spanning = sum(req.mode == "jax" and not req.sharding.is_fully_addressable for req in requests)
+    multi-process job a slice several processes need is read once per job (``_exchange``):
+    whether it is, and each leaf's part in it, follow from global facts only (the
+    shardings and the manifest), so that every process plans the same exchange."""
+    spanning = sum(req.mode == "jax" and len(_processes(req.sharding)) > 1 for req in requests)
     if _exchange.applies(spanning, source.loc):
         reader: Any = _exchange.ReadOnce(source.new_reader, str(source.loc), source.format == "jaxckpt")
     else:
@@ -493,7 +552,9 @@ def _restore_leaves(source: _sources.Source, requests: list[_Request]) -> list[A
 
 def _plan_reads(reader: _sources.ReaderLike, req: _Request) -> Any:
     """Tell ``reader`` which slices ``req`` needs: ``None`` (an inline value), the full
-    index (host arrays) or ``(sharding, {device: index})``."""
+    index (host arrays) or ``(sharding, {device: index})`` (``{}``: this process holds
+    none of it). A leaf on devices of several processes goes to the exchange in every
+    process, those without a device in it included, so that all plan it alike."""
     rec = req.rec
     if req.mode == "value":
         return None
@@ -504,14 +565,15 @@ def _plan_reads(reader: _sources.ReaderLike, req: _Request) -> Any:
     sharding = req.sharding
     if rec.kind == "prng_key":
         sharding = _key_data_sharding(sharding, len(rec.shape) - rec.key_ndim, rec.path)
-    if rec.nbytes <= WHOLE_LEAF_BYTES and sharding.is_fully_addressable:
+    processes = _processes(sharding)
+    if rec.nbytes <= WHOLE_LEAF_BYTES and processes == {_distributed.process_index()}:
         # A small leaf this process places whole: read it once, one device_put with its
         # sharding (jax slices it; 4x cheaper than a put per device plus assembly).
         full = tuple((0, d) for d in rec.shape)
         reader.add(rec, full)
         return sharding, None
     per_device = _layout.needed_indices(sharding, rec.shape)
-    if isinstance(reader, _exchange.ReadOnce) and not sharding.is_fully_addressable:
+    if isinstance(reader, _exchange.ReadOnce) and len(processes) > 1:
         reader.add_global(rec, sharding, set(per_device.values()))
         return sharding, per_device
     for index in set(per_device.values()):
@@ -524,8 +586,9 @@ def _place(reader: _sources.ReaderLike, requests: list[_Request], plans: list[An
     ``device_put``, for the rest. On CPU jax adopts our 64-byte-aligned host buffers
     without a copy (devices holding the same slice share it; jax arrays are immutable
     and a donated external buffer is not written in place)."""
-    out: list[Any] = [None] * len(requests)
+    out: list[Any] = [_UNSET] * len(requests)
     xs, ds, slots = [], [], []
+    assembled = []
     for i, (req, plan) in enumerate(zip(requests, plans)):
         rec = req.rec
         if req.mode == "value":
@@ -541,6 +604,7 @@ def _place(reader: _sources.ReaderLike, requests: list[_Request], plans: list[An
             slots.append((i, None))
         else:
             sharding, per_device = plan
+            assembled.append(i)
             single = len(per_device) == 1 and len(sharding.device_set) == 1
             host: dict[_layout.Index, np.ndarray] = {}
             for device, index in per_device.items():
@@ -555,17 +619,35 @@ def _place(reader: _sources.ReaderLike, requests: list[_Request], plans: list[An
             out[i] = _as_key(requests[i].rec, arr)
             continue
         per_leaf.setdefault(i, {})[device] = arr
-    for i, arrays in per_leaf.items():
-        out[i] = _assemble(requests[i].rec, plans[i], arrays)
+    for i in assembled:  # those this process holds no part of too: they are global arrays
+        out[i] = _assemble(requests[i], plans[i], per_leaf.get(i, {}), where)
+    got_none = [requests[i].rec.path for i, x in enumerate(out) if x is _UNSET]
+    if got_none:  # a leaf the target asked for is never left out (or None)
+        raise CheckpointError(f"Checkpoint '{where}': process {_distributed.process_index()} got no data "
+                              f"for leaves {', '.join(got_none)}")
     return out
 
 
-def _assemble(rec: LeafRecord, plan: Any, arrays: dict[Any, Any]) -> Any:
-    sharding, per_device = plan
+_UNSET = object()  # a placed leaf's slot before its value (None is a value)
+
+
+def _assemble(req: _Request, plan: Any, arrays: dict[Any, Any], where: str) -> Any:
+    """One leaf's array from its slices on this process's devices (none: a global array
+    with no part here, whose dtype jax cannot infer from the slices)."""
+    rec, (sharding, per_device) = req.rec, plan
     if len(arrays) == 1 and len(sharding.device_set) == 1:
         (arr,) = arrays.values()
     else:
-        arr = jax.make_array_from_single_device_arrays(rec.shape, sharding, [arrays[d] for d in per_device])
+        dtype = req.dtype if req.dtype is not None else _dtypes.DTYPES[rec.dtype]
+        try:
+            arr = jax.make_array_from_single_device_arrays(rec.shape, sharding, [arrays[d] for d in per_device],
+                                                           dtype=dtype)
+        except (ValueError, RuntimeError) as e:
+            if per_device:
+                raise
+            raise CheckpointError(  # a sharding on other processes' devices only, where jax refuses that
+                f"Checkpoint '{where}': leaf '{rec.path}': process {_distributed.process_index()} holds no "
+                f"device of its sharding and jax cannot make an array with no part here: {e}") from None
     return _as_key(rec, arr)
 
 
@@ -603,10 +685,16 @@ def _restore_all_numpy(source: _sources.Source) -> Any:
         _Request(r, "value" if r.kind == "value" else "numpy", None, None, None, r.value)
         for r in man.leaves
     ]
-    # PRNG keys come back as typed keys on the default device; everything else as numpy.
+    # PRNG keys come back as typed keys (on the default device; in a multi-process job
+    # replicated over all its devices, so that every process holds them); everything
+    # else as numpy.
+    if _distributed.process_count() == 1:
+        keys = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    else:
+        keys = _all_devices_replicated()
     for i, r in enumerate(man.leaves):
         if r.kind == "prng_key":
-            requests[i] = _Request(r, "jax", None, jax.sharding.SingleDeviceSharding(jax.devices()[0]), None)
+            requests[i] = _Request(r, "jax", None, keys, None)
     values = _restore_leaves(source, requests)
     return _tree.build(man.structure, lambda i: values[i])
 
@@ -680,7 +768,7 @@ def _restore(path: Any, target: Any, shardings: Any, partial: bool, allow_narrow
     ref = target if target is not None else shardings
     flat, treedef = _tree.flatten(ref)
     shard_map = _sharding_map(shardings, single_sharding, target, flat, loc)
-    saved = _match(flat, man, key_map, partial, missing, loc)
+    saved = _match(flat, man, key_map, partial, missing, loc, source.format == "safetensors")
     requests, errors, kept = [], [], {}
     for p, leaf in flat:
         rec = saved.get(p)
@@ -696,7 +784,7 @@ def _restore(path: Any, target: Any, shardings: Any, partial: bool, allow_narrow
             errors.append(e)
     if errors:
         raise TreeMismatchError("; ".join(str(e) for e in errors), [q for e in errors for q in e.paths])
-    values = iter(_restore_leaves(source, requests))
+    values = iter(_restore_leaves(source, _place_unsharded(requests, str(loc))))
     return _tree.unflatten(treedef, [kept[p] if p in kept else next(values) for p, _ in flat])
 
 
@@ -729,14 +817,22 @@ def _leaf_sharding(p: str, leaf: Any, rec: LeafRecord, target: Any, shardings: A
 
 
 def _match(flat: list[tuple[str, Any]], man: Manifest, key_map: Any, partial: bool, missing: str | None,
-           loc: Location) -> dict[str, LeafRecord]:
-    """Target key path -> the saved record it restores from; strict about the rest."""
+           loc: Location, dotted: bool = False) -> dict[str, LeafRecord]:
+    """Target key path -> the saved record it restores from; strict about the rest.
+
+    A ``.``-separated name stands for its ``/`` key path only where it is a convention:
+    in a safetensors source (``dotted``; its tensor names are dotted), and in a name
+    ``key_map`` gave (the user wrote it). Elsewhere ``a.b`` and ``a/b`` are different
+    leaves, and taking one for the other is the silent fallback strictness forbids.
+    """
     by_path = {r.path: r for r in man.leaves}
     found: dict[str, LeafRecord] = {}
     absent = []
     for p, _ in flat:
         name = _map_key(key_map, p)
-        rec = None if name is None else by_path.get(name, by_path.get(name.replace(".", "/")))
+        rec = None if name is None else by_path.get(name)
+        if rec is None and name is not None and (dotted or name != p):
+            rec = by_path.get(name.replace(".", "/"))
         if rec is None:
             absent.append(p if name == p else f"{p} (as '{name}')")
         else:
