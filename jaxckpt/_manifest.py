@@ -3,12 +3,14 @@
 ``manifest.json`` is the only thing a reader trusts to find data, and it comes from
 disk, so every field is checked before anything is allocated or opened: kinds, dtypes,
 shapes and byte counts agree, chunk grids are sane, every data key stays inside the
-checkpoint, the container description references each leaf exactly once.
+checkpoint, the container description references each leaf exactly once; and the
+manifest's own checksum (its last field) matches its bytes.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import re
@@ -66,6 +68,16 @@ _INT_BOUND = 10**MAX_INT_DIGITS
 # gives up near Python's recursion limit (three JSON levels per tree level).
 MAX_DEPTH = _tree.MAX_DEPTH
 _MAX_MESSAGE = 500  # characters of a validation message (a hostile repr may be huge)
+
+# The manifest's checksum of itself, its last field: ``"sha256:<hex>"`` of the
+# manifest's bytes without that field (``{…,"leaves":[…]}``). Chunks carry crc32c of
+# their own bytes, but the manifest's inline values, metadata, step and data prefix had
+# nothing: a flipped digit restored another value without an error. No format_version bump: a reader without it keeps the
+# field among the info (unknown fields are info) and reads the data exactly as before.
+# A manifest without the field (written before it, or by a tool that removed it) is read
+# as before; one whose field was damaged or moved, or whose bytes changed, is corrupt.
+CHECKSUM_FIELD = "checksum"
+_CHECKSUM_VALUE = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 # Inline values whose type JSON does not keep, by the manifest's "type" name:
@@ -151,18 +163,31 @@ class Manifest:
         return loc.child(self.data) if self.data else loc
 
     def to_bytes(self) -> bytes:
+        """The manifest's JSON, its checksum computed here, over these very bytes (a
+        manifest changed with ``dataclasses.replace`` gets its own, never a stale one)."""
+        info = {k: v for k, v in self.info.items() if k != CHECKSUM_FIELD}
         doc = {
             "format": FORMAT,
             "format_version": self.format_version,
             **({"data": self.data} if self.data else {}),
-            **self.info,
+            **info,
             "process_count": self.process_count,
             "packed": [p._asdict() for p in self.packed],
             "metadata": self.metadata,
             "structure": self.structure,
             "leaves": [r.to_json() for r in self.leaves],
         }
-        return json.dumps(doc, separators=(",", ":"), allow_nan=True).encode()
+        body = json.dumps(doc, separators=(",", ":"), allow_nan=True).encode()
+        return body[:-1] + _checksum_tail(checksum(body))
+
+
+def checksum(body: bytes) -> str:
+    """The checksum of a manifest whose bytes without the field are ``body``."""
+    return "sha256:" + hashlib.sha256(body).hexdigest()
+
+
+def _checksum_tail(value: str) -> bytes:
+    return b',"' + CHECKSUM_FIELD.encode() + b'":"' + value.encode() + b'"}'
 
 
 def parse(data: bytes, where: str) -> Manifest:
@@ -281,8 +306,8 @@ def _unsaveable(value: Any, where: str, depth: int) -> str | None:
     return None
 
 
-def _parse_document(data: bytes, bad) -> Manifest:
-    doc = _load_json(data, bad)
+def _parse_document(data_bytes: bytes, bad) -> Manifest:
+    doc = _load_json(data_bytes, bad)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise bad("not a jaxckpt manifest (field 'format' is missing or wrong)")
     version = doc.get("format_version")
@@ -320,13 +345,37 @@ def _parse_document(data: bytes, bad) -> Manifest:
     _check_structure(structure, [r.path for r in leaves], bad)
     info = {k: v for k, v in doc.items()
             if k not in ("format", "format_version", "data", "process_count", "packed", "metadata",
-                         "structure", "leaves")}
+                         "structure", "leaves", CHECKSUM_FIELD)}
     # Handed to users and to code that walks them recursively (inspect, the CLI).
     for name, value in (("metadata", metadata), *info.items()):
         if nesting_exceeds(value, MAX_DEPTH):
             raise bad(f"field '{name[:100]}' is nested deeper than {MAX_DEPTH} levels")
+    _check_checksum(data_bytes, doc, bad)
     return Manifest(version, structure, tuple(leaves), metadata, process_count, info,
                     tuple(packed[k] for k in sorted(packed)), data)
+
+
+def _check_checksum(data: bytes, doc: dict[str, Any], bad) -> None:
+    """The manifest's checksum, last: every other check names what is wrong more
+    precisely. What it catches that they cannot: a changed inline value, metadata, step or
+    creation time (any byte). What it cannot: a whole manifest copied from another
+    checkpoint carries its own valid checksum (the recorded step and, on object stores,
+    the data prefix it names catch that; docs/format.md, "The manifest's checksum")."""
+    for name, value in doc.items():  # one flipped bit in the field's name must not switch it off
+        if name != CHECKSUM_FIELD and isinstance(value, str) and _CHECKSUM_VALUE.fullmatch(value):
+            raise bad(f"field {name[:100]!r} holds a checksum: the manifest's checksum field is damaged")
+    if CHECKSUM_FIELD not in doc:
+        return  # written before manifests had checksums: read as before
+    recorded = doc[CHECKSUM_FIELD]
+    if not isinstance(recorded, str) or not _CHECKSUM_VALUE.fullmatch(recorded):
+        raise bad(f"checksum {str(recorded)[:100]!r} is not 'sha256:' and 64 hex digits")
+    tail = _checksum_tail(recorded)
+    if not data.endswith(tail):
+        raise bad("the checksum is not the manifest's last field, as written: the manifest was edited")
+    computed = checksum(data[:-len(tail)] + b"}")
+    if computed != recorded:
+        raise bad(f"checksum mismatch: the manifest's bytes changed after it was written "
+                  f"(recorded {recorded}, computed {computed})")
 
 
 def check_step(man: Manifest, step: int, where: str) -> None:

@@ -290,7 +290,11 @@ def saved(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def base_doc(saved):
-    return json.loads(saved[2])
+    # Without its checksum (read as a manifest written before them), so that a mutation
+    # reaches the checks past the checksum's: the fuzzer explores validation, not sha256.
+    doc = json.loads(saved[2])
+    del doc["checksum"]
+    return doc
 
 
 @pytest.mark.slow
@@ -450,6 +454,7 @@ def _edit(fn, raw=None):
     """Edit the manifest as a dict; ``raw`` replaces the string "@raw@" with raw JSON text."""
     def edit(text):
         doc = json.loads(text)
+        del doc["checksum"]  # edited: read as a manifest written before checksums
         fn(doc)
         out = json.dumps(doc, separators=(",", ":"), allow_nan=True)
         return out.replace('"@raw@"', raw) if raw is not None else out
@@ -571,6 +576,7 @@ def test_other_drivers_and_urls_in_the_checkpoint_are_never_followed(small_ckpt,
     spec = {"driver": "http", "base_url": url}
     path = small_ckpt / "manifest.json"
     doc = json.loads(path.read_text())
+    del doc["checksum"]  # edited: read as a manifest written before checksums
     doc["kvstore"] = spec
     for rec in doc["leaves"]:
         rec.update(kvstore=spec, url=url, driver="http") if rec["kind"] == "array" else None
@@ -615,6 +621,7 @@ def _declare_huge(loc, monkeypatch):
     from jaxckpt import _chunkfiles, _storage
 
     doc = json.loads(_storage.read_blob(loc, "manifest.json"))
+    del doc["checksum"]  # edited: read as a manifest written before checksums
     _leaf(doc, "big").update(shape=[1 << 42], chunk_shape=[1 << 42], nbytes=1 << 44)
     _storage.write_blob(loc, "manifest.json", json.dumps(doc).encode())
     real = _chunkfiles.aligned_empty

@@ -234,6 +234,7 @@ def test_limits_still_accept_the_largest_allowed_values(saved):
     doc["structure"] = _nest_structure(doc["structure"], 100 - 1)  # leaves end at depth 100
     for rec in doc["leaves"]:
         rec["path"] = "0/" * 99 + rec["path"]
+    del doc["checksum"]  # edited: read as a manifest written before manifests had checksums
     path.write_text(json.dumps(doc, allow_nan=True))
     info = jaxckpt.metadata(saved)
     assert info.metadata["x"] == 10**40 - 1 and np.isnan(info.metadata["nan"])

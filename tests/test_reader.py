@@ -76,6 +76,7 @@ def test_edge_chunks_written_by_other_zarr_writers_are_read(ckpt):
     spec = _zarr.array_spec(_location.resolve(ckpt), "0", (10, 32768), (4, 32768), "float32")
     ts.open(spec, create=True).result().write(host).result()  # chunks of 4, 4 and (stored as 4) 2 rows
     doc = json.loads((ckpt / "manifest.json").read_text())
+    del doc["checksum"]  # edited below: read as a manifest written before checksums
     doc["leaves"][0]["chunk_shape"] = [4, 32768]
     (ckpt / "manifest.json").write_text(json.dumps(doc))
     _storage.reset_io_stats()
@@ -104,6 +105,7 @@ def test_a_0d_leaf_in_the_file_store_is_read(ckpt):
 
     jaxckpt.save(ckpt, {"s": np.float64(1.5)})
     doc = json.loads((ckpt / "manifest.json").read_text())
+    del doc["checksum"]  # edited below: read as a manifest written before checksums
     rec = doc["leaves"][0]
     rec.update(store="file", key="0")
     del rec["chunks"]

@@ -40,7 +40,10 @@ def mixed(ckpt):
 
 
 def _manifest(path):
-    return json.loads((path / "manifest.json").read_text())
+    """The manifest's JSON, to edit: without its checksum, read as one written before them."""
+    doc = json.loads((path / "manifest.json").read_text())
+    del doc["checksum"]
+    return doc
 
 
 def _record(path, leaf):
