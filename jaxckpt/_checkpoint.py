@@ -637,14 +637,13 @@ def _assemble(req: _Request, plan: Any, arrays: dict[Any, Any], where: str) -> A
     rec, (sharding, per_device) = req.rec, plan
     if len(arrays) == 1 and len(sharding.device_set) == 1:
         (arr,) = arrays.values()
+    elif per_device:
+        arr = jax.make_array_from_single_device_arrays(rec.shape, sharding, [arrays[d] for d in per_device])
     else:
         dtype = req.dtype if req.dtype is not None else _dtypes.DTYPES[rec.dtype]
         try:
-            arr = jax.make_array_from_single_device_arrays(rec.shape, sharding, [arrays[d] for d in per_device],
-                                                           dtype=dtype)
+            arr = jax.make_array_from_single_device_arrays(rec.shape, sharding, [], dtype=dtype)
         except (ValueError, RuntimeError) as e:
-            if per_device:
-                raise
             raise CheckpointError(  # a sharding on other processes' devices only, where jax refuses that
                 f"Checkpoint '{where}': leaf '{rec.path}': process {_distributed.process_index()} holds no "
                 f"device of its sharding and jax cannot make an array with no part here: {e}") from None
@@ -711,7 +710,10 @@ def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bo
         ``numpy.ndarray`` or Python values. Its structure is the structure returned and
         its dtypes (and Python scalar types) are cast to on the host. Shardings on an
         ``AbstractMesh`` (``nnx.eval_shape`` under ``jax.set_mesh``) resolve against
-        the mesh set with ``jax.set_mesh``.
+        the mesh set with ``jax.set_mesh``. A leaf with no sharding (``jax.eval_shape``
+        gives none to a step counter or a key) goes replicated on the mesh set with
+        ``jax.set_mesh``, else on the one mesh every sharded leaf uses; with neither, a
+        single process puts it on its default device and a multi-process job raises.
       shardings: a PyTree of ``jax.sharding.Sharding`` (``None`` for non-array leaves)
         matching ``target`` (or used alone as the target), or one ``Sharding`` for all
         array leaves.
@@ -735,7 +737,8 @@ def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bo
 
     Returns:
       The restored PyTree. Without ``target`` and ``shardings``: numpy arrays (typed
-      PRNG keys as jax arrays) in dicts, lists and tuples.
+      PRNG keys as jax arrays, in a multi-process job replicated over all its devices)
+      in dicts, lists and tuples.
 
     Raises:
       CheckpointNotFoundError: no committed checkpoint at ``path``.
