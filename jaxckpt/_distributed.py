@@ -12,40 +12,71 @@ processes ``post`` their outcome of a phase (``ok`` with a payload, or an error)
 ``wait_for`` the posts of the peers they depend on. Waiting tells three kinds of peer
 apart, so that a slow process is never mistaken for a dead one:
 
-* a peer that is *in* the operation and alive: its heartbeat key (``jaxckpt/hb/<p>``,
-  rewritten every ``HEARTBEAT_S`` by a thread of that process while it is inside any
-  operation) keeps changing. It is waited for as long as it takes: writing tens of GB
-  is slow, not broken.
+* a peer that is *in* the operation, alive and making progress: its heartbeat key
+  (``jaxckpt/hb/<p>``, rewritten every ``HEARTBEAT_S`` by a thread of that process while
+  it is inside any operation) keeps changing, and so does the progress it carries. It is
+  waited for as long as it takes: writing tens of GB is slow, not broken.
 * a peer in the operation whose heartbeat stopped moving for ``STALE_S``: dead (or
   wedged). The wait fails, naming it, well before JAX's coordination service kills the
   survivors (~40 s after a death).
+* a peer in the operation, alive, whose progress did not move for the stall bound
+  (``stall_s()``: ``JAXCKPT_STALL_S``, else ``STALL_S``, 10 minutes): hung alive. The
+  wait fails, naming it, the operation and the phase it did not post.
 * a peer that has not started the operation: waited for ``timeout_s`` (counted from
   when the waiting process started waiting), then the wait fails.
 
-Staleness is judged on the observer's own clock from changes of the peer's counter, so
-clocks of different hosts never need to agree.
+Progress, per process: every chunk it read or wrote (``_iostats.progress``) plus every
+phase it posted. A process that is itself blocked waiting for its peers does no I/O, yet
+is not stalled: while it waits, its heartbeat carries the sum of the progress of the
+peers it waits for, so it moves as long as they do (the coordinator of a save waiting
+for a slow writer is judged by that writer's progress). Only real counters are summed,
+never what a waiting peer carries, so processes waiting on each other in a cycle make no
+progress and are caught like any hang. A waiting peer is given ``VERDICT_GRACE_S`` more
+(and at least ``timeout_s``, its bound for a peer that has not started): its own wait,
+judging the same stall a moment earlier, fails first and posts an error naming the real
+culprit.
 
-Keys of an operation are deleted once they can no longer be read: process 0 deletes
-them when every process has posted in a later operation (each process runs its
-collective operations one after another, so by then everyone is done with the old one).
+Staleness and stalls are judged on the observer's own clock from changes of the peer's
+counters, so clocks of different hosts never need to agree.
+
+Keys of an operation are deleted once no process can read them any more: each process
+acknowledges (``<op>/done/<p>``) when it leaves an operation, and process 0 deletes an
+operation's keys once every acknowledgement is in. This holds whatever the number of
+threads running operations in a process (a manager's save thread, a plain ``save`` on
+the main thread, a second manager, the persistent tier's copies): nothing is assumed
+about which operations run one after another. Process 0 looks for finished operations
+when it leaves one and whenever every peer has posted to it (those peers have left
+their earlier operations of that thread), so keys never pile up beyond the operations
+still running and the newest ones.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from typing import Any
 
 import jax
 
+from . import _iostats
 from ._errors import CheckpointError
 
 DEFAULT_TIMEOUT_S = 30.0  # waiting for a peer that has not started the operation
 HEARTBEAT_S = 1.0  # how often a process inside an operation proves it is alive
 STALE_S = 10.0  # a peer in the operation whose heartbeat did not move for this long is dead
+# A peer in the operation, alive, whose progress did not move for this long is hung. Long
+# enough for the slowest single step that counts nothing (one chunk of a slow store, a
+# commit, a manager start's listing); ``JAXCKPT_STALL_S`` overrides it, read per wait.
+STALL_S = 600.0
+STALL_ENV = "JAXCKPT_STALL_S"
+# A waiting peer judges the peers it waits for itself and posts its verdict; it is given
+# this much longer so that its verdict (naming the real culprit) arrives first.
+VERDICT_GRACE_S = 3 * HEARTBEAT_S
 _WAIT_MS = 500  # one blocking wait on the key-value store, between liveness checks
 _PART_BYTES = 1 << 20  # large payloads are split into parts of this size
+_PART_WAIT_MS = 10_000  # reading one part of a posted payload (written before its count)
 _ROOT = "jaxckpt"
 
 _seq_lock = threading.Lock()
@@ -70,6 +101,37 @@ def next_id() -> int:
         return next(_seq)
 
 
+def stall_s() -> float:
+    """The stall bound in seconds: ``JAXCKPT_STALL_S`` if set (read at each call), else
+    ``STALL_S``."""
+    raw = os.environ.get(STALL_ENV, "").strip()
+    if not raw:
+        return STALL_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise CheckpointError(f"{STALL_ENV}={raw!r}: expected a positive number of seconds")
+    return value
+
+
+_posts_lock = threading.Lock()
+_posts = 0  # phases this process posted: progress, like the chunks it reads and writes
+
+
+def _count_post() -> None:
+    global _posts
+    with _posts_lock:
+        _posts += 1
+
+
+def progress() -> int:
+    """This process's progress as its peers see it: chunks read and written plus phases
+    posted. Only grows."""
+    return _iostats.progress() + _posts
+
+
 def _client():
     from jax._src import distributed
 
@@ -87,11 +149,16 @@ def _client():
 
 class _Heartbeat:
     """While this process is inside any operation, rewrite ``jaxckpt/hb/<me>`` with a
-    counter and the names of the operations it is in."""
+    counter, its progress and the operations it is in, each with the phase it waits for
+    and the progress of the peers it waits for (``<op>:<phase>:<sum>``), if it waits.
+
+    ``"<beat> <progress> <op>[:<phase>:<sum>] ..."``, parsed by ``_parse_heartbeat``.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._active: dict[str, int] = {}
+        self._waits: dict[str, tuple[str, int]] = {}
         self._counter = itertools.count()
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
@@ -109,11 +176,23 @@ class _Heartbeat:
             self._active[name] -= 1
             if not self._active[name]:
                 del self._active[name]
+                self._waits.pop(name, None)
             self._beat_locked()
         self._wake.set()
 
+    def waiting(self, name: str, phase: str | None, peers_progress: int = 0) -> None:
+        """Operation ``name`` waits for ``phase`` from peers whose progress sums to
+        ``peers_progress`` (``phase=None``: it stopped waiting). Shown at the next beat."""
+        with self._lock:
+            if phase is None:
+                self._waits.pop(name, None)
+            elif name in self._active:
+                self._waits[name] = (phase, peers_progress)
+
     def _beat_locked(self) -> None:
-        value = f"{next(self._counter)} {' '.join(sorted(self._active))}"
+        ops = " ".join(name + ("" if name not in self._waits else ":%s:%d" % self._waits[name])
+                       for name in sorted(self._active))
+        value = f"{next(self._counter)} {progress()} {ops}"
         _client().key_value_set(f"{_ROOT}/hb/{process_index()}", value, allow_overwrite=True)
 
     def _run(self) -> None:
@@ -134,12 +213,28 @@ class _Heartbeat:
 _heartbeat = _Heartbeat()
 
 
+class _Beat:
+    """One heartbeat, parsed: the peer's progress and, per operation it is in, what it
+    waits for there (``None``: not waiting)."""
+
+    def __init__(self, value: str) -> None:
+        fields = value.split()
+        self.progress = int(fields[1])
+        self.ops: dict[str, tuple[str, int] | None] = {}
+        for entry in fields[2:]:
+            name, _, wait = entry.partition(":")
+            phase, _, total = wait.rpartition(":")
+            self.ops[name] = (phase, int(total)) if wait else None
+
+
 class _Peer:
     """What a waiting process has seen of one peer's heartbeat."""
 
     def __init__(self) -> None:
         self.value: str | None = None
-        self.changed = time.monotonic()
+        self.changed = time.monotonic()  # when its heartbeat last moved (liveness)
+        self.work: tuple[int, Any] | None = None  # its progress in this operation, as last seen
+        self.progressed = self.changed  # when that last moved
 
 
 def _read_heartbeat(client: Any, p: int) -> str | None:
@@ -149,10 +244,19 @@ def _read_heartbeat(client: Any, p: int) -> str | None:
         return None
 
 
+def _parse_heartbeat(value: str | None) -> _Beat | None:
+    if value is None:
+        return None
+    try:
+        return _Beat(value)
+    except (ValueError, IndexError):  # not ours (another library version): treat as never beat
+        return None
+
+
 # --- operations ---------------------------------------------------------------------
 
 _cleanup_lock = threading.Lock()
-_finished_ops: list[tuple[str, str]] = []  # process 0: (lane, name) of operations whose keys may still be read
+_finished_ops: list[str] = []  # process 0: operations it left whose keys are not deleted yet
 
 
 class Operation:
@@ -160,8 +264,8 @@ class Operation:
 
     ``name`` must be the same in every process and unique per operation (take it from
     ``next_id()``); ``what`` is for messages (e.g. the checkpoint path). Operations
-    run one after another in each ``lane`` (the saves on the save thread; ``"persist"``:
-    the copies to a persistent tier, on their own thread); lanes may overlap.
+    may run at the same time on different threads. ``lane`` is accepted for the callers
+    that name the thread an operation runs on; the clean-up no longer needs it.
     """
 
     def __init__(self, name: str, what: str = "", timeout_s: float | None = None, lane: str = ""):
@@ -176,11 +280,18 @@ class Operation:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.multi:
-            _heartbeat.exit(self.name)
-            if process_index() == 0:
-                with _cleanup_lock:
-                    _finished_ops.append((self.lane, self.name))
+        if not self.multi:
+            return
+        client = _client()
+        try:  # after this, this process reads nothing of the operation any more
+            client.key_value_set(f"{self._prefix}done/{process_index()}", "1")
+        except Exception:  # noqa: BLE001, S110 - the runtime is shutting down: the keys stay
+            pass
+        _heartbeat.exit(self.name)
+        if process_index() == 0:
+            with _cleanup_lock:
+                _finished_ops.append(self.name)
+            _delete_finished_ops(client, self.name)
 
     def _label(self, phase: str) -> str:
         return f"{self.name}/{phase}" + (f" '{self.what}'" if self.what else "")
@@ -197,19 +308,28 @@ class Operation:
         else:
             data = b"K" + payload
         _put(_client(), f"{self._prefix}{phase}/{process_index()}", data)
+        _count_post()
 
     def wait_for(self, phase: str, peers: list[int]) -> dict[int, bytes]:
         """The payloads ``peers`` posted for ``phase``.
 
         Raises ``CheckpointError`` naming the peer if one posted an error, stopped
-        heartbeating inside this operation for ``STALE_S``, or did not start the
-        operation within ``timeout_s``.
+        heartbeating inside this operation for ``STALE_S``, made no progress inside it
+        for ``stall_s()``, or did not start the operation within ``timeout_s``.
         """
         if not self.multi:
             return {}
+        _iostats.fault("agree", f"{self.name}/{phase}")
+        try:
+            return self._wait_for(phase, peers)
+        finally:
+            _heartbeat.waiting(self.name, None)
+
+    def _wait_for(self, phase: str, peers: list[int]) -> dict[int, bytes]:
         client = _client()
         prefix = f"{self._prefix}{phase}/"
         start = time.monotonic()
+        stall = stall_s()
         seen = {p: _Peer() for p in peers}
         got: dict[int, bytes] = {}
         while True:
@@ -226,23 +346,27 @@ class Operation:
             missing = [p for p in peers if p not in got]
             if not missing:
                 if process_index() == 0 and set(peers) | {0} == set(range(process_count())):
-                    _delete_finished_ops(client, self.lane, self.name)
+                    # every peer posted here, so it left the operations it ran before this
+                    # one on this thread: their acknowledgements are in (or it is late)
+                    _delete_finished_ops(client, self.name)
                 return {p: d[1:] for p, d in got.items()}
-            self._check_alive(client, phase, missing, seen, start)
+            self._check_alive(client, phase, missing, seen, start, stall)
             try:  # sleep on the server until the first missing peer posts (or a short timeout)
                 client.blocking_key_value_get_bytes(prefix + str(missing[0]) + "/n", _WAIT_MS)
             except Exception:  # noqa: BLE001, S110 - a timeout: check liveness again
                 pass
 
     def _check_alive(self, client: Any, phase: str, missing: list[int], seen: dict[int, _Peer],
-                     start: float) -> None:
+                     start: float, stall: float) -> None:
         now = time.monotonic()
+        peers_progress = 0
         for p in missing:
             value = _read_heartbeat(client, p)
             peer = seen[p]
             if value != peer.value:
                 peer.value, peer.changed = value, now
-            in_op = value is not None and self.name in value.split()[1:]
+            beat = _parse_heartbeat(value)
+            in_op = beat is not None and self.name in beat.ops
             if in_op and now - peer.changed > STALE_S:
                 raise CheckpointError(
                     f"{self._label(phase)}: process {p} stopped responding (no heartbeat for "
@@ -251,6 +375,30 @@ class Operation:
                 raise CheckpointError(
                     f"{self._label(phase)}: process {p} did not report within {self.timeout_s:g}s "
                     "(failed, dead, or not running the same collective operations in the same order)")
+            if in_op:
+                self._check_progress(phase, p, peer, beat, now, stall)
+                peers_progress += beat.progress
+        _heartbeat.waiting(self.name, phase, peers_progress)
+
+    def _check_progress(self, phase: str, p: int, peer: _Peer, beat: _Beat, now: float,
+                        stall: float) -> None:
+        """Fail if peer ``p``, alive inside this operation, made no progress for the stall
+        bound: no chunk read or written, no phase posted and, if it waits for its own
+        peers here, none of them progressing either."""
+        wait = beat.ops[self.name]
+        work = (beat.progress, wait)
+        if work != peer.work:
+            peer.work, peer.progressed = work, now
+        # a waiting peer bounds its own wait: by the stall bound, or by ``timeout_s`` for
+        # a peer of its that has not started (whose progress it cannot carry)
+        bound = stall if wait is None else max(stall, self.timeout_s) + VERDICT_GRACE_S
+        if now - peer.progressed <= bound:
+            return
+        doing = (f"waiting for '{wait[0]}' from its peers, who made no progress either" if wait is not None
+                 else f"has not posted '{phase}', read or written nothing, posted nothing")
+        raise CheckpointError(
+            f"{self._label(phase)}: process {p} made no progress for {now - peer.progressed:.0f}s "
+            f"(alive, inside {self.name}, {doing}; hung? the stall bound is {stall:g}s, {STALL_ENV})")
 
     # --- the shapes of agreement --------------------------------------------------
 
@@ -283,21 +431,33 @@ def _try_get(client: Any, key: str) -> bytes | None:
         n = int(client.key_value_try_get(f"{key}/n"))
     except Exception:  # noqa: BLE001 - not posted yet
         return None
-    return b"".join(client.blocking_key_value_get_bytes(f"{key}/{i}", 10_000) for i in range(n))
+    try:  # the parts were written before the count: there at once
+        return b"".join(client.blocking_key_value_get_bytes(f"{key}/{i}", _PART_WAIT_MS) for i in range(n))
+    except Exception as e:  # noqa: BLE001 - a part missing: deleted under us, or the runtime is gone
+        raise CheckpointError(f"'{key}': a part of this posted message could not be read "
+                              f"within {_PART_WAIT_MS / 1000:g}s ({e})") from e
 
 
-def _delete_finished_ops(client: Any, lane: str, current: str) -> None:
-    """Process 0, once every process posted in ``current``: drop the keys of the older
-    operations of the same lane (a process posting in ``current`` has finished those;
-    operations of other lanes run on other threads and may still be read)."""
+def _delete_finished_ops(client: Any, current: str) -> None:
+    """Process 0: delete the keys of each operation it left whose every process has
+    acknowledged leaving it (``done/<p>``). ``current``, the operation just left or
+    waited in, is left for a later look: its peers' acknowledgements are seldom in yet,
+    and its keys show in ``op_keys`` what the last operation said."""
     with _cleanup_lock:
-        doomed = [n for ln, n in _finished_ops if ln == lane and n != current]
-        _finished_ops[:] = [(ln, n) for ln, n in _finished_ops if ln != lane or n == current]
-    for name in doomed:
+        candidates = [n for n in _finished_ops if n != current]
+        _finished_ops[:] = [n for n in _finished_ops if n == current]
+    keep = []
+    for name in candidates:
         try:
-            client.key_value_delete(f"{_ROOT}/op/{name}/")
-        except Exception:  # noqa: BLE001, S110 - cleanup is best effort
+            done = len(client.key_value_dir_get(f"{_ROOT}/op/{name}/done/"))
+            if done >= process_count():
+                client.key_value_delete(f"{_ROOT}/op/{name}/")
+                continue
+        except Exception:  # noqa: BLE001, S110 - cleanup is best effort: look again next time
             pass
+        keep.append(name)
+    with _cleanup_lock:
+        _finished_ops.extend(keep)
 
 
 def op_keys() -> list[str]:

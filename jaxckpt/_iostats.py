@@ -27,6 +27,9 @@ The fault points (``grep -rn "_iostats.fault(" jaxckpt``), in the order a save m
   manifest removed, its data not yet), ``delete:after-manifest`` (object stores);
 * restoring: ``read`` (before each chunk read: key the local chunk file's path from a
   direct read, ``""`` from a tensorstore read).
+* agreeing: ``agree`` (before each wait for peers' posts in a multi-process operation;
+  key ``<operation>/<phase>``, e.g. ``save3/outcome``): a hook that blocks there holds
+  this process just before it reads what its peers posted.
 * in the background: ``renew`` (before each renewal of the writer lease, key
   ``.jaxckpt-writer.json``, or of a reader mark, key its file name): a failure there is
   a failed renewal.
@@ -41,6 +44,9 @@ from typing import Any
 
 _stats_lock = threading.Lock()
 _stats = {"bytes_read": 0, "bytes_written": 0, "reads": 0, "writes": 0}
+# Every counted read or write, never reset: peers see it in this process's heartbeat and
+# tell a slow process (it moves) from one that hangs alive (it does not).
+_progress = 0
 
 # A hook for tests: called with ("write", key) before each chunk write is issued; an
 # exception it raises fails that write like an I/O error would.
@@ -48,7 +54,9 @@ fault_hook: Any = None
 
 
 def count(**kw: int) -> None:
+    global _progress
     with _stats_lock:
+        _progress += 1
         for k, v in kw.items():
             _stats[k] += v
 
@@ -100,6 +108,12 @@ def io_stats() -> dict[str, int]:
     (or the last ``reset_io_stats``). Counts this process only."""
     with _stats_lock:
         return dict(_stats)
+
+
+def progress() -> int:
+    """How many reads and writes this process counted since it started; only grows
+    (``reset_io_stats`` leaves it alone)."""
+    return _progress
 
 
 def reset_io_stats() -> None:

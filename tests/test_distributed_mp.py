@@ -1,0 +1,98 @@
+"""The agreement layer (jaxckpt/_distributed.py) in real multi-process JAX jobs (gloo CPU
+collectives on 127.0.0.1): an operation's keys outlive every reader, whatever the
+threads; a peer hung alive fails the operation in every process within the stall
+bound; a slow peer, and the processes waiting for it, are not stalled."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "mp_dist_worker.py")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(nproc, scenario, args, timeout):
+    """``nproc`` processes of one device each; each one's ``RESULT`` dict by process id."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    for var in ("XLA_FLAGS", "JAXCKPT_STALL_S", "JAXCKPT_FAULT"):
+        env.pop(var, None)
+    procs = [subprocess.Popen([sys.executable, WORKER, str(port), str(nproc), str(i), "1", scenario, json.dumps(args)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for i in range(nproc)]
+    results = {}
+    deadline = time.monotonic() + timeout
+    for i, p in enumerate(procs):
+        try:
+            out, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            for q in procs:
+                q.communicate(timeout=30)
+            raise AssertionError(f"process {i} of {scenario} did not finish within {timeout}s") from None
+        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        assert lines, f"process {i} of {scenario} exited {p.returncode} without a result: {err[-3000:]}"
+        results[i] = json.loads(lines[-1][7:])
+        assert "crash" not in results[i], results[i]["crash"]
+    return results
+
+
+def test_a_delayed_peer_and_process_0_agree_on_every_save_sharing_a_thread_lane(tmp_path):
+    # Issue 19, defect 4: a plain save on the main thread shares the agreement lane of the
+    # manager's save thread. Process 1 is held right before reading the outcome of each
+    # manager save until its plain save of the same round returned; process 0 must keep
+    # that outcome until process 1 acknowledged it, so both see every save committed.
+    args = {"path": str(tmp_path / "mgr"), "plain": str(tmp_path / "plain"), "rounds": 2, "delayed": 1,
+            "timeout": 5}
+    res = run_job(2, "shared_lane", args, timeout=180)
+    for i in (1, 0):  # the delayed process first: there d7c90e7 fails
+        assert res[i]["errors"] == [], (i, res[i]["errors"])
+    assert [k.rsplit("/", 1)[1] for k in res[1]["held"]] == ["outcome", "outcome"], res[1]["held"]
+    for i in (0, 1):
+        assert res[i]["steps"] == [1, 2], (i, res[i]["steps"])
+        assert res[i]["plain_committed"] == [True, True], i
+        assert res[i]["restored"] == [True] * 4, (i, res[i]["restored"])
+    # keys do not pile up: after the last save, only its own keys are left
+    assert res[0]["ops"] == res[1]["ops"] and len(res[0]["ops"]) == 1, (res[0]["ops"], res[1]["ops"])
+    assert res[0]["ops"][0].startswith("save"), res[0]["ops"]
+
+
+def test_a_peer_hung_alive_fails_the_save_in_every_process_within_the_stall_bound(tmp_path):
+    # process 1 hangs alive in its first chunk write (heartbeat running, no I/O) for 12 s;
+    # with a stall bound of 3 s, process 0 fails the save long before that, naming it,
+    # what it was in and what it did not post; process 1, once it moves again, fails too
+    # (its staging directory is gone, or it reads process 0's verdict), and nothing commits
+    path = str(tmp_path / "ckpt")
+    args = {"path": path, "bad": 1, "hang": 12, "stall": 3, "timeout": 20}
+    res = run_job(2, "hang", args, timeout=120)
+    err = res[0]["error"]
+    assert err is not None and err.startswith(f"save0/written '{path}': process 1 made no progress for "), err
+    assert "(alive, inside save0, has not posted 'written', read or written nothing, posted nothing; " in err, err
+    assert err.endswith("the stall bound is 3s, JAXCKPT_STALL_S)"), err
+    assert 3 <= res[0]["seconds"] < 10, res[0]["seconds"]  # within the bound, before the hang ended
+    assert res[1]["error"] is not None and str(tmp_path) in res[1]["error"], res[1]
+    assert res[1]["seconds"] >= 12, res[1]["seconds"]
+    assert not res[0]["committed"] and not res[1]["committed"]
+
+
+def test_a_slow_writer_and_the_processes_waiting_for_it_are_not_stalled(tmp_path):
+    # process 2 writes 6 chunks one at a time, 1 s each: 6 s, twice the 3 s stall bound,
+    # but moving. Process 0 waits for it with no I/O of its own; process 1 waits for
+    # process 0. Process 0's heartbeat carries process 2's progress: nobody fails.
+    args = {"path": str(tmp_path / "ckpt"), "slow": 2, "sleep": 1, "leaves": 6, "stall": 3, "timeout": 20}
+    res = run_job(3, "slow_chain", args, timeout=150)
+    assert res[2]["writes"] == 6, res[2]
+    for i in (0, 1, 2):
+        assert res[i]["error"] is None, (i, res[i]["error"])
+        assert res[i]["restored"] is True, i
+        assert res[i]["seconds"] >= 6, (i, res[i]["seconds"])
