@@ -48,11 +48,15 @@ call after the flag was set (and again if called with that same step). The handl
 installed on the first ``reached`` call made from the main thread (Python only allows
 that thread; calls from other threads return ``False`` until then), once per process
 for all watches. A Python handler that was there before still runs after the flag is
-set (if it raises, e.g. ``SystemExit``, that propagates as it always did). When the last
-watch is closed the previous handler is put back, unless someone replaced ours since;
-if ours cannot be removed (closed from another thread, or someone chained to it), it
-forwards SIGTERM to the previous disposition, so an unwatched process still terminates.
-A SIGTERM that arrived is remembered for the life of the process.
+set (if it raises, e.g. ``SystemExit``, that propagates as it always did). So does a
+native one that Python's ``signal.getsignal`` does not see (``faulthandler.register``,
+a C library's): on Linux its ``sigaction`` is saved before ours is installed, and on
+SIGTERM it is put back for the time of re-raising the signal, so it runs as a signal
+handler, not called from Python. When the last watch is closed the previous handler is
+put back (the native one as it was), unless someone replaced ours since; if ours cannot
+be removed (closed from another thread, or someone chained to it), it forwards SIGTERM
+to the previous disposition, so an unwatched process still terminates. A SIGTERM that
+arrived is remembered for the life of the process.
 
 A multi-process job whose JAX preemption service is disabled is refused with an error
 naming the option.
@@ -60,15 +64,43 @@ naming the option.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import platform
 import signal
+import sys
 import threading
 from typing import Any
 
 from ._errors import CheckpointError
 
 _log = logging.getLogger("jaxckpt")
+
+# Native dispositions, read and written with libc's sigaction: a ``struct sigaction``
+# kept as opaque bytes (glibc's is 152 bytes on x86-64 and aarch64, where its first
+# member is the handler's address: 0 is SIG_DFL, 1 is SIG_IGN). Elsewhere: not used.
+_ACTION_BYTES = 512
+_NATIVE = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64")
+
+
+def _get_action(signum: int) -> bytes | None:
+    """The process's ``struct sigaction`` for ``signum``; ``None`` where not available."""
+    if not _NATIVE:
+        return None
+    buf = ctypes.create_string_buffer(_ACTION_BYTES)
+    try:
+        return buf.raw if ctypes.CDLL(None).sigaction(signum, None, buf) == 0 else None
+    except (OSError, AttributeError):
+        return None
+
+
+def _set_action(signum: int, action: bytes) -> None:
+    ctypes.CDLL(None).sigaction(signum, ctypes.create_string_buffer(action, _ACTION_BYTES), None)
+
+
+def _handler_address(action: bytes) -> int:
+    return int.from_bytes(action[:ctypes.sizeof(ctypes.c_void_p)], sys.byteorder)
 
 
 class _SigtermFlag:
@@ -81,6 +113,11 @@ class _SigtermFlag:
         self._users = 0
         self._installed = False
         self._previous: Any = signal.SIG_DFL
+        # A native handler Python does not see (``getsignal`` reports SIG_DFL or None for
+        # it), and our own handler's action: both as ``struct sigaction`` bytes.
+        self._native: bytes | None = None
+        self._ours: bytes | None = None
+        self._chaining = False  # the native handler is running (see _run_native)
 
     def acquire(self) -> bool:
         """Count one more user; install the handler if needed. ``False`` (nothing done)
@@ -91,8 +128,11 @@ class _SigtermFlag:
             self._users += 1  # first: a signal right after the install is already watched
             if not self._installed:
                 try:
+                    before = _get_action(self.signum)
                     self._previous = signal.getsignal(self.signum)
                     signal.signal(self.signum, self._handle)
+                    self._ours = _get_action(self.signum)
+                    self._native = _native_previous(before, self._ours)
                 except BaseException:
                     self._users -= 1
                     raise
@@ -107,28 +147,64 @@ class _SigtermFlag:
                 return
             if threading.current_thread() is not threading.main_thread():
                 return  # stays installed and forwards to the previous disposition
-            if signal.getsignal(self.signum) == self._handle:
+            if signal.getsignal(self.signum) == self._handle and self._still_ours():
                 previous = self._previous
                 signal.signal(self.signum, signal.SIG_DFL if previous is None else previous)
+                if self._native is not None:
+                    _set_action(self.signum, self._native)
                 self._installed = False
+
+    def _still_ours(self) -> bool:
+        """No native handler replaced ours since (Python's own view cannot tell)."""
+        now = _get_action(self.signum)
+        return now is None or self._ours is None or _handler_address(now) == _handler_address(self._ours)
 
     def _handle(self, signum: int, frame: Any) -> None:
         # Runs in the main thread between bytecodes: no locks, no logging here.
+        if self._chaining:  # the native handler chained on to Python's: to the Python one before it
+            if callable(self._previous):
+                self._previous(signum, frame)
+            return
         if self._users:
             self.received = True
-            if callable(self._previous):
+            if self._native is not None:
+                self._run_native(signum)
+            elif callable(self._previous):
                 self._previous(signum, frame)
             return
         self._forward(signum, frame)
 
+    def _run_native(self, signum: int) -> None:
+        """The native handler that was there before ours, run as a signal handler: its
+        action back while the signal is raised again in this thread (delivered before
+        ``raise`` returns), then ours."""
+        assert self._native is not None and self._ours is not None
+        _set_action(signum, self._native)
+        self._chaining = True
+        try:
+            signal.raise_signal(signum)  # Python runs what it chained to before this returns
+        finally:
+            self._chaining = False
+            _set_action(signum, self._ours)
+
     def _forward(self, signum: int, frame: Any) -> None:
         """Unwatched: do what would have happened without us."""
         previous = self._previous
-        if callable(previous):
+        if self._native is not None:
+            self._run_native(signum)
+        elif callable(previous):
             previous(signum, frame)
         elif previous != signal.SIG_IGN:  # the default (or a handler Python cannot call)
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
+
+
+def _native_previous(before: bytes | None, ours: bytes | None) -> bytes | None:
+    """``before``, when it was a native handler: neither SIG_DFL, SIG_IGN nor Python's own
+    (which ``ours`` is too, whatever the Python function)."""
+    if before is None or ours is None:
+        return None
+    return None if _handler_address(before) in (0, 1, _handler_address(ours)) else before
 
 
 _SIGTERM = _SigtermFlag()

@@ -4,8 +4,9 @@ reported as a ``CheckpointError`` naming the URL with a short cause.
 
 Object-store I/O fails, never hangs: ``JAXCKPT_IO_TIMEOUT_S`` (default 60) bounds how
 long a wait for the store may go without an answer, and sizes tensorstore's retries
-(``s3_request_retries`` / ``gcs_request_retries``) and HTTP timeouts to give up well
-within it (docs/storage.md, "Failing, never hanging").
+(``s3_request_retries`` / ``gcs_request_retries``, in the store's context) to give up
+well within it (docs/storage.md, "Failing, never hanging"). Nothing here writes the
+environment: curl's timeouts are process-wide in tensorstore (see ``http_timeouts``).
 
 Array data goes through ``_zarr`` (tensorstore) and ``_chunkfiles`` (direct local chunk
 files); locations are resolved by ``_location``; I/O is counted by ``_iostats``.
@@ -84,7 +85,6 @@ def _new_context(root: Location) -> ts.Context:
     bound = io_timeout_s()
     if driver in _RETRIES and bound is not None:
         resources.setdefault(_RETRIES[driver], request_retries(bound))
-        _http_defaults(bound)
     return ts.Context(resources)
 
 
@@ -144,12 +144,22 @@ def request_retries(bound: float) -> dict[str, Any]:
             "max_delay": f"{largest * 1000:.0f}ms"}
 
 
-def _http_defaults(bound: float) -> None:
-    """Stalled HTTP requests are dropped (and retried) by curl itself: a connect timeout
-    and a low-speed limit, unless the user set them. tensorstore reads these once, when
-    it makes its HTTP transport, so the first object-store context of a process decides."""
-    os.environ.setdefault("TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS", str(max(1, round(bound / 12))))
-    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", str(max(2, round(bound / 8))))
+def http_timeouts(bound: float) -> dict[str, str]:
+    """curl's connect timeout and low-speed time that fit ``bound``: the environment
+    variables, and their values, with which curl drops a request that cannot connect (in
+    bound/12) or moves next to nothing (for bound/8), and tensorstore retries it.
+
+    A library call never sets them. tensorstore 0.1.86 has no context resource or spec
+    member for curl's timeouts: it reads these variables (or its absl flags) once per
+    process, when it makes its one HTTP transport, which every tensorstore user of the
+    process then shares and which cannot be changed back. So they are the user's to set
+    (docs/storage.md, "Failing, never hanging"); the ``jaxckpt`` command, which owns its
+    process, sets the ones the user left unset. Without them tensorstore's own defaults
+    hold (it drops a stalled transfer after 120 s), and the bound on every wait
+    (``wait``) still fails a silent store's requests within ``bound``.
+    """
+    return {"TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS": str(max(1, round(bound / 12))),
+            "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": str(max(2, round(bound / 8)))}
 
 
 # Monotonic time of the last answer (a result or an error) to a storage request of this
@@ -161,7 +171,7 @@ _last_answer = time.monotonic()
 _silent_since: float | None = None  # ``_last_answer`` when a wait last gave up
 # A big request gets this much more time per byte (1 s per 8 MiB): a whole-shard chunk
 # of GiBs may take minutes on a slow link. A stalled one is dropped sooner by curl's
-# low-speed limit (see ``_http_defaults``) and retried within tensorstore's budget.
+# low-speed limit, where set (see ``http_timeouts``), and retried within tensorstore's budget.
 SECONDS_PER_BYTE = 1 / (8 << 20)
 
 

@@ -63,6 +63,7 @@ BLOCK_BYTES = 8 << 20
 STREAM_BUDGET_BYTES = 64 << 20
 # See limit_malloc_retention.
 MMAP_THRESHOLD_BYTES = 1 << 20
+KEEP_MALLOC_ENV = "JAXCKPT_KEEP_MALLOC"
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 # What chunk_data(i, record) gives for one array leaf (called once per leaf, in order):
@@ -188,9 +189,11 @@ def _write_leaves(staging: Location, records: list[LeafRecord], packed: tuple[Pa
 def limit_malloc_retention(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Make glibc's malloc map every allocation of ``threshold`` bytes or more on its own
     and unmap it when freed (``mallopt(M_MMAP_THRESHOLD)``); ``False`` where that is not
-    available (not glibc). Process-wide and for the rest of the process: the ``jaxckpt``
-    conversion commands and ``convert.from_orbax`` call it (unless ``JAXCKPT_KEEP_MALLOC``
-    is set); nothing else in the library does.
+    available (not glibc), or when ``JAXCKPT_KEEP_MALLOC`` is set (to anything but ``0``):
+    then malloc is left alone. Process-wide and for the rest of the process (glibc has no
+    call to read the setting back, so it cannot be restored): the ``jaxckpt`` conversion
+    commands and ``convert.from_orbax`` call it, and it is checked here so that each of
+    them honours the variable; nothing else in the library does.
 
     Why: chunks that tensorstore decodes on its threads (orbax's compressed chunks) are
     freed into malloc's per-thread arenas, which keep them, and ``malloc_trim`` does not
@@ -198,7 +201,7 @@ def limit_malloc_retention(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     (``benchmarks/convert_rss.py`` measures both). ``MALLOC_MMAP_THRESHOLD_=1048576`` in
     the environment does the same for any process.
     """
-    if not sys.platform.startswith("linux"):
+    if os.environ.get(KEEP_MALLOC_ENV, "") not in ("", "0") or not sys.platform.startswith("linux"):
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt

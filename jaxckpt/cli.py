@@ -421,7 +421,7 @@ def export_command(path: str, out: str, select: tuple[str, ...], dtype: str | No
 
 def _limit_malloc_retention() -> None:
     """This process only converts: keep decoded chunks from piling up in malloc's
-    arenas (see ``_stream.limit_malloc_retention``)."""
+    arenas (see ``_stream.limit_malloc_retention``), unless ``JAXCKPT_KEEP_MALLOC`` is set."""
     from . import _stream
 
     _stream.limit_malloc_retention()
@@ -604,7 +604,25 @@ def _one_line_text(text: str) -> str:
 
 
 def console() -> None:
+    """The ``jaxckpt`` command's process (the console script, ``python -m jaxckpt``)."""
+    _http_timeouts()
     sys.exit(run())
+
+
+def _http_timeouts() -> None:
+    """The command owns its process, so it sets what a library call may not: curl's
+    timeouts for the I/O bound (``_storage.http_timeouts``), each only where the user left
+    it unset, before tensorstore reads them."""
+    from . import _storage
+    from ._errors import CheckpointError
+
+    try:
+        bound = _storage.io_timeout_s()
+    except CheckpointError:
+        return  # the command reports the bad value when it first waits on the store
+    if bound is not None:
+        for name, value in _storage.http_timeouts(bound).items():
+            os.environ.setdefault(name, value)
 
 
 if __name__ == "__main__":

@@ -75,8 +75,7 @@ def from_orbax(src: Any, dest: Any, *, overwrite: bool = False, progress: Progre
         raise CheckpointError(
             f"'{source.loc}' is a {source.format} checkpoint, not an orbax-checkpoint one; from_orbax "
             "imports orbax checkpoints (relayout rewrites a jaxckpt checkpoint)")
-    if not os.environ.get("JAXCKPT_KEEP_MALLOC"):
-        _stream.limit_malloc_retention()
+    _stream.limit_malloc_retention()  # not with JAXCKPT_KEEP_MALLOC set
     import_source(source, dest, overwrite=overwrite, progress=progress)
 
 
