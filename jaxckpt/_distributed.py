@@ -9,7 +9,7 @@ background thread never competes with the training loop's collectives.
 
 A collective operation (one save, one manager start) is an ``Operation``. Inside it,
 processes ``post`` their outcome of a phase (``ok`` with a payload, or an error) and
-``wait_for`` the posts of the peers they depend on. Waiting tells three kinds of peer
+``wait_for`` the posts of the peers they depend on. Waiting tells four kinds of peer
 apart, so that a slow process is never mistaken for a dead one:
 
 * a peer that is *in* the operation, alive and making progress: its heartbeat key

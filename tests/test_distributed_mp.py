@@ -10,6 +10,11 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+import jaxckpt
+from jaxckpt import _distributed
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "mp_dist_worker.py")
 
@@ -96,3 +101,22 @@ def test_a_slow_writer_and_the_processes_waiting_for_it_are_not_stalled(tmp_path
         assert res[i]["error"] is None, (i, res[i]["error"])
         assert res[i]["restored"] is True, i
         assert res[i]["seconds"] >= 6, (i, res[i]["seconds"])
+
+
+def test_the_stall_bound_is_read_from_the_environment_at_each_call(monkeypatch):
+    monkeypatch.delenv("JAXCKPT_STALL_S", raising=False)
+    assert _distributed.stall_s() == _distributed.STALL_S == 600.0
+    monkeypatch.setenv("JAXCKPT_STALL_S", "2.5")
+    assert _distributed.stall_s() == 2.5
+    for bad in ("0", "-1", "soon", "nan"):
+        monkeypatch.setenv("JAXCKPT_STALL_S", bad)
+        with pytest.raises(jaxckpt.CheckpointError, match=f"JAXCKPT_STALL_S='{bad}': expected a positive number"):
+            _distributed.stall_s()
+
+
+def test_a_heartbeat_carries_progress_and_what_each_operation_waits_for():
+    beat = _distributed._parse_heartbeat("17 4096 manager0 save3:written:120 restore5")
+    assert beat.progress == 4096
+    assert beat.ops == {"manager0": None, "save3": ("written", 120), "restore5": None}
+    assert _distributed._parse_heartbeat("17 save3") is None  # another version's format: never beat
+    assert _distributed._parse_heartbeat(None) is None
