@@ -9,8 +9,17 @@ pages (``POSIX_FADV_DONTNEED``) before every restore; ``--s3`` puts the checkpoi
 local S3 server (moto, a Python server on the same cores) through ``s3://`` and
 ``AWS_ENDPOINT_URL``, where every read is a request to one shared service.
 
+``--memory`` (issue 19, defect 7) measures what one restore holds instead: one large
+int32 leaf saved as one chunk (by one process) and 16 small ones, restored replicated
+in N processes with the exchange on; per process the peak RSS (and the RSS before the
+restore), and the largest wave: its row width, the gathered rows (``nproc`` x width,
+the all-gather's output on the device) and the wave's buffers (own row on host and
+device plus the gathered rows, ``(nproc + 2)`` x width; on CPU device memory is host
+memory). ``--wave-mib`` sets ``_exchange.WAVE_BYTES`` (default: the library's).
+
     python benchmarks/read_once.py [--procs 4] [--mib 1024] [--reps 3] [--cold | --s3] [--smoke]
                                    [--layout replicated|columns]
+    python benchmarks/read_once.py --memory [--procs 4] [--mib 512] [--wave-mib 512]
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -133,10 +143,119 @@ def run(nproc: int, mib: int, reps: int, cold: bool, s3: bool = False, layout: s
     return {mode: {k: statistics.median(v) for k, v in cols.items()} for mode, cols in table.items()}
 
 
+def memory_state_shape(mib: int) -> tuple[int, int]:
+    return mib * (1 << 20) // 4 // 1024, 1024
+
+
+def memory_save(path: str, mib: int) -> None:
+    """One process saves the large leaf (one chunk: no other process shares its writes)
+    and 16 small ones."""
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    import numpy as np
+
+    import jaxckpt
+
+    rows, cols = memory_state_shape(mib)
+    tree = {"big": np.arange(rows * cols, dtype=np.int32).reshape(rows, cols)}
+    tree.update({f"small{i}": np.full(4096, i, np.float32) for i in range(16)})
+    jaxckpt.save(path, tree)
+
+
+def vm_rss() -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS:")).split()[1]) << 10
+
+
+def memory_worker(port: int, nproc: int, pid: int, path: str, mib: int, wave: int) -> None:
+    """Restore the ``memory_save`` state replicated on every process, exchange on; print
+    the peak RSS and the widths of the waves' rows."""
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
+                               initialization_timeout=120)
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxckpt
+    from jaxckpt import _exchange
+
+    _exchange.READ_ONCE = "1"
+    if wave:
+        _exchange.WAVE_BYTES = wave
+    widths: list[int] = []
+    gather = _exchange.all_gather
+
+    def recorded(row, lengths):  # the same hook before and after the change
+        widths.append(int(row.shape[1]))
+        return gather(row, lengths)
+    _exchange.all_gather = recorded
+    everywhere = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("d",)), P())
+    rows, cols = memory_state_shape(mib)
+    target = {"big": jax.ShapeDtypeStruct((rows, cols), np.int32, sharding=everywhere)}
+    target.update({f"small{i}": jax.ShapeDtypeStruct((4096,), np.float32, sharding=everywhere) for i in range(16)})
+    before = vm_rss()
+    t0 = time.perf_counter()
+    back = jax.block_until_ready(jaxckpt.restore(path, target))
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+    big = np.asarray(back["big"].addressable_data(0))
+    ok = all(np.array_equal(big[r:r + 4096].ravel(), np.arange(r * cols, min(r + 4096, rows) * cols, dtype=np.int32))
+             for r in range(0, rows, 4096))
+    ok &= all(float(np.asarray(back[f"small{i}"].addressable_data(0))[-1]) == i for i in range(16))
+    print("RESULT " + json.dumps({"before": before, "peak": peak, "widths": widths, "ok": bool(ok),
+                                  "seconds": seconds}), flush=True)
+
+
+def run_memory(nproc: int, mib: int, wave: int) -> list[dict]:
+    d = tempfile.mkdtemp(prefix="jaxckpt-readonce-mem-")
+    path = os.path.join(d, "ckpt")
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    try:
+        subprocess.run([sys.executable, __file__, "--memory-save", path, str(mib)], env=env, check=True, timeout=1800)
+        port = free_port()
+        procs = [subprocess.Popen([sys.executable, __file__, "--memory-worker", str(port), str(nproc), str(i), path,
+                                   str(mib), str(wave)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=env) for i in range(nproc)]
+        results = []
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=1800)
+            lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+            if not lines:
+                raise SystemExit(f"a worker failed:\n{stderr[-3000:]}")
+            results.append(json.loads(lines[-1][7:]))
+    finally:
+        subprocess.run(["rm", "-rf", d], check=False)
+    return results
+
+
+def print_memory(nproc: int, mib: int, wave: int, results: list[dict]) -> None:
+    m = 1 << 20
+    print(f"one {mib} MiB int32 leaf saved as one chunk + 16 x 16 KiB leaves, restored replicated on {nproc} "
+          f"processes x 1 CPU device, exchange on, WAVE_BYTES {wave / m if wave else 'default'} MiB:")
+    for pid, r in enumerate(results):
+        w = max(r["widths"], default=0)
+        print(f"  process {pid}: peak RSS {r['peak'] / m:8.1f} MiB (before the restore {r['before'] / m:6.1f}, "
+              f"+{(r['peak'] - r['before']) / m:7.1f})   waves {len(r['widths']):4d}   widest row {w / m:7.2f} MiB   "
+              f"gathered {nproc * w / m:8.1f} MiB   wave buffers {(nproc + 2) * w / m:8.1f} MiB   "
+              f"restore {r['seconds']:.2f} s   values {'ok' if r['ok'] else 'WRONG'}")
+    print(f"  job: peak RSS {sum(r['peak'] for r in results) / m:.1f} MiB in all, "
+          f"{sum(r['peak'] - r['before'] for r in results) / m:.1f} MiB over the RSS before the restore")
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         port, nproc, pid, path, mib, reps, cold, layout = sys.argv[2:10]
         worker(int(port), int(nproc), int(pid), path, int(mib), int(reps), cold == "1", layout)
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--memory-save":
+        memory_save(sys.argv[2], int(sys.argv[3]))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--memory-worker":
+        port, nproc, pid, path, mib, wave = sys.argv[2:8]
+        memory_worker(int(port), int(nproc), int(pid), path, int(mib), int(wave))
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("--procs", type=int, default=4)
@@ -148,7 +267,14 @@ def main() -> None:
     ap.add_argument("--layout", choices=["replicated", "columns"], default="replicated",
                     help="replicated: saved and restored replicated on every process; columns: saved as "
                          "row blocks, restored as column blocks (each process reads parts of every chunk)")
+    ap.add_argument("--memory", action="store_true",
+                    help="peak RSS and wave buffers of one restore of a leaf saved as one chunk (see above)")
+    ap.add_argument("--wave-mib", type=float, default=0, help="--memory: _exchange.WAVE_BYTES in MiB")
     args = ap.parse_args()
+    if args.memory:
+        wave = int(args.wave_mib * (1 << 20))
+        print_memory(args.procs, args.mib, wave, run_memory(args.procs, args.mib, wave))
+        return
     if args.smoke:
         args.procs, args.mib, args.reps = 2, 8, 1
     state = args.mib << 20

@@ -38,11 +38,12 @@ of host memory each on an accelerator, whatever the number of processes (when
 ``WAVE_BYTES < (nproc + 2) * 4096``, the smallest row, ``(nproc + 2) * 4096``). A
 piece larger than ``w`` is sent in blocks (rows, or parts of one row, of the piece:
 each a contiguous run of its bytes) over several waves; its reader holds the piece,
-read whole, until its last block is sent. Each wave takes from every reader's queue up
-to ``w`` bytes, so the rows are balanced and the number of waves is set by the
-busiest reader. Beyond the waves a process holds what it reads and the slices it
-needs; a slice placed as a view of a wave's gathered rows keeps them alive only when
-this process needs ``VIEW_SHARE`` of that wave's bytes.
+read whole, as it holds everything it reads (a slice it read whole is placed from
+that copy, not from the waves). Each wave takes from every reader's queue up to ``w``
+bytes, so the rows are balanced and the number of waves is set by the busiest reader.
+Beyond the waves a process holds what it reads and the slices it needs; a slice
+placed as a view of a wave's gathered rows keeps them alive only when this process
+needs ``VIEW_SHARE`` of that wave's bytes.
 
 If the collective itself fails (a multi-process CPU job without
 ``jax_cpu_collectives_implementation``), every process reads what it lacks from
@@ -466,11 +467,16 @@ class ReadOnce:
         is copied out and the buffer freed."""
         nparts = collections.Counter(p.slice_no for wave in waves for p in wave)
         for wave in waves:
-            data = self._gather(wave)
-            mine = sum(p.nbytes for p in wave if self._key(p.slice_no) in self.needed)
-            view_ok = mine >= VIEW_SHARE * sum(p.nbytes for p in wave)
-            for part, got in zip(wave, data):
-                self._put(part, nparts[part.slice_no], got, view_ok)
+            self._receive(wave, nparts)
+
+    def _receive(self, wave: list[Part], nparts: collections.Counter[int]) -> None:
+        """Gather ``wave`` and put its blocks in place (a function of its own so that the
+        wave's buffers are released on return, before the next wave is gathered)."""
+        data = self._gather(wave)
+        mine = sum(p.nbytes for p in wave if self._key(p.slice_no) in self.needed)
+        view_ok = mine >= VIEW_SHARE * sum(p.nbytes for p in wave)
+        for part, got in zip(wave, data):
+            self._put(part, nparts[part.slice_no], got, view_ok)
 
     def _key(self, i: int) -> tuple[str, _layout.Index]:
         return self.shared[i].rec.path, self.shared[i].index
@@ -506,6 +512,10 @@ class ReadOnce:
             return
         s = self.shared[part.slice_no]
         storage = _dtypes.DTYPES[s.rec.storage_dtype]
+        if part.piece.reader == self.me and part.piece.index == s.index:
+            # this process read the whole slice itself: keep what it read (no second copy)
+            self.out[key] = self.inner.get(s.rec, s.index).view(storage)
+            return
         block = data.view(storage).reshape(_layout.index_shape(part.index))
         if nparts == 1 and part.index == s.index:
             self.out[key] = block if view_ok else _copy_aligned(block)
