@@ -1,16 +1,17 @@
 """Restores in other processes hold a step against the writer's retention.
 
 A manager's ``restore`` (a read-only evaluator, a notebook, another job) marks the step
-while it reads: ``<directory>/.jaxckpt-readers/<step>-<token>.json`` with its host, pid,
-what identifies that process beyond its pid (``_lease.identity``) and a renewal time, rewritten every ``RENEW_S`` while the read lasts and removed after.
+while it reads: ``<directory>/.jaxckpt-readers/<step>-<token>.json`` with its host, its
+pid and what identifies that process beyond its pid (``_lease.identity``), and a
+renewal time, rewritten every ``RENEW_S`` while the read lasts and removed after.
 Before the writer deletes a step it makes the step invisible (no new reader can find
 it), then looks for marks of that step: a live one puts the step back and defers the
 delete; a dead one is removed. A mark is judged like the writer's lease (``_lease``):
 dead when its pid is gone on this host or is now another process (a restarted
 container: the start time and boot id the mark records differ), or when its renewal
 time is older than its ``lease_s`` (this host: one clock) or ``lease_s`` + 60 s (another
-host, whose clock may differ). A reader marks first and looks for the step
-after, so a reader and a delete never both proceed.
+host, whose clock may differ). A reader marks first and looks for the step after, so a
+reader and a delete never both proceed.
 """
 
 from __future__ import annotations
