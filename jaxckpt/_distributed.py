@@ -255,6 +255,12 @@ def _parse_heartbeat(value: str | None) -> _Beat | None:
 
 # --- operations ---------------------------------------------------------------------
 
+# A hook for tests, called with (operation, phase) before each wait for peers' posts: one
+# that blocks holds this process just before it reads what they posted. (Not one of
+# ``_iostats``' fault points: the tests' hooks there fail every point they meet as an I/O
+# error, and an agreement wait is no I/O.)
+wait_hook: Any = None
+
 _cleanup_lock = threading.Lock()
 _finished_ops: list[str] = []  # process 0: operations it left whose keys are not deleted yet
 
@@ -319,7 +325,8 @@ class Operation:
         """
         if not self.multi:
             return {}
-        _iostats.fault("agree", f"{self.name}/{phase}")
+        if wait_hook is not None:
+            wait_hook(self.name, phase)
         try:
             return self._wait_for(phase, peers)
         finally:

@@ -27,9 +27,6 @@ The fault points (``grep -rn "_iostats.fault(" jaxckpt``), in the order a save m
   manifest removed, its data not yet), ``delete:after-manifest`` (object stores);
 * restoring: ``read`` (before each chunk read: key the local chunk file's path from a
   direct read, ``""`` from a tensorstore read).
-* agreeing: ``agree`` (before each wait for peers' posts in a multi-process operation;
-  key ``<operation>/<phase>``, e.g. ``save3/outcome``): a hook that blocks there holds
-  this process just before it reads what its peers posted.
 * in the background: ``renew`` (before each renewal of the writer lease, key
   ``.jaxckpt-writer.json``, or of a reader mark, key its file name): a failure there is
   a failed renewal.

@@ -65,12 +65,12 @@ def run_shared_lane(mesh):
     released = threading.Event()
     held = []
 
-    def hook(op, key):
-        if op == "agree" and key.endswith("/outcome") and threading.current_thread() is not threading.main_thread():
-            held.append(key)
+    def hook(name, phase):
+        if phase == "outcome" and threading.current_thread() is not threading.main_thread():
+            held.append(f"{name}/{phase}")
             released.wait(HOLD_S)
     if pid == args["delayed"]:
-        _storage.fault_hook = hook
+        _distributed.wait_hook = hook
     errors, plain_committed = [], []
     rounds = args["rounds"]
     target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P("x", None)))
