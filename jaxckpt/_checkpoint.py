@@ -189,9 +189,7 @@ def _prepare_host_copy(final: Location, token: str) -> Location:
     if os.path.lexists(final.local) and not _commit.has_manifest(final):
         raise CheckpointError(f"'{final}' exists and is not a jaxckpt checkpoint (no manifest.json); "
                               "refusing to overwrite it")
-    staging = _commit.staging_location(final, token)
-    os.makedirs(staging.local, exist_ok=True)
-    return staging
+    return _commit.make_staging(final, token)
 
 
 def _commit_host_copy(final: Location, staging: Location, data: bytes, token: str) -> None:

@@ -36,9 +36,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import logging
 import os
 import re
+import socket
 import stat
 import sys
 import time
@@ -46,7 +48,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import _iostats, _location, _manifest, _storage, _tasks
+from . import _iostats, _lease, _location, _manifest, _storage, _tasks
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ._location import Location
 
@@ -54,6 +56,7 @@ TMP_MARK = ".jaxckpt-tmp-"
 DATA_DIRS = {"arrays", "packed"}  # a checkpoint's data when it has no data prefix (format 1)
 DATA_PREFIX_DIR = _manifest.DATA_PREFIX_DIR  # object stores: <checkpoint>/d/<token>/ per attempt
 OLD_MARK = ".jaxckpt-old-"
+CLAIM_MARK = ".jaxckpt-claim-"  # beside a local attempt: who writes it (see make_staging)
 # A plain save (no writer lease) removes another attempt's data prefix only when that
 # attempt started longer ago than this (by the time in its name): it may still be writing.
 ATTEMPT_GRACE_S = 24 * 3600.0
@@ -134,14 +137,44 @@ def prepare(final: Location, token: str, overwrite: bool) -> Location:
             raise CheckpointError(
                 f"Checkpoint '{final}' already exists; pass overwrite=True to replace it"
             )
+    return make_staging(final, token)
+
+
+def make_staging(final: Location, token: str) -> Location:
+    """Create the staging location of attempt ``token`` at ``final``. Locally it is a
+    hidden directory, claimed first by a sibling file that says who writes it
+    (``claim_name``), so that a writer taking the manager directory over never removes
+    the attempt of a live process that holds no lease there (a plain ``jaxckpt.save`` of
+    a step, a save on another thread). The claim goes once the attempt is committed or
+    aborted."""
     staging = staging_location(final, token)
     if staging.local is not None:
+        parent, name = os.path.split(final.local)
         try:
-            os.makedirs(os.path.dirname(staging.local), exist_ok=True)
-            os.mkdir(staging.local)
+            os.makedirs(parent, exist_ok=True)
+            owner = {"host": socket.gethostname(), "pid": os.getpid(), **_lease.identity(os.getpid()),
+                     "started": time.time(), "lease": _lease.held_token(_location.resolve(parent))}
+            with open(os.path.join(parent, claim_name(name, token)), "w") as f:
+                json.dump(owner, f)
+            os.makedirs(staging.local, exist_ok=True)
         except OSError as e:  # permission denied, a read-only file system, a full disk
             raise CheckpointError(f"Cannot create the staging directory of '{final}': {e}") from e
     return staging
+
+
+def claim_name(name: str, token: str) -> str:
+    """The file beside a local attempt ``.<name><TMP_MARK><token>`` that says who writes it."""
+    return f".{name}{CLAIM_MARK}{token}.json"
+
+
+def _drop_claim(final: Location, token: str | None) -> None:
+    if final.local is None or token is None:
+        return
+    parent, name = os.path.split(final.local)
+    try:
+        os.remove(os.path.join(parent, claim_name(name, token)))
+    except OSError:
+        pass  # never made, or gone: a claim whose attempt is gone is removed by a later writer
 
 
 def commit(final: Location, staging: Location, manifest_bytes: bytes, token: str) -> None:
@@ -178,6 +211,7 @@ def _commit_local(final: Location, staging: Location, manifest_bytes: bytes, tok
         except BaseException:
             os.rename(replaced, final.local)  # not committed: the old copy goes back
             raise
+    _drop_claim(final, token)
     try:  # committed: nothing raises from here on
         _storage.fsync_dir(parent)
         _iostats.fault("commit:after-rename", where)
@@ -304,6 +338,9 @@ def abort(final: Location, staging: Location, token: str | None = None) -> None:
             _storage.delete_tree(staging)
         except Exception as e:  # noqa: BLE001 - best effort: the save's own error is what matters
             _log.warning("jaxckpt: cleaning up after a failed save to '%s' failed: %s", final, e)
+        else:
+            hidden = _split_hidden(os.path.basename(staging.local))
+            _drop_claim(final, hidden[2] if hidden is not None else token)
         return
     if final.local is None and token is not None:
         key = data_key(final, token)
@@ -444,6 +481,72 @@ def stale_attempts(directory: Location) -> list[str]:
     return out
 
 
+def attempt_owner(directory: Location, name: str) -> dict[str, Any] | None:
+    """Who writes local attempt ``name`` (its claim), or ``None`` when it does not say (a
+    step being deleted, an attempt of an older version). An unreadable claim (being
+    written) is ``{}``."""
+    hidden = _split_hidden(name)
+    if directory.local is None or hidden is None or hidden[1] != TMP_MARK:
+        return None
+    try:
+        with open(os.path.join(directory.local, claim_name(hidden[0], hidden[2])), "rb") as f:
+            return _lease._parse(f.read())
+    except OSError:
+        return None
+
+
+def remove_attempt(directory: Location, name: str) -> None:
+    """Remove a dead local attempt (or a step being deleted) and its claim."""
+    _storage.delete_tree(directory.child(name))
+    hidden = _split_hidden(name)
+    if directory.local is not None and hidden is not None and hidden[1] == TMP_MARK:
+        try:
+            os.remove(os.path.join(directory.local, claim_name(hidden[0], hidden[2])))
+        except OSError:
+            pass  # an older version's attempt: no claim
+
+
+def remove_dead_claims(directory: Location) -> list[str]:
+    """Claims left without their attempt (a crash between a commit and the claim's
+    removal) whose writer is gone. Returns the names removed."""
+    if directory.local is None:
+        return []
+    names = set(_storage.list_children(directory))
+    removed = []
+    for name in sorted(names):
+        if CLAIM_MARK not in name or not name.startswith(".") or not name.endswith(".json"):
+            continue
+        target, _, token = name[1:-len(".json")].partition(CLAIM_MARK)
+        if f".{target}{TMP_MARK}{token}" in names:
+            continue
+        owner = attempt_owner(directory, f".{target}{TMP_MARK}{token}")
+        if owner is not None and owner and _lease._judge(owner, float("inf")) != "gone":
+            continue  # its attempt is about to be created
+        try:
+            os.remove(os.path.join(directory.local, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
+def attempt_alive(directory: Location, name: str, lease_token: str | None) -> bool:
+    """Whether attempt ``name`` may still be written by a live process, judged by a writer
+    that holds the directory's lease ``lease_token``: an attempt made under another lease
+    of this directory is dead (that lease's holder is gone: we hold it now); one made
+    without a lease (a plain save) lives while its process does (on another host: while
+    that cannot be told); one without a claim (an older version's, a step being deleted)
+    is dead."""
+    owner = attempt_owner(directory, name)
+    if owner is None:
+        return False
+    if not owner:
+        return True  # a claim being written: its writer is alive
+    if owner.get("lease") is not None:
+        return owner.get("lease") == lease_token
+    return _lease._judge(owner, float("inf")) != "gone"
+
+
 def _split_hidden(name: str) -> tuple[str, str, str] | None:
     """``.<target><mark><token>`` -> ``(target, mark, token)``; ``None`` for other names."""
     if name.startswith("."):
@@ -498,7 +601,7 @@ def _recover_local(parent: str, name: str | None) -> list[str]:
         _storage.fsync_dir(parent)
         _log.warning("jaxckpt: an overwrite of '%s' stopped between its renames; the checkpoint it "
                      "replaced is back in place", os.path.join(parent, target))
-        _storage.delete_tree(_location.resolve(os.path.join(parent, staging)))
+        remove_attempt(_location.resolve(parent), staging)
         done.append(target)
     return done
 

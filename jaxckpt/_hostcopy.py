@@ -114,9 +114,7 @@ def _move(step: int, final: Location, files: list[tuple[str, int]], source: int,
     total = sum(size for _, size in files)
     block = min(BLOCK_BYTES, max(64, 1 << max(total - 1, 1).bit_length()))
     token = _commit.new_token(final) if writes else None
-    staging = _commit.staging_location(final, token) if writes else None
-    if staging is not None:
-        os.makedirs(staging.local, exist_ok=True)
+    staging = _commit.make_staging(final, token) if writes else None
     committed = False
     try:
         stream = _Stream(final.local, files) if me == source else None

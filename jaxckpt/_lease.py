@@ -137,6 +137,8 @@ class Lease:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew_loop, name="jaxckpt-lease", daemon=True)
         self._thread.start()
+        with _held_lock:
+            _held[_key(directory)] = owner["token"]
 
     @classmethod
     def acquire(cls, directory: Location, lease_s: float | None = None) -> Lease:
@@ -226,11 +228,30 @@ class Lease:
         self._stop.set()
         if threading.current_thread() is not self._thread:
             self._thread.join()
+        with _held_lock:
+            if _held.get(_key(self.directory)) == self.owner["token"]:
+                del _held[_key(self.directory)]
         if self.lost is None:
             holder = _parse(_storage.read_blob(self.directory, LEASE_FILE))
             if holder and holder.get("token") == self.owner["token"]:
                 _storage.delete_blob(self.directory, LEASE_FILE)
         self._lost = self._lost or "released"
+
+
+# The leases this process holds, by directory: an attempt started under one records its
+# token, so a later writer knows the attempt's writer was the lease holder it replaced.
+_held: dict[str, str] = {}
+_held_lock = threading.Lock()
+
+
+def _key(directory: Location) -> str:
+    return os.path.realpath(directory.local) if directory.local is not None else str(directory)
+
+
+def held_token(directory: Location) -> str | None:
+    """The token of the lease this process holds on ``directory``, if any."""
+    with _held_lock:
+        return _held.get(_key(directory))
 
 
 def _judge(holder: dict[str, Any], lease_s: float) -> str:

@@ -244,8 +244,13 @@ class CheckpointManager:
         try:
             # Every attempt left here belongs to a writer that is gone: ours to clean.
             for attempt in _commit.stale_attempts(where):
+                if _commit.attempt_alive(where, attempt, lease.owner["token"]):
+                    _log.info("jaxckpt: keeping attempt %s in '%s': its writer (%s) is alive", attempt, where,
+                              _lease.describe_owner(_commit.attempt_owner(where, attempt) or {}))
+                    continue
                 _log.info("jaxckpt: removing attempt %s left by a writer that is gone", attempt)
-                _storage.delete_tree(where.child(attempt))
+                _commit.remove_attempt(where, attempt)
+            _commit.remove_dead_claims(where)
             # On an object store: data prefixes inside steps that no manifest names.
             for key in _commit.remove_dead_step_data(where):
                 _log.info("jaxckpt: removed data %s left by a writer that is gone", key)
@@ -942,14 +947,22 @@ class CheckpointManager:
           [('.7.jaxckpt-tmp-3f2a9c1d0b4e', False)]
         """
         writer, gone = writer_lease(self._dir)
+        token = None if gone or writer is None else writer.get("token")
         out = []
         for name in sorted(_commit.stale_attempts(self._dir)):
             stem = name[1:].split(_commit.TMP_MARK)[0].split(_commit.OLD_MARK)[0]
             size, mtime = _local_size_and_mtime(self._dir.child(name).local)
+            owner = _commit.attempt_owner(self._dir, name)
+            if owner is not None and owner.get("lease") is None:  # a plain save: judged by its own process
+                who, alive = owner, _commit.attempt_alive(self._dir, name, token)
+            elif owner is not None:  # a writer's: alive while the lease it was made under is held
+                who, alive = writer, _commit.attempt_alive(self._dir, name, token)
+            else:
+                who, alive = writer, not gone or _commit.attempt_alive(self._dir, name, token)
             out.append({
                 "step": _commit.parse_step_name(stem), "name": name,
                 "kind": "tmp" if _commit.TMP_MARK in name else "old",
-                "bytes": size, "mtime": mtime, "writer": writer, "writer_alive": not gone,
+                "bytes": size, "mtime": mtime, "writer": who, "writer_alive": alive,
             })
         for key in _commit.remove_dead_step_data(self._dir, dry_run=True):  # object stores only
             out.append({"step": _commit.parse_step_name(key.split("/", 1)[0]), "name": key, "kind": "data",
