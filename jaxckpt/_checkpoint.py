@@ -86,7 +86,7 @@ def _check_metadata(metadata: Any, name: str = "metadata") -> dict[str, Any]:
 
 def save_snapshot(path: Any, snap: Snapshot, *, metadata: Any = None, overwrite: bool = False,
                   info: Callable[[], dict[str, Any]] | None = None, timeout_s: float | None = None,
-                  op_id: int | None = None) -> Manifest:
+                  op_id: int | None = None, check: Callable[[], None] | None = None) -> Manifest:
     """The writing half of ``save``: stage, write every shard, manifest last, commit.
 
     In a multi-process job every process calls this with its own snapshot. Process 0
@@ -100,7 +100,10 @@ def save_snapshot(path: Any, snap: Snapshot, *, metadata: Any = None, overwrite:
        file process 0 just renamed (on NFS a cached negative lookup fails that read).
 
     ``info`` is called on process 0 just before the commit; what it returns is added to
-    the manifest's info (the manager's timings). ``op_id`` is the collective sequence
+    the manifest's info (the manager's timings). ``check`` is called by every other
+    process once its part is written, before it says so: what it raises fails the save
+    in every process (a manager whose per-host writer lease was lost on that host).
+    ``op_id`` is the collective sequence
     number (taken in program order by the caller). ``metadata`` must already have
     passed ``_check_metadata``. Returns the committed manifest.
 
@@ -114,7 +117,7 @@ def save_snapshot(path: Any, snap: Snapshot, *, metadata: Any = None, overwrite:
         with _distributed.Operation(f"save{op_id}", str(final), timeout_s) as op:
             if _distributed.process_index() == 0:
                 return _save_as_coordinator(op, final, snap, metadata, overwrite, info)
-            return _save_as_follower(op, final, snap)
+            return _save_as_follower(op, final, snap, check)
     finally:
         snap.close()
 
@@ -148,7 +151,8 @@ def _save_as_coordinator(op: _distributed.Operation, final: Location, snap: Snap
     return manifest
 
 
-def _save_as_follower(op: _distributed.Operation, final: Location, snap: Snapshot) -> Manifest:
+def _save_as_follower(op: _distributed.Operation, final: Location, snap: Snapshot,
+                      check: Callable[[], None] | None = None) -> Manifest:
     staging = token = None
     # per-host directories: the first process of each group commits its host's copy
     leader = _per_host(snap) and snap.group[0] == _distributed.process_index()
@@ -157,6 +161,8 @@ def _save_as_follower(op: _distributed.Operation, final: Location, snap: Snapsho
         if _per_host(snap):
             staging = _prepare_host_copy(final, token)
         write_data(_commit.data_location(final, token), snap)
+        if check is not None:
+            check()
     except BaseException as e:  # process 0 must hear of any failure, not wait it out
         op.post("written", e)
         if leader and staging is not None:
@@ -222,8 +228,9 @@ def save(path: Any, tree: Any, *, metadata: dict[str, Any] | None = None,
       overwrite: replace an existing checkpoint at ``path`` (otherwise it raises).
       timeout_s: multi-process only: how long a process waits for a peer that has
         not started this save before it fails in all of them (default 30 s). A peer
-        that is still writing is waited for as long as it is alive; one that stops
-        heartbeating fails the save within ``_distributed.STALE_S`` (10 s).
+        that is still writing is waited for as long as it makes progress; one that
+        stops heartbeating fails the save within ``_distributed.STALE_S`` (10 s), one
+        alive without progress within the stall bound (``JAXCKPT_STALL_S``, 600 s).
 
     Example:
       >>> jaxckpt.save("/tmp/ckpt", {"params": params, "step": 100})

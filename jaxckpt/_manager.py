@@ -150,9 +150,7 @@ class CheckpointManager:
         self._interval = save_interval_steps
         self._async = async_save
         self._max_pending, self._staging = max_pending, _snapshot.staging_budget(max_staging_bytes)
-        self._timeout = timeout_s
-        self._clock = clock
-        self._read_only = read_only
+        self._timeout, self._clock, self._read_only = timeout_s, clock, read_only
         self._verify = bool(verify_before_delete)
         self._lock = threading.RLock()
         self._pending: list[_Pending] = []  # in submission order; popped in that order only
@@ -613,10 +611,13 @@ class CheckpointManager:
         final = self._dir.child(_commit.step_name(step))
         metrics = _metrics_to_json(metrics)
 
-        def info() -> dict[str, Any]:  # process 0, right before the commit
+        def check() -> None:  # every process, before it reports its part written
             lost = self._lease.lost if self._lease is not None else None
-            if lost:  # the save fails in every process (its outcome), at the same call
+            if lost:  # the save fails in every process (its agreement), at the same call
                 raise CheckpointError(f"CheckpointManager for '{self._dir}' cannot commit: {lost}")
+
+        def info() -> dict[str, Any]:  # process 0, right before the commit
+            check()
             return {
                 "step": step,
                 "metrics": metrics,
@@ -626,7 +627,8 @@ class CheckpointManager:
                 "commit_time": self._clock(),
             }
 
-        manifest = _checkpoint.save_snapshot(final, snap, info=info, timeout_s=self._timeout, op_id=op_id)
+        manifest = _checkpoint.save_snapshot(final, snap, info=info, check=check, timeout_s=self._timeout,
+                                             op_id=op_id)
         if self._verify:
             self._verify_step(step, final, op_id)
         with self._lock:
@@ -650,19 +652,21 @@ class CheckpointManager:
 
     def _verify_step(self, step: int, final: Any, op_id: int) -> None:
         """``verify_before_delete``: the first process of each directory reads its copy
-        back; every process learns every verdict. A step that fails is deleted."""
+        back; every process learns every verdict. A step that fails is deleted. The
+        reading happens inside the agreement, so the peers judge a long verify by its
+        progress (the stall bound), not by ``timeout_s``."""
         error: BaseException | None = None
-        if self._leads():
-            try:
-                report = _scan.verify(final)
-                if not report.ok:
-                    shown = "; ".join(f"{p['leaf'] or ''} {p['chunk'] or ''}: {p['message']}".strip()
-                                      for p in report.problems[:3])
-                    more = f" (and {len(report.problems) - 3} more)" if len(report.problems) > 3 else ""
-                    error = CheckpointError(f"step {step} failed verification after its commit: {shown}{more}")
-            except CheckpointError as e:
-                error = e
         with _distributed.Operation(f"verify{op_id}", str(final), self._timeout) as op:
+            if self._leads():
+                try:
+                    report = _scan.verify(final)
+                    if not report.ok:
+                        shown = "; ".join(f"{p['leaf'] or ''} {p['chunk'] or ''}: {p['message']}".strip()
+                                          for p in report.problems[:3])
+                        more = f" (and {len(report.problems) - 3} more)" if len(report.problems) > 3 else ""
+                        error = CheckpointError(f"step {step} failed verification after its commit: {shown}{more}")
+                except CheckpointError as e:
+                    error = e
             op.post("verified", error if error is not None else b"")
             try:
                 op.wait_for("verified", self._others())

@@ -63,9 +63,19 @@ def main():
         out["groups"] = [list(g) for g in mgr._groups]
         out["steps_at_start"] = mgr.all_steps()
         out["on_disk_at_start"] = listing(local)
-        for i in args.get("save", []):
-            mgr.save(i, state(i, sharded))
-        mgr.wait_until_finished()
+        if args.get("steal") == pid:  # another writer takes this host's directory over
+            lease = os.path.join(local, ".jaxckpt-writer.json")
+            with open(lease) as f:
+                owner = json.load(f)
+            with open(lease, "w") as f:
+                json.dump(dict(owner, token="someone-else", pid=1), f)
+            mgr._lease.renew()  # what the renewal thread does within its period
+        try:
+            for i in args.get("save", []):
+                mgr.save(i, state(i, sharded))
+            mgr.wait_until_finished()
+        except jaxckpt.CheckpointError as e:
+            out["save_error"] = str(e)
         if "restore" in args:
             try:
                 back = mgr.restore(args["restore"], state(0, sharded))

@@ -111,3 +111,16 @@ def test_stream_and_sink_move_files_back_to_back(tmp_path):
     sink.close()
     for path, _ in files:
         assert (tmp_path / "dst" / path).read_bytes() == (tmp_path / "src" / path).read_bytes(), path
+
+
+def test_a_lease_lost_on_another_host_fails_the_save_in_every_process(tmp_path):
+    """Per-host directories: host 1's writer lease is taken over. Only host 1's first
+    process knows; the save fails in both processes at the same call, and host 1's
+    directory (now another writer's) gets nothing of it."""
+    run_job({"path": str(tmp_path), "save": [1]})
+    res = run_job({"path": str(tmp_path), "save": [2], "steal": 1})
+    for p in (0, 1):
+        assert "Saving step 2 to " in res[p]["save_error"], res[p]
+        assert "cannot commit: the writer lease of" in res[p]["save_error"], res[p]["save_error"]
+        assert res[p]["steps"] == [1]
+    assert res[0]["on_disk"] == res[1]["on_disk"] == ["1"]
