@@ -432,11 +432,26 @@ def _open_stores(pending: list[_Pending], ctx: ts.Context, where: str) -> list[A
             except Exception as e:  # noqa: BLE001 - a spec tensorstore refuses
                 raise _leaf_error(where, p, "could not be opened", e) from None
         for p, future in zip(batch, futures):
-            try:
-                out.append(future.result())
-            except Exception as e:  # noqa: BLE001 - missing or malformed array metadata
-                raise _leaf_error(where, p, "could not be opened", e) from None
+            out.append(_result(future, where, p, "could not be opened"))
     return out
+
+
+def _result(future: Any, where: str, p: _Pending, doing: str) -> Any:
+    """A tensorstore future's result within the I/O bound (``_storage.wait``); its own
+    error (missing or malformed metadata, corruption) as a ``CorruptCheckpointError``."""
+    try:
+        return _storage.wait(future, _Where(where), doing, p.param)
+    except CheckpointError as bounded:
+        if not future.done() or future.cancelled():
+            raise _leaf_error(where, p, doing, bounded) from None  # the store stopped answering
+    try:
+        return future.result()
+    except Exception as e:  # noqa: BLE001 - tensorstore reports corruption as ValueError
+        raise _leaf_error(where, p, doing, e) from None
+
+
+class _Where(NamedTuple):
+    url: str
 
 
 def _array_record(p: _Pending, store: Any, where: str) -> LeafRecord:
@@ -484,10 +499,7 @@ def _scalar_values(pending: list[_Pending], stores: list[Any], records: list[Lea
                 raise _leaf_error(where, p, "could not be read", e) from None
     out = {}
     for i, (p, future) in reads.items():
-        try:
-            out[i] = future.result().item()
-        except Exception as e:  # noqa: BLE001 - tensorstore reports corruption as ValueError
-            raise _leaf_error(where, p, "could not be read", e) from None
+        out[i] = _result(future, where, p, "could not be read").item()
     return out
 
 
