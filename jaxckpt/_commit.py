@@ -57,6 +57,7 @@ DATA_DIRS = {"arrays", "packed"}  # a checkpoint's data when it has no data pref
 DATA_PREFIX_DIR = _manifest.DATA_PREFIX_DIR  # object stores: <checkpoint>/d/<token>/ per attempt
 OLD_MARK = ".jaxckpt-old-"
 CLAIM_MARK = ".jaxckpt-claim-"  # beside a local attempt: who writes it (see make_staging)
+CLAIM_SUFFIX = ".claim"  # object stores: d/<token>.claim beside the attempt's data prefix
 # A plain save (no writer lease) removes another attempt's data prefix only when that
 # attempt started longer ago than this (by the time in its name): it may still be writing.
 ATTEMPT_GRACE_S = 24 * 3600.0
@@ -152,14 +153,38 @@ def make_staging(final: Location, token: str) -> Location:
         parent, name = os.path.split(final.local)
         try:
             os.makedirs(parent, exist_ok=True)
-            owner = {"host": socket.gethostname(), "pid": os.getpid(), **_lease.identity(os.getpid()),
-                     "started": time.time(), "lease": _lease.held_token(_location.resolve(parent))}
             with open(os.path.join(parent, claim_name(name, token)), "w") as f:
-                json.dump(owner, f)
+                json.dump(_claim(final), f)
             os.makedirs(staging.local, exist_ok=True)
         except OSError as e:  # permission denied, a read-only file system, a full disk
             raise CheckpointError(f"Cannot create the staging directory of '{final}': {e}") from e
+    else:  # an object store: the claim sits beside the attempt's data prefix
+        _storage.write_blob(final, f"{DATA_PREFIX_DIR}/{token}{CLAIM_SUFFIX}", json.dumps(_claim(final)).encode())
     return staging
+
+
+def _claim(final: Location) -> dict[str, Any]:
+    """Who writes an attempt at ``final``: this process, and the lease it holds on the
+    manager directory above ``final``, if any."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), **_lease.identity(os.getpid()),
+            "started": time.time(), "lease": _lease.held_token_above(final)}
+
+
+def claim_alive(owner: dict[str, Any], lease_token: str | None) -> bool:
+    """Whether the writer of a claimed attempt may still be writing it, judged by a
+    writer holding the directory's lease ``lease_token``: an attempt made under a lease
+    lives while that lease is the one held; one made without (a plain save) while its
+    process does (on another host, where that cannot be told: ``ATTEMPT_GRACE_S``). An
+    unreadable claim is being written: alive."""
+    if not owner:
+        return True
+    if owner.get("lease") is not None:
+        return owner.get("lease") == lease_token
+    verdict = _lease._judge(owner, float("inf"))
+    started = owner.get("started")
+    if verdict == "unknown" and isinstance(started, (int, float)) and time.time() - started > ATTEMPT_GRACE_S:
+        return False
+    return verdict != "gone"
 
 
 def claim_name(name: str, token: str) -> str:
@@ -168,7 +193,13 @@ def claim_name(name: str, token: str) -> str:
 
 
 def _drop_claim(final: Location, token: str | None) -> None:
-    if final.local is None or token is None:
+    if token is None:
+        return
+    if final.local is None:
+        try:
+            _storage.delete_blob(final, f"{DATA_PREFIX_DIR}/{token}{CLAIM_SUFFIX}")
+        except Exception as e:  # noqa: BLE001 - a claim left behind is removed by a later writer
+            _log.info("jaxckpt: removing the claim of attempt %s at '%s' failed: %s", token, final, e)
         return
     parent, name = os.path.split(final.local)
     try:
@@ -263,6 +294,7 @@ def _commit_object_store(final: Location, manifest_bytes: bytes, token: str) -> 
     where = str(final)
     _iostats.fault("commit:before-manifest", where)
     _storage.write_blob(final, _manifest.MANIFEST, manifest_bytes)
+    _drop_claim(final, token)
     try:
         _iostats.fault("commit:after-manifest", where)
         if replaced is not None and replaced != ours:
@@ -299,9 +331,14 @@ def _attempt_age(name: str, now: float) -> float | None:
     return None if m is None else now - int(m.group(1))
 
 
-def remove_dead_data(loc: Location, keep: str | None, grace_s: float | None, *, dry_run: bool = False) -> list[str]:
+def remove_dead_data(loc: Location, keep: str | None, grace_s: float | None, *, dry_run: bool = False,
+                     lease_token: str | None = None, live: list[str] | None = None) -> list[str]:
     """Remove the data under checkpoint ``loc`` (an object store) that ``keep`` (the data
     prefix its manifest names; ``""``: the root; ``None``: no manifest) does not name.
+
+    A prefix whose claim (``d/<token>.claim``, see ``make_staging``) says its writer may
+    still be writing it (``claim_alive``, judged with the lease ``lease_token``) is kept,
+    and added to ``live`` when given.
 
     ``grace_s=None`` (a writer holding the lease: every other writer is gone) removes
     all of it; otherwise only prefixes whose timed token is older than ``grace_s``, plus
@@ -313,16 +350,38 @@ def remove_dead_data(loc: Location, keep: str | None, grace_s: float | None, *, 
     removed = []
     if keep != "":
         removed += sorted(children & DATA_DIRS)
+    claims: dict[str, str] = {}  # attempt token -> its claim's name
+    orphans: list[str] = []  # claims whose attempt wrote nothing, their writer gone
     if DATA_PREFIX_DIR in children:
         now = time.time()
-        for name in _storage.list_children(loc.child(DATA_PREFIX_DIR)):
+        names = _storage.list_children(loc.child(DATA_PREFIX_DIR))
+        claims = {n[:-len(CLAIM_SUFFIX)]: n for n in names if n.endswith(CLAIM_SUFFIX)}
+        for name in names:
             key = f"{DATA_PREFIX_DIR}/{name}"
             age = _attempt_age(name, now)
-            if key != keep and (grace_s is None or (age is not None and age > grace_s)):
+            if name.endswith(CLAIM_SUFFIX) or key == keep:
+                continue
+            if name in claims and claim_alive(_read_claim(loc, claims[name]), lease_token):
+                if live is not None:
+                    live.append(key)
+                continue  # a live writer's attempt (a plain save holds no lease)
+            if grace_s is None or (age is not None and age > grace_s):
                 removed.append(key)
+        orphans = [c for t, c in claims.items() if t not in names and t + "/" not in names
+                   and not claim_alive(_read_claim(loc, c), lease_token)]
     for key in () if dry_run else removed:
         _storage.delete_tree(loc.child(key))
+        token = key.split("/", 1)[1] if key.startswith(f"{DATA_PREFIX_DIR}/") else None
+        if token in claims:
+            _storage.delete_blob(loc, f"{DATA_PREFIX_DIR}/{claims[token]}")
+    for name in () if dry_run or grace_s is not None else orphans:  # a writer's clean-up: claims of the gone
+        _storage.delete_blob(loc, f"{DATA_PREFIX_DIR}/{name}")
     return removed
+
+
+def _read_claim(loc: Location, name: str) -> dict[str, Any]:
+    owner = _lease._parse(_storage.read_blob(loc, f"{DATA_PREFIX_DIR}/{name}"))
+    return {} if owner is None else owner
 
 
 def abort(final: Location, staging: Location, token: str | None = None) -> None:
@@ -347,6 +406,7 @@ def abort(final: Location, staging: Location, token: str | None = None) -> None:
         try:
             if named_data(final) != key:
                 _storage.delete_tree(final.child(key))
+                _drop_claim(final, token)
         except Exception as e:  # noqa: BLE001 - best effort: the save's own error is what matters
             _log.warning("jaxckpt: removing the data of a failed save to '%s' failed: %s", final, e)
 
@@ -538,13 +598,7 @@ def attempt_alive(directory: Location, name: str, lease_token: str | None) -> bo
     that cannot be told); one without a claim (an older version's, a step being deleted)
     is dead."""
     owner = attempt_owner(directory, name)
-    if owner is None:
-        return False
-    if not owner:
-        return True  # a claim being written: its writer is alive
-    if owner.get("lease") is not None:
-        return owner.get("lease") == lease_token
-    return _lease._judge(owner, float("inf")) != "gone"
+    return owner is not None and claim_alive(owner, lease_token)
 
 
 def _split_hidden(name: str) -> tuple[str, str, str] | None:
@@ -639,7 +693,8 @@ def delete_step(directory: Location, step: int, token: str, *,
     return True
 
 
-def remove_dead_step_data(directory: Location, *, dry_run: bool = False) -> list[str]:
+def remove_dead_step_data(directory: Location, *, dry_run: bool = False, lease_token: str | None = None,
+                          live: list[str] | None = None) -> list[str]:
     """Remove, under every step of manager ``directory`` on an object store, the data no
     manifest names: attempts that died before their commit, or whose replaced data was
     never deleted. Only for a writer holding the directory's lease (every earlier writer
@@ -656,12 +711,13 @@ def remove_dead_step_data(directory: Location, *, dry_run: bool = False) -> list
         return []
     removed: list[str] = []
     names = [n for n in _storage.list_children(directory) if _step_of(n) is not None]
-    _tasks.run_tasks([lambda n=n: removed.extend(_remove_dead_in_step(directory, n, dry_run)) for n in names],
-                     CLEAN_THREADS)
+    _tasks.run_tasks([lambda n=n: removed.extend(_remove_dead_in_step(directory, n, dry_run, lease_token, live))
+                      for n in names], CLEAN_THREADS)
     return sorted(removed)
 
 
-def _remove_dead_in_step(directory: Location, name: str, dry_run: bool = False) -> list[str]:
+def _remove_dead_in_step(directory: Location, name: str, dry_run: bool = False,
+                         lease_token: str | None = None, live: list[str] | None = None) -> list[str]:
     loc = directory.child(name)
     children = set(_storage.list_children(loc))
     candidates = 1 if children & DATA_DIRS else 0
@@ -672,4 +728,8 @@ def _remove_dead_in_step(directory: Location, name: str, dry_run: bool = False) 
     keep = named_data(loc)
     if keep is None and _manifest.MANIFEST in children:
         return []  # a manifest that does not validate: not ours to judge
-    return [f"{name}/{key}" for key in remove_dead_data(loc, keep, None, dry_run=dry_run)]
+    kept: list[str] = []
+    dead = remove_dead_data(loc, keep, None, dry_run=dry_run, lease_token=lease_token, live=kept)
+    if live is not None:
+        live.extend(f"{name}/{key}" for key in kept)
+    return [f"{name}/{key}" for key in dead]

@@ -254,6 +254,17 @@ def held_token(directory: Location) -> str | None:
         return _held.get(_key(directory))
 
 
+def held_token_above(target: Location) -> str | None:
+    """The token of the lease this process holds on the directory that holds ``target``
+    (a step of a manager directory), if any."""
+    if target.local is not None:
+        key = os.path.realpath(os.path.dirname(target.local.rstrip(os.sep)))
+    else:
+        key = str(target).rstrip("/").rsplit("/", 1)[0]
+    with _held_lock:
+        return next((t for k, t in _held.items() if k.rstrip("/") == key.rstrip("/")), None)
+
+
 def _judge(holder: dict[str, Any], lease_s: float) -> str:
     """``alive``, ``gone`` or ``unknown`` (watch it for a lease period)."""
     if not holder:

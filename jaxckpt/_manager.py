@@ -250,7 +250,7 @@ class CheckpointManager:
                 _commit.remove_attempt(where, attempt)
             _commit.remove_dead_claims(where)
             # On an object store: data prefixes inside steps that no manifest names.
-            for key in _commit.remove_dead_step_data(where):
+            for key in _commit.remove_dead_step_data(where, lease_token=lease.owner["token"]):
                 _log.info("jaxckpt: removed data %s left by a writer that is gone", key)
         except BaseException:
             lease.release()
@@ -968,9 +968,11 @@ class CheckpointManager:
                 "kind": "tmp" if _commit.TMP_MARK in name else "old",
                 "bytes": size, "mtime": mtime, "writer": who, "writer_alive": alive,
             })
-        for key in _commit.remove_dead_step_data(self._dir, dry_run=True):  # object stores only
+        live: list[str] = []  # object stores: data prefixes of attempts (claimed) in progress
+        dead = _commit.remove_dead_step_data(self._dir, dry_run=True, lease_token=token, live=live)
+        for key, alive in sorted([(k, False) for k in dead] + [(k, True) for k in live]):
             out.append({"step": _commit.parse_step_name(key.split("/", 1)[0]), "name": key, "kind": "data",
-                        "bytes": None, "mtime": None, "writer": writer, "writer_alive": not gone})
+                        "bytes": None, "mtime": None, "writer": writer, "writer_alive": alive})
         return out
 
     # --- lifecycle -------------------------------------------------------------------

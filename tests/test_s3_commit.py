@@ -39,8 +39,10 @@ def keys(s3, prefix):
 
 
 def prefixes(s3, prefix):
-    """The data prefixes (``d/<token>``) under checkpoint ``prefix``."""
-    return sorted({k[len(prefix):].split("/")[1] for k in keys(s3, prefix) if k[len(prefix):].startswith("d/")})
+    """The data prefixes (``d/<token>``) under checkpoint ``prefix`` (not the claims beside
+    them, ``d/<token>.claim``)."""
+    return sorted({k[len(prefix):].split("/")[1] for k in keys(s3, prefix)
+                   if k[len(prefix):].startswith("d/") and not k.endswith(_commit.CLAIM_SUFFIX)})
 
 
 def named(spec):
@@ -224,6 +226,7 @@ def test_overwrite_killed_at_each_phase_restores_old_or_new_and_the_next_save_cl
         jaxckpt.save(spec, tree(4), overwrite=True)
         monkeypatch.undo()
         assert prefixes(s3_server, prefix) == [named(spec)], point
+        assert [k for k in keys(s3_server, prefix) if k.endswith(_commit.CLAIM_SUFFIX)] == [], point
         assert_is(jaxckpt.restore(spec), 4)
 
 
