@@ -348,8 +348,10 @@ class Operation:
             failed = sorted(p for p, d in got.items() if d[:1] == b"E")
             if failed:
                 detail = "; ".join(f"process {p}: {got[p][1:].decode(errors='replace')}" for p in failed)
-                raise CheckpointError(
+                error = CheckpointError(
                     f"{self._label(phase)}: failed in process {', '.join(map(str, failed))} ({detail})")
+                error.posted = True  # the peer reported it (not a peer given up on)
+                raise error
             missing = [p for p in peers if p not in got]
             if not missing:
                 if process_index() == 0 and set(peers) | {0} == set(range(process_count())):
@@ -408,6 +410,24 @@ class Operation:
             f"(alive, inside {self.name}, {doing}; hung? the stall bound is {stall:g}s, {STALL_ENV})")
 
     # --- the shapes of agreement --------------------------------------------------
+
+    def decide(self, phase: str, verdict: str) -> str:
+        """Claim the one verdict of ``phase`` (the first claim wins, in every process):
+        ``verdict`` when this process claimed first, else the verdict that won. A save's
+        coordinator claims ``commit`` right before it commits, a peer that gave up on it
+        ``abort``: both can never happen."""
+        if not self.multi:
+            return verdict
+        client = _client()
+        key = f"{self._prefix}{phase}/verdict"
+        try:
+            client.key_value_set(key, verdict)  # fails when the key exists: one claim wins
+            return verdict
+        except Exception:  # noqa: BLE001 - already claimed: read whose
+            try:
+                return client.blocking_key_value_get(key, 10_000)
+            except Exception as e:  # noqa: BLE001 - the store is going away
+                raise CheckpointError(f"{self._label(phase)}: reading the verdict failed: {e}") from e
 
     def broadcast(self, phase: str, payload: bytes | BaseException | None) -> bytes:
         """Process 0's payload in every process (process 0 passes it; the others ``None``).

@@ -111,7 +111,7 @@ def run_hang(mesh):
         hung = []
 
         def hook(op, key):
-            if op == "write" and not hung:
+            if op == args.get("point", "write") and not hung:
                 hung.append(key)
                 time.sleep(args["hang"])
         _storage.fault_hook = hook

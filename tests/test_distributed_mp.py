@@ -120,3 +120,33 @@ def test_a_heartbeat_carries_progress_and_what_each_operation_waits_for():
     assert beat.ops == {"manager0": None, "save3": ("written", 120), "restore5": None}
     assert _distributed._parse_heartbeat("17 save3") is None  # another version's format: never beat
     assert _distributed._parse_heartbeat(None) is None
+
+
+def test_process_0_never_commits_a_save_a_peer_gave_up_on(tmp_path):
+    # process 0 hangs alive in its own first chunk write for 12 s; process 1 has written
+    # and reported its part and waits for the outcome. With a stall bound of 3 s it gives
+    # up on process 0 and claims the save's verdict first. When process 0 moves again it
+    # must not commit what process 1 reported as failed: both raise, nothing is committed
+    # (d7c90e7 waited for process 0 forever; with the stall bound alone, process 0
+    # committed while process 1 had raised: the two disagreed about the save)
+    path = str(tmp_path / "ckpt")
+    args = {"path": path, "bad": 0, "hang": 12, "stall": 3, "timeout": 20}
+    res = run_job(2, "hang", args, timeout=120)
+    err = res[1]["error"]
+    assert err is not None and err.startswith(f"save0/outcome '{path}': process 0 made no progress for "), err
+    assert res[1]["seconds"] < 12, res[1]["seconds"]
+    assert res[0]["error"] == (f"save of '{path}': a process gave up waiting for this save's outcome before its "
+                               "commit (see its error); not committed"), res
+    assert not res[0]["committed"] and not res[1]["committed"]
+
+
+def test_a_peer_giving_up_after_process_0_decided_to_commit_says_the_step_may_be_committed(tmp_path):
+    # process 0 hangs right after it claimed the verdict "commit" (in its commit, before
+    # the manifest): process 1 gives up, cannot claim "abort", waits once more and then
+    # says that the step may be committed, which it is once process 0 moves again
+    path = str(tmp_path / "ckpt")
+    args = {"path": path, "bad": 0, "hang": 12, "stall": 3, "timeout": 20, "point": "commit:before-manifest"}
+    res = run_job(2, "hang", args, timeout=120)
+    assert res[1]["error"].endswith(f"(process 0 had decided to commit '{path}': it may be committed; list the "
+                                    "directory to know)"), res[1]
+    assert res[0]["error"] is None and res[0]["committed"], res[0]
