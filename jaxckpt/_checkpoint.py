@@ -140,9 +140,7 @@ def _save_as_coordinator(op: _distributed.Operation, final: Location, snap: Snap
         extra = {"write_seconds": round(write_seconds, 6), **(info() if info is not None else {})}
         manifest = build_manifest(snap, metadata, extra, _commit.data_key(final, token))
         data = manifest.to_bytes()
-        if op.decide("verdict", "commit") != "commit":  # a peer gave up on this save first
-            raise CheckpointError(f"save of '{final}': a process gave up waiting for this save's outcome "
-                                  "before its commit (see its error); not committed")
+        op.claim_commit(f"save of '{final}'")
         _commit.commit(final, staging, data, token)
         committed = True
     except BaseException as e:
@@ -173,7 +171,7 @@ def _save_as_follower(op: _distributed.Operation, final: Location, snap: Snapsho
         raise
     op.post("written")
     try:
-        data = _wait_for_outcome(op, final)
+        data = op.wait_for_outcome(str(final))
     except BaseException:
         if leader:
             _commit.abort(final, staging, token)
@@ -181,24 +179,6 @@ def _save_as_follower(op: _distributed.Operation, final: Location, snap: Snapsho
     if leader:
         _commit_host_copy(final, staging, data, token)
     return _manifest.parse(data, str(final))
-
-
-def _wait_for_outcome(op: _distributed.Operation, final: Location) -> bytes:
-    """Process 0's outcome. A follower that gives up on process 0 (dead, or alive without
-    progress) claims the save's verdict first, so that process 0 can no longer commit
-    what this process reports as failed; if process 0 claimed it first (it is
-    committing), its outcome is waited for once more, then the error says the step may
-    be committed."""
-    try:
-        return op.wait_for("outcome", [0])[0]
-    except CheckpointError as gave_up:
-        if getattr(gave_up, "posted", False) or op.decide("verdict", "abort") == "abort":
-            raise
-        try:
-            return op.wait_for("outcome", [0])[0]
-        except CheckpointError as again:
-            raise CheckpointError(f"{again} (process 0 had decided to commit '{final}': it may be committed; "
-                                  "list the directory to know)") from gave_up
 
 
 def _per_host(snap: Snapshot) -> bool:

@@ -411,6 +411,30 @@ class Operation:
 
     # --- the shapes of agreement --------------------------------------------------
 
+    def claim_commit(self, what: str) -> None:
+        """Process 0, right before it commits: claim the verdict ``commit``; raises when a
+        peer gave up on the operation first (``wait_for_outcome``)."""
+        if self.decide("verdict", "commit") != "commit":
+            raise CheckpointError(f"{what}: a process gave up waiting for this save's outcome before its "
+                                  "commit (see its error); not committed")
+
+    def wait_for_outcome(self, what: str) -> bytes:
+        """The others: process 0's ``outcome``. A process that gives up on process 0 (dead,
+        or alive without progress) claims the verdict ``abort`` first, so that process 0
+        can no longer commit what this process reports as failed; if process 0 claimed
+        ``commit`` first (it is committing), its outcome is waited for once more, then the
+        error says the result may be committed."""
+        try:
+            return self.wait_for("outcome", [0])[0]
+        except CheckpointError as gave_up:
+            if getattr(gave_up, "posted", False) or self.decide("verdict", "abort") == "abort":
+                raise
+            try:
+                return self.wait_for("outcome", [0])[0]
+            except CheckpointError as again:
+                raise CheckpointError(f"{again} (process 0 had decided to commit '{what}': it may be committed; "
+                                      "list the directory to know)") from gave_up
+
     def decide(self, phase: str, verdict: str) -> str:
         """Claim the one verdict of ``phase`` (the first claim wins, in every process):
         ``verdict`` when this process claimed first, else the verdict that won. A save's

@@ -100,7 +100,7 @@ class _Copy:
                 return self._coordinate(op)
             token = op.broadcast("staged", None).decode()
             self._copy_mine(op, token)
-            return _manifest.parse(op.wait_for("outcome", [0])[0], str(self.dest))
+            return _manifest.parse(op.wait_for_outcome(str(self.dest)), str(self.dest))
 
     def _copy_mine(self, op: _distributed.Operation, token: str) -> dict[int, dict[str, int]]:
         try:
@@ -140,6 +140,7 @@ class _Copy:
             new = self._persistent_manifest(token)
             data = new.to_bytes()
             self.check_lease()
+            op.claim_commit(f"copy of step {self.step} to '{self.dest}'")
             _commit.commit(self.dest, staging, data, token)
             committed = True
         except BaseException as e:
