@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from html import escape
 from typing import Any
 
@@ -109,6 +109,30 @@ def build_tree(records: Iterable[LeafRecord], prefix: str = "") -> _Node:
     return root
 
 
+def single_leaf_chain(part: str, child: Any, only_child: Callable[[Any], tuple[str, Any] | None]
+                      ) -> tuple[list[str], Any]:
+    """The keys from ``part`` down through the subtrees that hold a single leaf, and the
+    node reached (the leaf, or the first subtree of several leaves).
+
+    Such a subtree (nnx's ``kernel`` over its one ``value``) is drawn as its leaf's row,
+    named by the keys down to it (``kernel/value``): the row already says what the
+    subtree's summary would. ``only_child`` gives a node's ``(key, child)`` when it is a
+    subtree holding exactly one leaf, ``None`` otherwise. The HTML view and ``jaxckpt
+    show`` both merge with it.
+    """
+    parts = [part]
+    while (only := only_child(child)) is not None:
+        part, child = only
+        parts.append(part)
+    return parts, child
+
+
+def _only_child(node: _Node | LeafRecord) -> tuple[str, _Node | LeafRecord] | None:
+    if isinstance(node, _Node) and node.count == 1:
+        return next(iter(node.children.items()))
+    return None
+
+
 def _name(part: str) -> str:
     return escape(_tree.decode_key(part)) if part else "&#x27;&#x27;"
 
@@ -169,11 +193,9 @@ def _render_children(out: list[str], node: _Node, trail: str, expand: frozenset[
     (``q/kernel``): the row already says what its summary would.
     """
     in_table = False
-    for part, child in node.children.items():
-        name = _name(part)
-        while isinstance(child, _Node) and child.count == 1:
-            part, child = next(iter(child.children.items()))
-            name += "/" + _name(part)
+    for key, kid in node.children.items():
+        parts, child = single_leaf_chain(key, kid, _only_child)
+        part, name = parts[-1], "/".join(_name(p) for p in parts)
         if isinstance(child, _Node):
             if in_table:
                 out.append("</table>")

@@ -224,8 +224,12 @@ def _describe(node: Any, path: str, depth: int | None, level: int) -> dict[str, 
 
 
 def _print_node(node: dict[str, Any], indent: int) -> None:
-    for kid in node.get("children", []):
-        name = kid["path"].rsplit("/", 1)[-1]
+    from ._html import single_leaf_chain
+
+    for entry in node.get("children", []):
+        # nnx's ``kernel`` over its one ``value``: one line ``kernel/value``, as the HTML view
+        parts, kid = single_leaf_chain(_key_of(entry), entry, _only_child)
+        name = "/".join(parts)
         pad = "  " * indent
         if kid["kind"] == "array":
             where = kid["spec"] or "host"
@@ -238,6 +242,18 @@ def _print_node(node: dict[str, Any], indent: int) -> None:
             folded = "" if "children" in kid else "  …"
             click.echo(f"{pad}{name}/  {kid['leaves']} leaves, {_human(kid['bytes'])}{folded}")
             _print_node(kid, indent + 1)
+
+
+def _key_of(node: dict[str, Any]) -> str:
+    return node["path"].rsplit("/", 1)[-1]
+
+
+def _only_child(node: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """``(key, child)`` of a described subtree holding one leaf and nothing else."""
+    kids = node.get("children")
+    if node["kind"] == "tree" and node["leaves"] == 1 and kids and len(kids) == 1:
+        return _key_of(kids[0]), kids[0]
+    return None
 
 
 @main.command("verify")
