@@ -28,7 +28,7 @@ import numpy as np
 
 from . import _distributed, _dtypes, _layout, _tree
 from ._errors import CheckpointError
-from ._manifest import MAX_INT_DIGITS, LeafRecord, PackedArray, int_fits
+from ._manifest import MAX_INLINE_BYTES, MAX_INT_DIGITS, LeafRecord, PackedArray, int_fits
 
 # Leaves smaller than this are packed into one byte array per process; bigger ones get
 # a zarr3 array of their own with one file per shard.
@@ -72,10 +72,11 @@ def is_inline(x: Any) -> bool:
 
     numpy scalars are 0-d arrays (``np.float64`` subclasses ``float`` but must come
     back as itself), except ``np.str_``/``np.bytes_``: inline, with their type recorded.
+    Python ``bytes`` (grain's data-loader state) come back as themselves.
     """
     if isinstance(x, np.generic):
         return isinstance(x, (np.str_, np.bytes_))
-    return x is None or isinstance(x, (bool, int, float, str))
+    return x is None or isinstance(x, (bool, int, float, str, bytes))
 
 
 def is_prng(x: Any) -> bool:
@@ -150,9 +151,14 @@ def _plan(tree: Any, copy_host_arrays: bool | None, group: tuple[int, ...]) -> t
             if isinstance(leaf, int) and not int_fits(leaf):  # the reader would refuse it
                 raise CheckpointError(f"Leaf '{path}': an int of more than {MAX_INT_DIGITS} digits "
                                       "cannot be saved")
+            if isinstance(leaf, bytes) and len(leaf) > MAX_INLINE_BYTES:  # so would it these
+                raise CheckpointError(
+                    f"Leaf '{path}': {len(leaf)} bytes is more than the {MAX_INLINE_BYTES} a bytes leaf "
+                    "holds (it is stored in the manifest); save it as an array: np.frombuffer(b, np.uint8)")
             records.append(LeafRecord(path=path, kind="value", value=leaf))
             continue
         fields: dict[str, Any] = {"path": path, "kind": "array", "key": str(i)}
+        _check_not_donated(path, leaf)
         if is_prng(leaf):
             fields.update(kind="prng_key", impl=str(jax.random.key_impl(leaf)), key_ndim=leaf.ndim)
             leaf = jax.random.key_data(leaf)
@@ -165,6 +171,19 @@ def _plan(tree: Any, copy_host_arrays: bool | None, group: tuple[int, ...]) -> t
     _assign(arrays, group)
     packed, packed_buf = _lay_out_packed(arrays, me)
     return structure, records, arrays, packed, packed_buf
+
+
+def _check_not_donated(path: str, leaf: Any) -> None:
+    """Refuse an array whose buffer is gone, naming its leaf.
+
+    A jitted step with ``donate_argnums`` deletes the arrays it was given; saving the
+    state it was given afterwards would fail deep in jax with "Array has been deleted",
+    naming no leaf. Checked before anything touches the array (a key's data included).
+    """
+    if isinstance(leaf, jax.Array) and leaf.is_deleted():
+        raise CheckpointError(
+            f"Leaf '{path}' was donated (its buffer is deleted): call save(...) before the step "
+            "that donates the state (donate_argnums), or save the step's output")
 
 
 class _Chunk(NamedTuple):
@@ -224,7 +243,7 @@ def _plan_array(slot: int, path: str, leaf: Any, fields: dict[str, Any], copy_ho
     else:
         raise CheckpointError(
             f"Leaf '{path}' has type {type(leaf).__name__}, which cannot be saved: use "
-            "jax/numpy arrays or int/float/bool/str/None"
+            "jax/numpy arrays or int/float/bool/str/bytes/None"
         )
     nbytes = math.prod(shape) * itemsize
     fields.update(dtype=dtype, shape=shape, sharding=sharding_json, chunk_shape=chunk_shape,
