@@ -217,7 +217,7 @@ def _describe(node: Any, path: str, depth: int | None, level: int) -> dict[str, 
         kids = [_describe(v, f"{path}/{k}" if path else str(k), depth, level + 1) for k, v in items]
         out = {"path": path, "kind": "tree", "bytes": sum(k["bytes"] for k in kids),
                "leaves": sum(k["leaves"] for k in kids)}
-        if depth is None or level < depth:
+        if depth is None or level < depth or out["leaves"] == 1:  # one leaf: its line, merged
             out["children"] = kids
         return out
     return {"path": path, "kind": "value", "value": node, "bytes": 0, "leaves": 1}
@@ -415,17 +415,28 @@ def import_orbax_command(src: str, dest: str, overwrite: bool, as_json: bool) ->
 @click.option("--dtype", default=None, help="Cast floating-point arrays to this dtype (e.g. bfloat16).")
 @click.option("--max-shard-bytes", "max_shard", default=None, metavar="N",
               help="Directory OUT: tensor bytes per file (default 5GB; suffixes KB MB GB KiB MiB GiB).")
+@click.option("--rename", "renames", multiple=True, metavar="OLD=NEW",
+              help="Rename tensors whose name starts with OLD to start with NEW (repeatable; the longest OLD "
+                   "wins; =NEW prefixes every name, OLD= strips OLD).")
+@click.option("--keep-value", is_flag=True,
+              help="Keep nnx's value level in the names (kernel.value; by default kernel).")
+@click.option("--overwrite", is_flag=True, help="Replace an export already at OUT.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def export_command(path: str, out: str, select: tuple[str, ...], dtype: str | None, max_shard: str | None,
-                   as_json: bool) -> None:
+                   renames: tuple[str, ...], keep_value: bool, overwrite: bool, as_json: bool) -> None:
     """Export the arrays of PATH as safetensors: OUT ending in .safetensors is one file,
-    otherwise a directory of model-0000k-of-0000N.safetensors shards and their index."""
+    otherwise a directory of model-0000k-of-0000N.safetensors shards and their index.
+
+    Names are the key paths below --select with '.' separators, without nnx's value
+    level (kernel/value is kernel), then renamed by --rename."""
     from . import convert
 
+    key_map = _parse_renames(renames)
     _limit_malloc_retention()
     with _progress("export") as progress:
         result = convert.to_safetensors(path, out, select=list(select) or None, dtype=dtype,
-                                        max_shard_bytes=_parse_bytes(max_shard), progress=progress)
+                                        max_shard_bytes=_parse_bytes(max_shard), key_map=key_map,
+                                        keep_value=keep_value, overwrite=overwrite, progress=progress)
     if as_json:
         _emit_json(result._asdict())
         return
@@ -433,6 +444,19 @@ def export_command(path: str, out: str, select: tuple[str, ...], dtype: str | No
         click.echo(f"{f}  {_human(os.path.getsize(f))}")
     click.echo(f"{result.tensors} tensors, {_human(result.total_size)}"
                + (f"; not tensors, skipped: {', '.join(result.skipped)}" if result.skipped else ""))
+
+
+def _parse_renames(renames: tuple[str, ...]) -> dict[str, str] | None:
+    """``--rename OLD=NEW`` options as ``to_safetensors``'s ``key_map``."""
+    key_map: dict[str, str] = {}
+    for text in renames:
+        old, eq, new = text.partition("=")
+        if not eq:
+            raise _Exit(EXIT_USAGE, f"--rename {text!r}: expected OLD=NEW, e.g. layers=model.layers")
+        if old in key_map:
+            raise _Exit(EXIT_USAGE, f"--rename: '{old}' is renamed twice ('{key_map[old]}' and '{new}')")
+        key_map[old] = new
+    return key_map or None
 
 
 def _limit_malloc_retention() -> None:

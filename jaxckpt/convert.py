@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _dtypes, _layout, _location, _safetensors, _sources, _stream, _tasks, _tree
+from . import _checkpoint, _dtypes, _layout, _location, _safetensors, _sources, _stream, _tasks, _tree
 from ._errors import CheckpointError, TreeMismatchError
 from ._manifest import LeafRecord
 
@@ -410,7 +410,8 @@ class _Tensor(NamedTuple):
 
 
 def to_safetensors(path: Any, out: str | os.PathLike, *, select: Any = None, dtype: Any = None,
-                   max_shard_bytes: int | None = None, progress: Progress | None = None) -> ExportResult:
+                   max_shard_bytes: int | None = None, key_map: Any = None, keep_value: bool = False,
+                   overwrite: bool = False, progress: Progress | None = None) -> ExportResult:
     """Export a checkpoint's arrays as safetensors (for inference, Hugging Face, PyTorch).
 
     The tensors are consolidated from the saved shards and streamed one at a time: the
@@ -418,29 +419,48 @@ def to_safetensors(path: Any, out: str | os.PathLike, *, select: Any = None, dty
     host memory stays near the largest tensor.
 
     Names are the key paths below the selected prefix with ``.`` separators
-    (``params/dense/kernel`` with ``select="params"`` → ``dense.kernel``). PRNG keys and
-    inline values are not tensors and are skipped (their key paths are in
-    ``ExportResult.skipped``); export key data with ``jax.random.key_data`` before
-    saving if a consumer needs it.
+    (``params/dense/kernel`` with ``select="params"`` → ``dense.kernel``). nnx's
+    ``value`` level goes: a leaf named ``value`` that is the only leaf of its parent
+    (``kernel/value`` of an ``nnx.Param``) is named by its parent (``kernel``), as
+    Hugging Face consumers expect. ``key_map`` then renames. PRNG keys and inline values
+    are not tensors and are skipped (their key paths are in ``ExportResult.skipped``);
+    export key data with ``jax.random.key_data`` before saving if a consumer needs it.
 
     Args:
       path: the checkpoint (any format ``restore`` reads).
       out: a file ending in ``.safetensors`` (one file), or a directory: there
         ``model-0000k-of-0000N.safetensors`` shards, filled greedily in key path order up
         to ``max_shard_bytes`` of tensor data each (a bigger tensor gets a shard of its
-        own), plus ``model.safetensors.index.json``. Existing files of those names are
-        never overwritten (it raises instead).
+        own), plus ``model.safetensors.index.json``; other files there (``config.json``)
+        are left alone. Missing parent directories are created.
       select: a key path prefix or a list of them (``"params"``); default: every leaf.
       dtype: cast floating-point arrays to this dtype (``"bfloat16"``); integer and bool
         arrays are written as they are.
       max_shard_bytes: directory output only; default 5 GB (10^9 bytes), like Hugging Face.
+      key_map: renames, as ``restore``'s ``key_map`` (the same forms): a dict of name
+        prefixes (``{"layers": "model.layers"}``; the longest matching prefix wins; a
+        value of ``None`` leaves those tensors out, listed in ``skipped``) or a callable
+        from a tensor name to its new name (or ``None``). Names match as the tensors
+        would be named without it; ``.`` and ``/`` separate alike. A dict entry that
+        renames nothing raises (a typo would otherwise pass unseen).
+      keep_value: keep nnx's ``value`` level in the names (``kernel.value``).
+      overwrite: replace an existing export at ``out``: the file, or a directory's
+        ``*.safetensors`` files and index (each file replaced by a rename, the index
+        last; stale shards of the old export removed after). Without it an existing
+        ``out`` file, or a directory already holding ``*.safetensors`` files or an
+        index, raises.
       progress: called with ``(bytes done, bytes total)`` after each tensor.
 
     Returns:
       An ``ExportResult``: the files written, tensor count, total size, skipped paths.
 
+    Raises:
+      CheckpointError: two leaves would get one name (both named), ``out`` exists
+        without ``overwrite``, a dtype has no safetensors equivalent.
+
     Example:
-      >>> convert.to_safetensors("/ckpt/1000", "/export/model", select="params", dtype="bfloat16")
+      >>> convert.to_safetensors("/ckpt/1000", "/export/model", select="params", dtype="bfloat16",
+      ...                        key_map={"": "model"})  # model.layers.0.kernel
     """
     source = _sources.open_source(path)
     out = os.fspath(out)
@@ -449,43 +469,136 @@ def to_safetensors(path: Any, out: str | os.PathLike, *, select: Any = None, dty
         raise CheckpointError(f"max_shard_bytes shards a directory export; '{out}' is one .safetensors file")
     if max_shard_bytes is not None and max_shard_bytes < 1:
         raise CheckpointError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    tensors, skipped = _plan_tensors(source, select, _dtype_arg(dtype))
+    tensors, skipped = _plan_tensors(source, select, _dtype_arg(dtype), _Names(key_map, keep_value))
     shards = [tensors] if single else _shard(tensors, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+    old = _existing_export(out, single)
+    if old and not overwrite:
+        raise CheckpointError(f"'{out}' already exists" + ("" if single else f" and holds an export ({old[0]})")
+                              + "; pass overwrite=True (jaxckpt export --overwrite) to replace it")
+    # the parent of a file, or the directory itself: the temporary files are written there
+    os.makedirs(os.path.dirname(os.path.abspath(out)) if single else out, exist_ok=True)
     if single:
         files = [out]
     else:
-        os.makedirs(out, exist_ok=True)
         files = [os.path.join(out, f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors") for k in range(len(shards))]
     index = None if single else os.path.join(out, _safetensors.INDEX_FILE)
     _write_files(source, list(zip(files, shards)), index, progress)
+    _remove_stale(old, files + ([index] if index else []))
     total = sum(t.nbytes for t in tensors)
     return ExportResult(tuple(files) + ((index,) if index else ()), len(tensors), total, tuple(skipped))
 
 
-def _plan_tensors(source: _sources.Source, select: Any, dtype: str | None) -> tuple[list[_Tensor], list[str]]:
+class _Names:
+    """Tensor names: the key path below the selected prefix, nnx's ``value`` level
+    dropped (unless ``keep_value``), renamed by ``key_map``, ``.``-separated."""
+
+    def __init__(self, key_map: Any, keep_value: bool):
+        if not (key_map is None or callable(key_map) or isinstance(key_map, dict)):
+            raise CheckpointError(f"key_map must be a dict of name prefixes or a callable, got {key_map!r}")
+        if isinstance(key_map, dict):
+            bad = [k for k, v in key_map.items() if not isinstance(k, str) or not (v is None or isinstance(v, str))]
+            if bad:
+                raise CheckpointError(f"key_map entries must map a name prefix to a name or None: {bad[0]!r}")
+            # matched as ``/`` paths: a prefix matches whole components whichever separator it was written with
+            key_map = {_slashed(k): None if v is None else _slashed(v) for k, v in key_map.items()}
+        self.key_map, self.keep_value = key_map, keep_value
+        self.used: set[str] = set()
+
+    def name(self, rec: LeafRecord, prefix: str, single: set[str]) -> str | None:
+        """The tensor name of ``rec`` under ``prefix`` (``None``: ``key_map`` leaves it out);
+        ``single`` holds the paths of the subtrees that hold one leaf."""
+        path = rec.path
+        parent = path.rpartition("/")[0]
+        if not self.keep_value and path.endswith("/value") and parent in single:
+            path = parent  # nnx's Variable over its one value
+        below = path[len(prefix):].lstrip("/") if prefix and _under(path, prefix) else "" if prefix else path
+        name = _safetensors.name_of(below or path.rsplit("/", 1)[-1])
+        if self.key_map is None:
+            return name
+        if callable(self.key_map):
+            new = self.key_map(name)
+            if not (new is None or isinstance(new, str)):
+                raise CheckpointError(f"key_map({name!r}) returned {new!r}, not a name or None")
+        else:
+            slashed = _slashed(name)
+            self.used.update(k for k in self.key_map if k == "" or slashed == k or slashed.startswith(k + "/"))
+            new = _checkpoint._map_key(self.key_map, slashed)  # restore's reading of key_map, exactly
+        if new is not None and not _safetensors.name_of(new).strip("."):
+            raise CheckpointError(f"key_map renames '{name}' (leaf '{rec.path}') to an empty name")
+        return None if new is None else _safetensors.name_of(new)
+
+    def check_used(self, loc: Any) -> None:
+        if isinstance(self.key_map, dict):
+            unused = [k for k in self.key_map if k not in self.used]
+            if unused:
+                raise CheckpointError(f"Checkpoint '{loc}': key_map: no tensor name starts with "
+                                      + ", ".join(f"'{_safetensors.name_of(k)}'" for k in unused)
+                                      + " (names are matched before renaming, without nnx's value level"
+                                      " unless keep_value)")
+
+
+def _slashed(name: str) -> str:
+    return name.replace(".", "/").strip("/")
+
+
+def _single_leaf_subtrees(paths: list[str]) -> set[str]:
+    """The key paths of the subtrees that hold exactly one leaf."""
+    counts: dict[str, int] = {}
+    for p in paths:
+        parts = p.split("/")
+        for k in range(1, len(parts)):
+            sub = "/".join(parts[:k])
+            counts[sub] = counts.get(sub, 0) + 1
+    return {p for p, n in counts.items() if n == 1}
+
+
+def _plan_tensors(source: _sources.Source, select: Any, dtype: str | None,
+                  names_of: _Names) -> tuple[list[_Tensor], list[str]]:
     """The selected array leaves as named tensors (names checked unique, dtypes
     checked writable) and the key paths skipped."""
     indices, prefix_of = _select(source, select)
+    single = _single_leaf_subtrees([r.path for r in source.manifest.leaves])
     tensors, skipped, names = [], [], {}
     for i in indices:
         rec = source.manifest.leaves[i]
-        if rec.kind != "array":
+        name = names_of.name(rec, prefix_of[i], single) if rec.kind == "array" else None
+        if name is None:
             skipped.append(rec.path)
             continue
-        prefix = prefix_of[i]
-        below = rec.path[len(prefix):].lstrip("/") if prefix else rec.path
-        name = _safetensors.name_of(below or rec.path.rsplit("/", 1)[-1])
         out_dtype = _cast_to(rec.dtype, dtype)
         if out_dtype not in _safetensors.DTYPE_TO_ST:
             raise CheckpointError(f"Checkpoint '{source.loc}': leaf '{rec.path}': dtype {out_dtype} has no "
                                   "safetensors equivalent" + (" (pass dtype= to cast floats)" if _is_float(out_dtype) else ""))
         if name in names:
             raise CheckpointError(f"Checkpoint '{source.loc}': leaves '{names[name]}' and '{rec.path}' would both be "
-                                  f"tensor '{name}'; select them separately")
+                                  f"tensor '{name}'; select them separately or rename one (key_map=, --rename)")
         names[name] = rec.path
         nbytes = math.prod(rec.shape) * _dtypes.DTYPES[out_dtype].itemsize
         tensors.append(_Tensor(rec, name, out_dtype, nbytes))
+    names_of.check_used(source.loc)
     return tensors, skipped
+
+
+def _existing_export(out: str, single: bool) -> list[str]:
+    """What an export to ``out`` would replace: the file, or a directory's
+    ``*.safetensors`` files and index (sorted; other files are not the export's)."""
+    if single:
+        return [out] if os.path.lexists(out) else []
+    if not os.path.isdir(out):
+        if os.path.lexists(out):
+            raise CheckpointError(f"'{out}' exists and is not a directory; a directory export (OUT not ending "
+                                  "in .safetensors) writes its shards and index into a directory")
+        return []
+    return sorted(os.path.join(out, n) for n in os.listdir(out)
+                  if n.endswith(".safetensors") or n == _safetensors.INDEX_FILE)
+
+
+def _remove_stale(old: list[str], written: list[str]) -> None:
+    """Remove the files of the replaced export that the new one did not replace (a
+    stale shard would be read by a consumer that lists ``*.safetensors``)."""
+    for f in old:
+        if f not in written and os.path.lexists(f):
+            os.unlink(f)
 
 
 def _shard(tensors: list[_Tensor], limit: int) -> list[list[_Tensor]]:
@@ -509,12 +622,9 @@ def _header(tensors: list[_Tensor]) -> bytes:
 
 def _write_files(source: _sources.Source, files: list[tuple[str, list[_Tensor]]], index: str | None,
                  progress: Progress | None) -> None:
-    """Write every file under a temporary name, then rename them all, the index last;
-    nothing that exists is overwritten, and a failure leaves no partial file."""
+    """Write every file under a temporary name, then rename them all, the index last
+    (each rename replaces a file atomically); a failure leaves no partial file."""
     final = [f for f, _ in files] + ([index] if index else [])
-    existing = [f for f in final if os.path.lexists(f)]
-    if existing:
-        raise CheckpointError(f"{', '.join(existing)} already exist(s); refusing to overwrite")
     token = os.urandom(6).hex()
     temps = {f: os.path.join(os.path.dirname(f) or ".", f".{os.path.basename(f)}.jaxckpt-tmp-{token}") for f in final}
     total = sum(t.nbytes for _, ts in files for t in ts)
