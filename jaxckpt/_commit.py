@@ -416,8 +416,58 @@ def read_manifest(loc: Location) -> _manifest.Manifest:
     if data is None:
         raise CheckpointNotFoundError(
             f"No checkpoint at '{loc}': {_manifest.MANIFEST} is missing (not committed, or not a checkpoint)"
-            + _interrupted_hint(loc))
+            + (_interrupted_hint(loc) or _manager_hint(loc)))
     return _manifest.parse(data, str(loc))
+
+
+def _manager_hint(loc: Location) -> str:
+    """When ``loc`` is a ``CheckpointManager``'s directory (committed step directories, or
+    a writer's lease): its committed steps and how to open one. A run's directory is what
+    a user passes first where a step is expected (``restore``, ``open``, ``jaxckpt show``)."""
+    try:
+        names = _storage.list_children(loc)
+        steps = sorted(s for s in map(_step_of, names) if s is not None)
+        committed = _committed_steps(loc, steps)
+    except (OSError, CheckpointError):  # only a hint: the not-found error is the answer
+        return ""
+    if committed:
+        latest = loc.child(step_name(committed[-1]))
+        unchecked = loc.local is None and len(steps) > HINT_CHECKS
+        return (f"; '{loc}' is a CheckpointManager directory, not a checkpoint: its committed steps are "
+                f"{_list_steps(committed, len(steps) if unchecked else None)}. Open one by its step "
+                f"directory, e.g. jaxckpt.restore('{latest}') (or `jaxckpt show {latest}`), or the "
+                f"latest with jaxckpt.CheckpointManager('{loc}').restore()")
+    if _lease.LEASE_FILE in names:
+        return (f"; '{loc}' is a CheckpointManager directory with no committed step yet (a writer "
+                "holds or held its lease)")
+    return ""
+
+
+# Object stores: a manifest looked for is a request, so a hint checks at most this many
+# step directories (the oldest and the newest halves); local disks check every one.
+HINT_CHECKS = 64
+HINT_SHOWN = 3  # steps named at each end of a long list
+
+
+def _committed_steps(loc: Location, steps: list[int]) -> list[int]:
+    """Those of ``steps`` (sorted) whose directory holds a manifest. An uncommitted save's
+    directory exists before its manifest does, so a step name alone is not a step."""
+    if loc.local is not None:
+        return [s for s in steps if os.path.isfile(os.path.join(loc.local, step_name(s), _manifest.MANIFEST))]
+    if len(steps) > HINT_CHECKS:
+        steps = steps[: HINT_CHECKS // 2] + steps[-HINT_CHECKS // 2:]
+    return [s for s in steps if has_manifest(loc.child(step_name(s)))]
+
+
+def _list_steps(steps: list[int], of_directories: int | None = None) -> str:
+    """``10, 20, 30`` or, when long, the first and last few: ``10, 20, 30, …, 980, 990,
+    1000 (100 steps)``; ``of_directories``: the count of step directories, when not all
+    were checked (an object store with many)."""
+    if len(steps) <= 2 * HINT_SHOWN + 1:
+        return ", ".join(map(str, steps))
+    ends = [*map(str, steps[:HINT_SHOWN]), "…", *map(str, steps[-HINT_SHOWN:])]
+    count = f"{len(steps)} steps" if of_directories is None else f"{of_directories} step directories"
+    return f"{', '.join(ends)} ({count})"
 
 
 def _interrupted_hint(loc: Location) -> str:

@@ -717,7 +717,13 @@ class CheckpointManager:
 
         Raises:
           CheckpointNotFoundError: no committed step (or not this one).
+          CheckpointError: ``step`` is not an int (a target passed first: pass ``target=``).
+
+        Example:
+          >>> state = mgr.restore(target=abstract_state)       # the latest step
+          >>> state = mgr.restore(100, target=abstract_state)  # step 100
         """
+        step = self._step_to_restore(step)
         read = functools.partial(_checkpoint.restore, target=target, shardings=shardings, partial=partial,
                                  allow_narrowing=allow_narrowing, key_map=key_map, missing=missing)
         held = step is not None and step in self._steps
@@ -732,6 +738,21 @@ class CheckpointManager:
             if held:  # a delete retention deferred meanwhile runs after the next save, as always
                 with self._lock:
                     self._reading[step] -= 1
+
+    def _step_to_restore(self, step: Any) -> int | None:
+        """``restore`` takes the step first, where ``jaxckpt.restore`` takes the target
+        second: a tree passed first (``mgr.restore(abstract_state)``) would otherwise fail
+        deep inside as ``unhashable type``. Say which argument it belongs to."""
+        if step is None:
+            return None
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+            raise CheckpointError(
+                f"Restoring from '{self._dir}': mgr.restore() takes the step first: got a "
+                f"{type(step).__name__}; pass target=... (mgr.restore(target=abstract_state), or "
+                "mgr.restore(step, target=abstract_state))")
+        if step < 0:
+            raise CheckpointError(f"step must be a non-negative int, got {step!r} (restoring from '{self._dir}')")
+        return int(step)
 
     def _restore_pinned(self, step: int | None, read: Callable[[Any], Any]) -> Any:
         where, step = self._restore_location(step)
