@@ -30,6 +30,7 @@ import numpy as np
 
 from . import _chunkfiles, _commit, _dtypes, _layout, _location, _reader, _sources, _storage, _tasks, _zarr
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ._html import human_bytes
 from ._location import Location
 from ._manifest import LeafRecord, Manifest, PackedArray
 
@@ -42,6 +43,8 @@ READ_THREADS = 4
 WHOLE_LEAF_BYTES = 4 << 20
 # Elements folded at a time: bounds the float64 temporaries of stats and diff.
 FOLD_BLOCK = 1 << 20
+# Key paths a summary names per damaged file or per kind of difference before "and N more".
+SUMMARY_NAMES = 5
 
 Progress = Callable[[int, int], None]
 
@@ -74,10 +77,20 @@ class VerifyReport:
       chunks: stored chunks (chunk files or objects) the manifest implies.
       bytes_read: bytes of chunk data read and checksummed without error.
       seconds: wall time of the whole check.
-      problems: one dict per problem, ``{"leaf", "chunk", "message"}``: the leaf's key
-        path (``None`` for the manifest or an unowned file), the chunk (``"cell [i, j]"``
-        of a big leaf, ``"packed p<k> offset <n> (cell [i])"`` of a small one, or a
-        file name) and what is wrong. Sorted by leaf, then chunk.
+      problems: one dict per problem and leaf, ``{"leaf", "chunk", "message"}``: the
+        leaf's key path (``None`` for the manifest or an unowned file), the chunk
+        (``"cell [i, j]"`` of a big leaf, ``"packed p<k> offset <n> (cell [i])"`` of a
+        small one, or a file name) and what is wrong. Sorted by leaf, then chunk. One
+        damaged packed chunk is a problem of every leaf with bytes in it.
+      damaged: the same problems grouped, one dict per damaged file (or manifest
+        entry) and cause, ``{"file", "message", "leaves", "chunks", "unrestorable"}``:
+        the file relative to the checkpoint (``"manifest.json"``,
+        ``"packed/p0/c/1"``, ``"arrays/3/zarr.json"``), what is wrong with it, the
+        leaves it concerns (sorted) with the chunk of each held there, and whether
+        those leaves (or, for the manifest, the whole checkpoint) cannot be restored.
+        ``unrestorable`` is ``False`` for a file restores never read: a bad
+        ``zarr.json`` (its leaves are then unreadable to other zarr readers only) or an
+        unexpected file (no leaves). ``summary()`` prints it.
     """
 
     path: str
@@ -87,10 +100,74 @@ class VerifyReport:
     bytes_read: int
     seconds: float
     problems: list[dict[str, Any]]
+    damaged: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    @property
+    def unrestorable(self) -> list[str]:
+        """The leaves a damaged chunk or file keeps from being restored (sorted)."""
+        return sorted({leaf for d in self.damaged if d["unrestorable"] for leaf in d["leaves"]})
+
+    def summary(self, names: int = SUMMARY_NAMES) -> str:
+        """The report as the ``jaxckpt verify`` command prints it: a line for the
+        checkpoint, then per damaged file its problem and the first ``names`` leaves
+        it concerns with their count.
+
+        Example:
+          >>> print(jaxckpt.verify("/ckpts/100").summary())
+          /ckpts/100: CORRUPT (55 leaves, 2 chunks, 4.0 MiB in 0.02s): 1 damaged file, 53 of 55 leaves cannot be restored
+            packed/p0/c/0: Reading '/ckpts/100/packed/p0' failed: DATA_LOSS: ...
+              53 leaves cannot be restored: 'layers/l00/b', 'layers/l00/s', ... and 48 more
+        """
+        return "\n".join([self._headline(), *(line for d in self.damaged for line in _damage_lines(d, names))])
+
+    def _headline(self) -> str:
+        head = (f"{self.path}: {'ok' if self.ok else 'CORRUPT'} ({_leaves(self.leaves)}, "
+                f"{_count(self.chunks, 'chunk')}, {human_bytes(self.bytes_read)} in {self.seconds:.2f}s)")
+        if self.ok:
+            return head
+        head += f": {_count(len({d['file'] for d in self.damaged}), 'damaged file')}"
+        lost = len(self.unrestorable)
+        if lost:
+            head += f", {lost} of {_leaves(self.leaves)} cannot be restored"
+        elif self.leaves:
+            head += ", every leaf restorable"
+        return head
 
     def to_json(self) -> dict[str, Any]:
         """The report as a JSON-able dict."""
         return _json_value(dataclasses.asdict(self))
+
+
+def _count(n: int, noun: str, plural: str | None = None) -> str:
+    """``1 chunk``, ``2 chunks``: a count with its noun in the right number."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def _leaves(n: int) -> str:
+    return _count(n, "leaf", "leaves")
+
+
+def _quoted(leaves: Sequence[str], names: int) -> str:
+    """The first ``names`` key paths, quoted, and how many more there are."""
+    shown = ", ".join(f"'{leaf}'" for leaf in leaves[:names])
+    return shown + (f" and {len(leaves) - names} more" if len(leaves) > names else "")
+
+
+def _damage_lines(d: dict[str, Any], names: int) -> list[str]:
+    """One damaged file: a single leaf on one line (``leaf 'x' chunk ...: why``, as
+    before grouping), several leaves as the problem then the leaves, never ``None``."""
+    leaves, n = d["leaves"], len(d["leaves"])
+    if d["unrestorable"] and n == 1:
+        return [f"  leaf '{leaves[0]}' chunk {d['chunks'][0]}: {d['message']}"]
+    lines = [f"  {d['message']}"]
+    if d["unrestorable"] and n:
+        lines.append(f"    {n} leaves cannot be restored: {_quoted(leaves, names)}")
+    elif d["unrestorable"] and d["file"] == "manifest.json":
+        lines.append("    no leaf can be restored without a valid manifest")
+    elif n:  # a zarr.json: restores take the array's metadata from the manifest
+        lines.append(f"    restores are unaffected; other zarr readers cannot read {_leaves(n)}: "
+                     f"{_quoted(leaves, names)}")
+    return lines
 
 
 @dataclasses.dataclass
@@ -108,6 +185,10 @@ class DiffReport:
         the largest ``|a - b| / max(|a|, |b|)``. NaN equals NaN; a NaN or infinity
         against anything else it does not equal is an infinite difference.
       seconds: wall time.
+      keys: per common PRNG key leaf of equal shape, ``{"keys", "differ"}``: how many
+        keys it holds and how many of them differ (a key differs when any word of its
+        data does; keys are compared as keys, never as numbers).
+      leaves: key paths in either checkpoint.
     """
 
     a: str
@@ -117,16 +198,77 @@ class DiffReport:
     changed: list[dict[str, Any]]
     arrays: dict[str, dict[str, Any]]
     seconds: float
+    keys: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    leaves: int = 0
 
     @property
     def identical(self) -> bool:
-        """Same keys, kinds, shapes, dtypes, inline values and array values."""
+        """Same keys, kinds, shapes, dtypes, inline values, array values and PRNG keys."""
         return (not (self.added or self.removed or self.changed)
-                and all(d["differ"] == 0 for d in self.arrays.values()))
+                and all(d["differ"] == 0 for d in [*self.arrays.values(), *self.keys.values()]))
+
+    def differences(self) -> dict[str, str]:
+        """Each leaf that differs, by key path, with the first of: ``added``,
+        ``removed``, ``kind``, ``shape``, ``dtype``, ``key impl``, ``value`` (inline
+        value or array elements) or ``key`` (PRNG key data)."""
+        out = dict.fromkeys(self.added, "added") | dict.fromkeys(self.removed, "removed")
+        for field in ("kind", "shape", "dtype", "impl", "value"):
+            for c in self.changed:
+                if c["field"] == field:
+                    out.setdefault(c["leaf"], "key impl" if field == "impl" else field)
+        for path, d in self.arrays.items():
+            if d["differ"]:
+                out.setdefault(path, "value")
+        for path, d in self.keys.items():
+            if d["differ"]:
+                out.setdefault(path, "key")
+        return dict(sorted(out.items()))
+
+    def summary(self) -> str:
+        """The report as the ``jaxckpt diff`` command prints it: one line per
+        difference (``+`` added, ``-`` removed, ``~`` kind/dtype/shape/inline value,
+        ``≠`` array values or keys), then the counts.
+
+        Example:
+          >>> print(jaxckpt.diff("/ckpts/100", "/ckpts/200").summary())
+          ≠ params/w: 1 of 131072 elements differ, max |a-b| 0.5, max rel 0.000647
+          ≠ rng: the key differs
+          2 of 5 leaves differ: 1 value, 1 key; 3 equal
+        """
+        lines = [f"+ {k}" for k in self.added] + [f"- {k}" for k in self.removed]
+        lines += [f"~ {c['leaf']}: {c['field']} {c['a']} -> {c['b']}" for c in self.changed]
+        for path, d in sorted(self.arrays.items()):
+            if d["differ"]:
+                lines.append(f"≠ {path}: {d['differ']} of {d['elements']} elements differ, "
+                             f"max |a-b| {_readable(d['max_abs'])}, max rel {_readable(d['max_rel'])}")
+        for path, d in sorted(self.keys.items()):
+            if d["differ"]:
+                lines.append(f"≠ {path}: the key differs" if d["keys"] == 1 else
+                             f"≠ {path}: {d['differ']} of {d['keys']} keys differ")
+        return "\n".join([*lines, self._counts()])
+
+    def _counts(self) -> str:
+        kinds = collections.Counter(self.differences().values())
+        if not kinds:
+            return f"identical ({_leaves(self.leaves)})"
+        n = sum(kinds.values())
+        order = ("value", "key", "shape", "dtype", "kind", "key impl", "added", "removed")
+        parts = [f"{kinds[k]} {_plural(k, kinds[k])}" for k in order if kinds[k]]
+        return (f"{n} of {_leaves(self.leaves)} differ{'s' if n == 1 else ''}: {', '.join(parts)}; "
+                f"{self.leaves - n} equal")
 
     def to_json(self) -> dict[str, Any]:
         """The report as a JSON-able dict (infinite differences as ``"inf"``)."""
         return _json_value({**dataclasses.asdict(self), "identical": self.identical})
+
+
+def _plural(word: str, n: int) -> str:
+    return word if n == 1 or word in ("added", "removed") else word + "s"
+
+
+def _readable(x: float) -> str:
+    """A difference for people: three significant digits (``3.1e-08``, ``0.5``, ``inf``)."""
+    return f"{x:.3g}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,20 +300,53 @@ class LeafStats:
         return _json_value(dataclasses.asdict(self))
 
 
+class _Problem(NamedTuple):
+    """One problem of one leaf (``leaf`` ``None``: of no leaf), with the damaged
+    ``file`` it is grouped by, the group's text ``what`` and its ``effect``:
+    ``"unrestorable"`` (a restore of the leaf fails or would read wrong bytes),
+    ``"metadata"`` (a ``zarr.json``: other zarr readers fail, restores do not) or
+    ``"stray"`` (an unexpected file, harmful to no leaf)."""
+
+    leaf: str | None
+    chunk: str | None
+    message: str
+    file: str
+    what: str
+    effect: str
+
+
 class _Problems:
     """Problems found so far; safe to add to from reading threads."""
 
     def __init__(self) -> None:
-        self.items: list[dict[str, Any]] = []
+        self.items: list[_Problem] = []
         self._lock = threading.Lock()
 
-    def add(self, leaf: str | None, chunk: str | None, message: str) -> None:
+    def add(self, leaf: str | None, chunk: str | None, message: str, *, file: str, what: str | None = None,
+            effect: str = "unrestorable") -> None:
         with self._lock:
-            self.items.append({"leaf": leaf, "chunk": chunk, "message": message})
+            self.items.append(_Problem(leaf, chunk, message, file, message if what is None else what, effect))
 
     def sorted(self) -> list[dict[str, Any]]:
-        return sorted(self.items, key=lambda p: (p["leaf"] is None, p["leaf"] or "", p["chunk"] or "",
-                                                 p["message"]))
+        flat = [{"leaf": p.leaf, "chunk": p.chunk, "message": p.message} for p in self.items]
+        return sorted(flat, key=lambda p: (p["leaf"] is None, p["leaf"] or "", p["chunk"] or "", p["message"]))
+
+    def grouped(self) -> list[dict[str, Any]]:
+        """One entry per damaged file and cause (see ``VerifyReport.damaged``): one bad
+        packed chunk is one entry naming its leaves, not one line per leaf."""
+        groups: dict[tuple[str, str], dict[str, str]] = {}
+        effects: dict[tuple[str, str], str] = {}
+        for p in self.items:
+            held = groups.setdefault((p.file, p.what), {})
+            effects[(p.file, p.what)] = p.effect
+            if p.leaf is not None and p.effect != "stray":
+                held.setdefault(p.leaf, p.chunk or "")
+        out = []
+        for (file, what), held in sorted(groups.items(), key=lambda g: (g[0][0] != "manifest.json", g[0])):
+            leaves = sorted(held)
+            out.append({"file": file, "message": what, "leaves": leaves, "chunks": [held[leaf] for leaf in leaves],
+                        "unrestorable": effects[(file, what)] == "unrestorable"})
+        return out
 
 
 class _Meter:
@@ -235,8 +410,9 @@ def verify(path: Any, *, progress: Progress | None = None) -> VerifyReport:
     try:
         man = _sources.read_manifest(loc)  # also: a manifest copied from another step
     except CorruptCheckpointError as e:
-        problem = {"leaf": None, "chunk": "manifest.json", "message": str(e)}
-        return VerifyReport(str(loc), False, 0, 0, 0, time.perf_counter() - start, [problem])
+        bad = _Problems()
+        bad.add(None, "manifest.json", str(e), file="manifest.json", what=f"manifest.json: {e}")
+        return VerifyReport(str(loc), False, 0, 0, 0, time.perf_counter() - start, bad.sorted(), bad.grouped())
     except CheckpointNotFoundError:
         _refuse_foreign(loc)
         raise
@@ -249,11 +425,11 @@ def verify(path: Any, *, progress: Progress | None = None) -> VerifyReport:
     if root.local is not None:
         skip = _check_files(root.local, man, expected_files(man, owners), problems)
     reads, n_chunks = _plan_reads(root, man, owners, skip)
-    _check_array_metadata(reads, problems)
+    _check_array_metadata(root, man, owners, skip, problems)
     meter = _Meter(sum(r.nbytes for r in reads), progress)
     _run_reads(reads, problems, meter)
     return VerifyReport(str(loc), not problems.items, len(man.leaves), n_chunks, meter.good,
-                        time.perf_counter() - start, problems.sorted())
+                        time.perf_counter() - start, problems.sorted(), problems.grouped())
 
 
 def _refuse_foreign(loc: Location) -> None:
@@ -307,9 +483,9 @@ def _check_overlaps(spans: list[_Span], problems: _Problems) -> None:
     reach: _Span | None = None  # the span reaching furthest so far in this process
     for span in sorted(s for s in spans if s.end > s.start):
         if reach is not None and reach.process == span.process and span.start < reach.end:
-            problems.add(span.leaf, span.label,
-                         f"bytes [{span.start}, {span.end}) of packed p{span.process} overlap bytes "
-                         f"[{reach.start}, {reach.end}) of leaf '{reach.leaf}' ({reach.label})")
+            message = (f"bytes [{span.start}, {span.end}) of packed p{span.process} overlap bytes "
+                       f"[{reach.start}, {reach.end}) of leaf '{reach.leaf}' ({reach.label})")
+            problems.add(span.leaf, span.label, message, file="manifest.json", what=f"manifest.json: {message}")
         if reach is None or reach.process != span.process or span.end > reach.end:
             reach = span
 
@@ -382,11 +558,13 @@ def _check_files(root: str, man: Manifest, expected: dict[str, tuple[int | None,
         else:
             continue
         bad.add(name)
+        # restores take an array's metadata from the manifest, never from its zarr.json
+        effect = "metadata" if name.endswith("/zarr.json") else "unrestorable"
         for leaf, chunk in owners:
-            problems.add(leaf, chunk, f"{name} {why}")
+            problems.add(leaf, chunk, f"{name} {why}", file=name, effect=effect)
     keys = {rec.key: rec.path for rec in man.leaves if _has_data(rec, "file")}
     for name in sorted(found):
-        problems.add(_leaf_of(name, keys), name, f"unexpected file {name}")
+        problems.add(_leaf_of(name, keys), name, f"unexpected file {name}", file=name, effect="stray")
     return bad
 
 
@@ -425,7 +603,9 @@ def _plan_reads(loc: Location, man: Manifest, owners, skip: set[str]) -> tuple[l
             continue
         storage = _dtypes.DTYPES[rec.storage_dtype]
         spec = _zarr.array_spec(loc, rec.key, rec.shape, rec.chunk_shape, rec.storage_dtype)
-        store = _zarr.open_array(spec, ctx, create=False, check_metadata=True)
+        # opened as a restore opens it (the manifest's metadata), so a bad zarr.json is
+        # its own problem (_check_array_metadata), not a failure of every chunk read
+        store = _zarr.open_array(spec, ctx, create=False)
         direct = _reader.DIRECT_READS and loc.local is not None and (
             storage.itemsize == 1 or sys.byteorder == "little")
         for cell in _layout.chunk_cells(rec.shape, rec.chunk_shape):
@@ -439,8 +619,7 @@ def _plan_reads(loc: Location, man: Manifest, owners, skip: set[str]) -> tuple[l
             reads.append(_Read(name, _layout.index_size(region) * storage.itemsize, path, store, region,
                                storage, ((rec.path, _cell_label(cell)),)))
     for p in man.packed:
-        store = _zarr.open_array(_zarr.packed_spec(loc, p.process, p.nbytes, p.chunk_bytes), ctx, create=False,
-                                 check_metadata=True)
+        store = _zarr.open_array(_zarr.packed_spec(loc, p.process, p.nbytes, p.chunk_bytes), ctx, create=False)
         for n in range(-(-p.nbytes // p.chunk_bytes)):
             n_chunks += 1
             name = f"packed/p{p.process}/c/{n}"
@@ -451,26 +630,36 @@ def _plan_reads(loc: Location, man: Manifest, owners, skip: set[str]) -> tuple[l
     return reads, n_chunks
 
 
-def _check_array_metadata(reads: list[_Read], problems: _Problems) -> None:
+def _check_array_metadata(loc: Location, man: Manifest, owners, skip: set[str], problems: _Problems) -> None:
     """Each array's ``zarr.json`` must agree with the manifest (restores never read it,
-    but other zarr readers do): one problem per array whose opening failed."""
-    seen: dict[int, _Read] = {}
-    for r in reads:
-        seen.setdefault(id(r.store), r)
-    for r in seen.values():
+    but other zarr readers do): one problem per array whose opening failed, naming
+    every leaf stored in it (those in ``skip`` are already reported)."""
+    ctx = _storage.context(loc)
+    checks = []  # (zarr.json name, leaves stored in the array, the opening)
+    for rec in man.leaves:
+        if _has_data(rec, "file") and f"arrays/{rec.key}/zarr.json" not in skip:
+            spec = _zarr.array_spec(loc, rec.key, rec.shape, rec.chunk_shape, rec.storage_dtype)
+            checks.append((f"arrays/{rec.key}/zarr.json", [rec.path],
+                           _zarr.open_array(spec, ctx, create=False, check_metadata=True)))
+    for p in man.packed:
+        if f"packed/p{p.process}/zarr.json" not in skip:
+            held = sorted({leaf for (proc, _), leaves in owners.items() if proc == p.process for leaf in leaves})
+            spec = _zarr.packed_spec(loc, p.process, p.nbytes, p.chunk_bytes)
+            checks.append((f"packed/p{p.process}/zarr.json", held,
+                           _zarr.open_array(spec, ctx, create=False, check_metadata=True)))
+    for name, leaves, opening in checks:
         try:
-            r.store.result()
+            opening.result()
         except Exception as e:  # noqa: BLE001 - reported, not raised
-            array = r.name.split("/c/")[0] if "/c/" in r.name else r.name.rsplit("/", 1)[0]
-            leaves = sorted({leaf for leaf, _ in r.owners if leaf is not None}) or [None]
-            for leaf in leaves:
-                problems.add(leaf, f"{array}/zarr.json", _storage.storage_cause(e))
+            cause = _storage.storage_cause(e)
+            for leaf in leaves or [None]:
+                problems.add(leaf, name, cause, file=name, what=f"{name}: {cause}", effect="metadata")
 
 
 def _fail(problems: _Problems, read: _Read, error: BaseException) -> None:
     cause = _storage.storage_cause(error)
     for leaf, chunk in read.owners:
-        problems.add(leaf, chunk, f"{read.name}: {cause}")
+        problems.add(leaf, chunk, f"{read.name}: {cause}", file=read.name)
 
 
 def _run_reads(reads: list[_Read], problems: _Problems, meter: _Meter) -> None:
@@ -761,10 +950,14 @@ def diff(a: Any, b: Any, *, progress: Progress | None = None) -> DiffReport:
     recs_a = {r.path: r for r in man_a.leaves}
     recs_b = {r.path: r for r in man_b.leaves}
     changed, pairs = _compare_records(recs_a, recs_b)
-    acc = {ra.path: [0, 0.0, 0.0] for ra, _ in pairs}  # elements differing, max abs, max rel
+    acc = {ra.path: [0, 0.0, 0.0] for ra, _ in pairs}  # elements (or keys) differing, max abs, max rel
 
     def fold(unit: _Unit, x: np.ndarray, y: np.ndarray) -> None:
-        x, y, into = x.reshape(-1), y.reshape(-1), acc[unit.recs[0].path]
+        rec, into = unit.recs[0], acc[unit.recs[0].path]
+        if rec.kind == "prng_key":
+            into[0] += _keys_differing(x, y, rec.key_ndim)
+            return
+        x, y = x.reshape(-1), y.reshape(-1)
         for block in _blocks(x):
             n, max_abs, max_rel = _diff_block(x[block], y[block])
             into[0] += n
@@ -772,9 +965,21 @@ def diff(a: Any, b: Any, *, progress: Progress | None = None) -> DiffReport:
 
     _stream((src_a.new_reader, src_b.new_reader), _plan_units(pairs), fold, progress)
     arrays = {ra.path: {"elements": math.prod(ra.shape), "differ": acc[ra.path][0],
-                        "max_abs": acc[ra.path][1], "max_rel": acc[ra.path][2]} for ra, _ in pairs}
+                        "max_abs": acc[ra.path][1], "max_rel": acc[ra.path][2]}
+              for ra, _ in pairs if ra.kind != "prng_key"}
+    keys = {ra.path: {"keys": math.prod(ra.shape[:ra.key_ndim]), "differ": acc[ra.path][0]}
+            for ra, _ in pairs if ra.kind == "prng_key"}
     return DiffReport(str(loc_a), str(loc_b), sorted(recs_b.keys() - recs_a.keys()),
-                      sorted(recs_a.keys() - recs_b.keys()), changed, arrays, time.perf_counter() - start)
+                      sorted(recs_a.keys() - recs_b.keys()), changed, arrays, time.perf_counter() - start,
+                      keys, len(recs_a.keys() | recs_b.keys()))
+
+
+def _keys_differing(x: np.ndarray, y: np.ndarray, key_ndim: int) -> int:
+    """Keys that differ in a region of two PRNG keys' data. A key's words (the trailing
+    dimensions) are never split across regions: a key leaf's chunks split a dimension
+    longer than one only into pieces of at least ``_layout.MIN_PIECE_BYTES``, and a small
+    leaf is one region."""
+    return int(np.count_nonzero((x != y).reshape(*x.shape[:key_ndim], -1).any(axis=-1)))
 
 
 def _same_value(x: Any, y: Any) -> bool:

@@ -274,11 +274,7 @@ def verify_command(paths: tuple[str, ...], as_json: bool) -> None:
         _emit_json({"reports": reports, "not_checkpoints": missing})
     else:
         for r in reports:
-            state = "ok" if r.ok else "CORRUPT"
-            click.echo(f"{r.path}: {state} ({r.leaves} leaves, {r.chunks} chunks, {_human(r.bytes_read)} "
-                       f"in {r.seconds:.2f}s)")
-            for p in r.problems:
-                click.echo(f"  leaf '{p['leaf']}' chunk {p['chunk']}: {p['message']}")
+            click.echo(r.summary())  # one entry per damaged file, naming the leaves it holds
         for m in missing:
             click.echo(f"jaxckpt: {m['error']}", err=True)
     if missing:
@@ -297,24 +293,12 @@ def diff_command(a: str, b: str, as_json: bool) -> None:
 
     with _progress("diff") as progress:
         report = jaxckpt.diff(a, b, progress=progress)
-    data = report.to_json()
     if as_json:
-        _emit_json(data)
+        _emit_json(report.to_json())
     else:
-        for line in _diff_lines(data):
-            click.echo(line)
+        click.echo(report.summary())  # the differences, then "n of m leaves differ: ..."
     if not report.identical:
         raise _Exit(EXIT_FAILED)
-
-
-def _diff_lines(d: dict[str, Any]) -> list[str]:
-    lines = [f"+ {k}" for k in d["added"]] + [f"- {k}" for k in d["removed"]]
-    lines += [f"~ {c['leaf']}: {c['field']} {c['a']} -> {c['b']}" for c in d["changed"]]
-    for path, a in sorted(d["arrays"].items()):
-        if a["differ"]:
-            lines.append(f"≠ {path}: {a['differ']} of {a['elements']} elements differ, max abs {a['max_abs']}, "
-                         f"max rel {a['max_rel']}")
-    return lines or ["identical"]
 
 
 @main.command("stats")

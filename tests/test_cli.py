@@ -169,7 +169,7 @@ def test_diff_exit_codes_and_differences(tmp_path):
     again["params"]["w"] = sharded(np.asarray(again["params"]["w"]), (2,), ("y",), (None, "y"))  # other layout
     jaxckpt.save(b, again)
     _, out, _ = cli("diff", a, b)
-    assert out == "identical\n"
+    assert out == "identical (5 leaves)\n"
     changed = state()
     w = np.asarray(changed["params"]["w"]).copy()
     w[3, 4] += 0.5
@@ -178,8 +178,9 @@ def test_diff_exit_codes_and_differences(tmp_path):
     del changed["rng"]
     jaxckpt.save(c, changed)
     code, out, _ = cli("diff", a, c, ok=(1,))
-    assert out.splitlines() == ["+ extra", "- rng", "≠ params/w: 1 of 131072 elements differ, max abs 0.5, "
-                                f"max rel {0.5 / (3 * 256 + 4 + 0.5)}"]
+    assert out.splitlines() == ["+ extra", "- rng", "≠ params/w: 1 of 131072 elements differ, max |a-b| 0.5, "
+                                f"max rel {0.5 / (3 * 256 + 4 + 0.5):.3g}",
+                                "3 of 6 leaves differ: 1 value, 1 added, 1 removed; 3 equal"]
     _, out, _ = cli("diff", a, c, "--json", ok=(1,))
     doc = json.loads(out)
     assert doc["identical"] is False and doc["arrays"]["params/w"]["max_abs"] == 0.5
