@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from . import _commit, _distributed, _dtypes, _exchange, _layout, _location, _manifest, _sources, _tree
-from ._errors import CheckpointError, TreeMismatchError
+from ._errors import SHOWN_PATHS, CheckpointError, TreeMismatchError, some_paths
 from ._location import Location
 from ._manifest import LeafRecord, Manifest
 from ._snapshot import Snapshot, snapshot
@@ -792,9 +792,18 @@ def _restore(path: Any, target: Any, shardings: Any, partial: bool, allow_narrow
         except TreeMismatchError as e:
             errors.append(e)
     if errors:
-        raise TreeMismatchError("; ".join(str(e) for e in errors), [q for e in errors for q in e.paths])
+        raise _leaves_mismatch(errors)
     values = iter(_restore_leaves(source, _place_unsharded(requests, str(loc))))
     return _tree.unflatten(treedef, [kept[p] if p in kept else next(values) for p, _ in flat])
+
+
+def _leaves_mismatch(errors: list[TreeMismatchError]) -> TreeMismatchError:
+    """One error of many leaves' own: the first few messages and a count of the rest."""
+    shown = "; ".join(str(e) for e in errors[:SHOWN_PATHS])
+    more = len(errors) - SHOWN_PATHS
+    if more > 0:
+        shown += f"; and {more} more leaves ({len(errors)} in all: the error's .paths)"
+    return TreeMismatchError(shown, [q for e in errors for q in e.paths])
 
 
 def _sharding_map(shardings: Any, single: bool, target: Any, flat: list[tuple[str, Any]], loc: Location) -> dict:
@@ -804,7 +813,7 @@ def _sharding_map(shardings: Any, single: bool, target: Any, flat: list[tuple[st
     if target is not None and set(shard_map) != {p for p, _ in flat}:
         extra = sorted(set(shard_map) ^ {p for p, _ in flat})
         raise TreeMismatchError(
-            f"Checkpoint '{loc}': shardings and target have different key paths: " + ", ".join(extra), extra)
+            f"Checkpoint '{loc}': shardings and target have different key paths: " + some_paths(extra), extra)
     return shard_map
 
 
@@ -835,9 +844,37 @@ def _match(flat: list[tuple[str, Any]], man: Manifest, key_map: Any, partial: bo
     leaves, and taking one for the other is the silent fallback strictness forbids.
     """
     by_path = {r.path: r for r in man.leaves}
+    paths = [p for p, _ in flat]
+    found, absent = _pair(paths, by_path, key_map, dotted)
+    unused = sorted(set(by_path) - {r.path for r in found.values()})
+    unexpected = [] if partial else unused
+    if missing == "target" and absent:
+        _check_kept(flat, absent, loc)
+        warnings.warn(MissingKeysWarning(
+            f"Checkpoint '{loc}': kept the target's values for {len(absent)} leaves not in the "
+            "checkpoint: " + some_paths(absent)), stacklevel=4)
+        absent = []
+    if absent or unexpected:
+        parts = []
+        if absent:
+            parts.append("not in the checkpoint: " + some_paths(absent))
+        if unexpected:
+            parts.append("in the checkpoint but not in the target: " + some_paths(unexpected)
+                         + " (pass partial=True to restore a subset)")
+        offending = [a.split(" (as ")[0] for a in absent] + unexpected
+        hint = "" if key_map is not None else _key_map_hint(paths, by_path, partial, dotted, absent, unused)
+        count = f" in {len(offending)} key paths (all in the error's .paths)" if len(offending) > SHOWN_PATHS else ""
+        raise TreeMismatchError(f"Checkpoint '{loc}': trees differ{count}; " + "; ".join(parts) + hint, offending)
+    return found
+
+
+def _pair(paths: list[str], by_path: dict[str, LeafRecord], key_map: Any,
+          dotted: bool) -> tuple[dict[str, LeafRecord], list[str]]:
+    """Each target path's saved record under ``key_map``, and the target paths without one
+    (``"p (as 'name')"`` where the map renamed it)."""
     found: dict[str, LeafRecord] = {}
     absent = []
-    for p, _ in flat:
+    for p in paths:
         name = _map_key(key_map, p)
         rec = None if name is None else by_path.get(name)
         if rec is None and name is not None and (dotted or name != p):
@@ -846,24 +883,28 @@ def _match(flat: list[tuple[str, Any]], man: Manifest, key_map: Any, partial: bo
             absent.append(p if name == p else f"{p} (as '{name}')")
         else:
             found[p] = rec
-    used = {r.path for r in found.values()}
-    unexpected = [] if partial else sorted(set(by_path) - used)
-    if missing == "target" and absent:
-        _check_kept(flat, absent, loc)
-        warnings.warn(MissingKeysWarning(
-            f"Checkpoint '{loc}': kept the target's values for {len(absent)} leaves not in the "
-            "checkpoint: " + ", ".join(absent)), stacklevel=4)
-        absent = []
-    if absent or unexpected:
-        parts = []
-        if absent:
-            parts.append("not in the checkpoint: " + ", ".join(absent))
-        if unexpected:
-            parts.append("in the checkpoint but not in the target: " + ", ".join(unexpected)
-                         + " (pass partial=True to restore a subset)")
-        raise TreeMismatchError(f"Checkpoint '{loc}': trees differ; " + "; ".join(parts),
-                                [a.split(" (as ")[0] for a in absent] + unexpected)
-    return found
+    return found, absent
+
+
+def _key_map_hint(paths: list[str], by_path: dict[str, LeafRecord], partial: bool, dotted: bool,
+                  absent: list[str], unused: list[str]) -> str:
+    """"Did you mean key_map=…": the guess (``_tree.near_miss_key_maps``) that leaves the
+    fewest mismatches when tried, if it leaves fewer than there are; else ``""``."""
+    before = len(absent) + (0 if partial else len(unused))
+    best = None
+    for guess in _tree.near_miss_key_maps(absent, unused):
+        found, left = _pair(paths, by_path, guess.key_map, dotted)
+        after = len(left) + (0 if partial else len(by_path) - len({r.path for r in found.values()}))
+        if after < before and (best is None or after < best[0]):
+            best = (after, len(absent) - len(left), guess)
+    if best is None:
+        return ""
+    after, fixed, guess = best
+    if after == 0:
+        return (f". Did you mean key_map={guess.code}? With it every leaf matches: "
+                f"restore(path, target, key_map={guess.code})")
+    return (f". Did you mean key_map={guess.code}? With it {fixed} of the {len(absent)} target leaves "
+            f"not in the checkpoint match")
 
 
 def _map_key(key_map: Any, path: str) -> str | None:
@@ -876,7 +917,12 @@ def _map_key(key_map: Any, path: str) -> str | None:
     if best is None:
         return path
     new = key_map[best]
-    return None if new is None else (new.rstrip("/") + path[len(best.rstrip("/")):]).lstrip("/")
+    if new is None:
+        return None
+    # joined with one "/" (a "" prefix must not glue {"": "params"} to the path's first key)
+    rest = path[len(best.rstrip("/")):].lstrip("/")
+    new = new.rstrip("/")
+    return (f"{new}/{rest}" if new and rest else new or rest).lstrip("/")
 
 
 def _check_kept(flat: list[tuple[str, Any]], absent: list[str], loc: Location) -> None:
@@ -885,7 +931,7 @@ def _check_kept(flat: list[tuple[str, Any]], absent: list[str], loc: Location) -
     if abstract:
         raise TreeMismatchError(
             f"Checkpoint '{loc}': missing='target' keeps the target's values, but these target leaves "
-            "are abstract (jax.ShapeDtypeStruct) and not in the checkpoint: " + ", ".join(abstract),
+            "are abstract (jax.ShapeDtypeStruct) and not in the checkpoint: " + some_paths(abstract),
             [a.split(" (as ")[0] for a in abstract])
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import jax
 
@@ -250,3 +250,66 @@ def iter_leaf_indices(structure: dict[str, Any]) -> Iterator[int]:
         kids = structure.get("list", structure.get("tuple", []))
     for c in kids:
         yield from iter_leaf_indices(c)
+
+
+# --- near misses ----------------------------------------------------------------------
+#
+# A target and a checkpoint often name the same leaves one consistent level apart: nnx's
+# ``Variable`` adds ``/value`` to every path (``nnx.state`` vs ``nnx.to_pure_dict``), a
+# training script wraps the model in ``params/``, safetensors joins names with dots.
+# restore guesses such a ``key_map`` from the paths that failed to match, tries it, and
+# offers it when it helps ("did you mean").
+
+
+class KeyMapGuess(NamedTuple):
+    """A ``key_map`` that may explain a mismatch: ``code`` to paste, ``key_map`` to try."""
+
+    code: str
+    key_map: Any
+
+
+def _most_common(items: Iterable[str]) -> str | None:
+    counts = collections.Counter(items).most_common(1)
+    return counts[0][0] if counts else None
+
+
+def near_miss_key_maps(absent: Sequence[str], unused: Sequence[str]) -> list[KeyMapGuess]:
+    """``key_map`` guesses that map target paths not in a checkpoint (``absent``) onto its
+    paths the target does not name (``unused``), one consistent level apart.
+
+    Each guess is in a form ``restore`` accepts (a prefix dict or a callable from a target
+    path to a saved one) and its ``code`` is that same map as Python source; the caller
+    tries them (they may not fit every leaf).
+    """
+    saved = set(unused)
+    missing = set(absent)
+    guesses = []
+    # a level at the end: the target has it (nnx.State), the checkpoint does not
+    end = _most_common(a.rsplit("/", 1)[1] for a in missing if "/" in a and a.rsplit("/", 1)[0] in saved)
+    if end is not None:
+        guesses.append(KeyMapGuess(f"lambda p: p.removesuffix({'/' + end!r})",
+                                   lambda p, s="/" + end: p.removesuffix(s)))
+    # ... or the checkpoint has it and the target does not: everywhere, or under one subtree
+    end = _most_common(u.rsplit("/", 1)[1] for u in saved if "/" in u and u.rsplit("/", 1)[0] in missing)
+    if end is not None:
+        guesses.append(KeyMapGuess(f"lambda p: p + {'/' + end!r}", lambda p, s="/" + end: p + s))
+        top = _most_common(u.split("/", 1)[0] for u in saved if "/" in u and u.rsplit("/", 1)[0] in missing)
+        under = f"{top}/"
+        guesses.append(KeyMapGuess(f"lambda p: p + {'/' + end!r} if p.startswith({under!r}) else p",
+                                   lambda p, s="/" + end, t=under: p + s if p.startswith(t) else p))
+    # a level at the start: a wrapper (``params/``) in the target, or in the checkpoint
+    top = _most_common(a.split("/", 1)[0] for a in missing if "/" in a and a.split("/", 1)[1] in saved)
+    if top is not None:
+        guesses.append(KeyMapGuess(f"{{{top!r}: ''}}", {top: ""}))
+    top = _most_common(u.split("/", 1)[0] for u in saved if "/" in u and u.split("/", 1)[1] in missing)
+    if top is not None:
+        guesses.append(KeyMapGuess(f"{{'': {top!r}}}", {"": top}))
+        # ... only around the subtrees that need it (a 'step' beside the model has none)
+        under = {a.split("/", 1)[0]: f"{top}/{a.split('/', 1)[0]}" for a in sorted(missing) if f"{top}/{a}" in saved}
+        guesses.append(KeyMapGuess(repr(under), under))
+    # dotted names (safetensors, a flat dict of them) for key paths, either way round
+    if any("/" in a and a.replace("/", ".") in saved for a in missing):
+        guesses.append(KeyMapGuess("lambda p: p.replace('/', '.')", lambda p: p.replace("/", ".")))
+    if any("." in a and a.replace(".", "/") in saved for a in missing):
+        guesses.append(KeyMapGuess("lambda p: p.replace('.', '/')", lambda p: p.replace(".", "/")))
+    return guesses
