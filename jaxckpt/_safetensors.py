@@ -8,7 +8,8 @@ and ``model.safetensors.index.json`` (``{"metadata": {"total_size"}, "weight_map
 {name: file}}``).
 
 Names: a jaxckpt key path with ``/`` replaced by ``.`` (``params/dense/kernel`` →
-``params.dense.kernel``), below the exported prefix.
+``params.dense.kernel``), below the exported prefix, without nnx's ``value`` level and
+renamed by the export's ``key_map`` (``convert.to_safetensors``).
 """
 
 from __future__ import annotations
