@@ -113,10 +113,10 @@ def main(work):
           f"and {saved.count(None)} None (the places of static fields)")
 
     # A fresh start: the static half from code, the arrays' shapes from filter_eval_shape.
+    # Its leaves have no sharding: the restore replicates them on the mesh in context.
     abstract, static = eqx.filter_eval_shape(create, 0)
-    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), abstract)
-    with jaxckpt.CheckpointManager(directory, read_only=True) as reader:
-        restored = reader.restore(target={**target, "step": 0})
+    with jax.set_mesh(mesh), jaxckpt.CheckpointManager(directory, read_only=True) as reader:
+        restored = reader.restore(target={**abstract, "step": 0})
     model = eqx.combine(restored["params"], static)
     print(f"restored step {restored['step']}: params as {type(restored['params']).__name__}, "
           f"bn as {type(restored['bn']).__name__}, opt as {type(restored['opt'][0]).__name__}; "

@@ -138,17 +138,16 @@ def checkpoint_tree(state, data, step, config):
     return {**state, "data": data.get_state(), "step": step, "config": config}
 
 
-def restore_target(config, mesh):
+def restore_target(config):
     """The restore target: ShapeDtypeStructs with shardings, and Python values whose
-    types the restored values must have. Nothing is allocated.
+    types the restored values must have. Nothing is allocated. Build it, and restore,
+    under ``jax.set_mesh(mesh)``.
 
     nnx's annotations give the Variables their shardings (on the abstract mesh of
     ``jax.set_mesh``); a plain array such as the typed key has none after
-    ``eval_shape``: it is replicated on ``mesh`` like in ``create``."""
+    ``eval_shape``, and the restore replicates it on the mesh in context, as ``create``
+    does."""
     _, abstract = nnx.eval_shape(lambda: create(config))
-    replicated = NamedSharding(mesh, P())
-    abstract = jax.tree.map(lambda s: s if s.sharding is not None else
-                            jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), abstract)
     return {**abstract, "data": {"epoch": 0, "index": 0}, "step": 0, "config": config}
 
 
@@ -208,7 +207,7 @@ def resume(directory, config, mesh):
     """Restore the latest step onto ``mesh``: the state, the pipeline's position."""
     with jax.set_mesh(mesh):
         graphdefs, _ = nnx.eval_shape(lambda: create(config))
-        target = restore_target(config, mesh)
+        target = restore_target(config)
         with jaxckpt.CheckpointManager(directory, read_only=True) as mgr:
             step = mgr.latest_step()
             restored = mgr.restore(step, target=target)

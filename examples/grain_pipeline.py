@@ -88,12 +88,10 @@ def mesh_of(n):
 
 def resume(directory, mesh):
     """The latest step restored onto ``mesh``, and a fresh iterator set to its position."""
-    replicated = NamedSharding(mesh, P())
     iterator = iter(dataset())
-    abstract = jax.eval_shape(init, jax.random.key(0))
-    target = {**jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), abstract),
-              "data": iterator.get_state(), "step": 0}  # a fresh iterator's state: the types to expect
-    with jaxckpt.CheckpointManager(directory, read_only=True) as mgr:
+    abstract = jax.eval_shape(init, jax.random.key(0))  # no shardings: replicated on the mesh in context
+    target = {**abstract, "data": iterator.get_state(), "step": 0}  # a fresh iterator's state: the types to expect
+    with jax.set_mesh(mesh), jaxckpt.CheckpointManager(directory, read_only=True) as mgr:
         restored = mgr.restore(target=target)
     iterator.set_state(restored.pop("data"))
     return restored, iterator, restored.pop("step")
