@@ -224,7 +224,7 @@ def save(path: Any, tree: Any, *, metadata: dict[str, Any] | None = None,
       path: a local directory, an ``s3://``/``gs://``/``memory://`` URL, or a
         tensorstore kvstore spec dict.
       tree: any PyTree of ``jax.Array``, ``numpy.ndarray``, typed PRNG keys and
-        ``int/float/bool/str/None``.
+        ``int/float/bool/str/bytes/None``.
       metadata: a JSON-serialisable dict stored in the manifest.
       overwrite: replace an existing checkpoint at ``path`` (otherwise it raises).
       timeout_s: multi-process only: how long a process waits for a peer that has

@@ -102,7 +102,7 @@ REFUSED = _table("refused-leaves")
 def test_the_tables_cover_every_kind():
     assert len(ROWS) >= 30 and all(len(r) == 5 for r in ROWS)
     assert len(CONTAINERS) >= 8 and all(len(r) == 4 for r in CONTAINERS) and REFUSED
-    assert {r[2] for r in ROWS} == {"array", "prng_key", "value"}
+    assert {r[2] for r in ROWS} == {"array", "prng_key", "value", "bytes"}
     assert len({r[1] for r in ROWS}) == len(ROWS)
 
 
