@@ -107,7 +107,7 @@ def jaxckpt_commands(block: Block) -> list[tuple[int, list[str], int]]:
 def runnable(block: Block) -> bool:
     if block.fragment is not None:
         return False
-    return block.lang in PYTHON or (block.lang == "console" and bool(jaxckpt_commands(block)))
+    return block.lang in PYTHON or (block.lang == "console" and "\n$ jaxckpt " in "\n" + block.code)
 
 
 def run_python(block: Block, namespace: dict) -> None:
@@ -125,7 +125,14 @@ def run_console(block: Block) -> None:
                                   f"not {expected}\n{out.getvalue()}{err.getvalue()}")
 
 
-RUN_PAGES = [p for p in pages() if any(runnable(b) for b in parse(p))]
+def has_runnable(page: str) -> bool:
+    try:
+        return any(runnable(b) for b in parse(page))
+    except AssertionError:
+        return True  # a malformed page: its test reports it
+
+
+RUN_PAGES = [p for p in pages() if has_runnable(p)]
 
 
 @pytest.mark.parametrize("page", RUN_PAGES)
