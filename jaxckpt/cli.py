@@ -89,7 +89,19 @@ def _progress(label: str) -> Iterator[Callable[[int, int], None] | None]:
 # --- commands ---------------------------------------------------------------------
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """``--help`` lists each command with its first sentence whole, wrapped: click's own
+    list cuts it to one line ("Rewrite the checkpoint SRC at DEST with its chunks laid...")."""
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, cmd.get_short_help_str(limit=1 << 20)) for name in self.list_commands(ctx)
+                if (cmd := self.get_command(ctx, name)) is not None and not cmd.hidden]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="jaxckpt", prog_name="jaxckpt")
 def main() -> None:
     """Explore, check and manage jaxckpt checkpoints without the model code."""
@@ -159,12 +171,27 @@ def _print_steps(directory: str, steps: list[dict[str, Any]]) -> None:
         when = "-" if s["commit_time"] is None else datetime.datetime.fromtimestamp(
             s["commit_time"]).strftime("%Y-%m-%d %H:%M:%S")
         metrics = " ".join(f"{k}={_short(v)}" for k, v in (s["metrics"] or {}).items())
-        save = "-" if s["total_seconds"] is None else f"{s['total_seconds']:.2f}s"
+        # as the manager's HTML view: what the training loop waited, and save to commit
+        blocking, total = (_seconds(s["blocking_seconds"]), _seconds(s["total_seconds"]))
         tiers = [",".join(s["tiers"])] if "tiers" in s and any(t != ["local"] for t in
                                                                  (x["tiers"] for x in steps)) else []
-        rows.append([s["step"], when, _age(s["age_s"]), _human(s["bytes"] or 0), save, *tiers, metrics])
+        rows.append([s["step"], when, _age(s["age_s"]), _human(s["bytes"] or 0), blocking, total, *tiers, metrics])
     show_tiers = any(s.get("tiers", ["local"]) != ["local"] for s in steps)
-    _table(["step", "committed", "age", "size", "save", *(["tier"] if show_tiers else []), "metrics"], rows)
+    _table(["step", "committed", "age", "size", "blocking", "total", *(["tier"] if show_tiers else []),
+            "metrics"], rows)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}s"
+
+
+def _count(n: int, noun: str, plural: str | None = None) -> str:
+    """``1 leaf``, ``5 leaves``: a count with its noun in the right number."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
+
+
+def _leaves(n: int) -> str:
+    return _count(n, "leaf", "leaves")
 
 
 def _short(v: Any) -> str:
@@ -195,7 +222,7 @@ def show_command(path: str, as_json: bool, depth: int | None) -> None:
         _emit_json({"path": info.path, "format_version": info.format_version, "metadata": info.metadata,
                     "bytes": tree["bytes"], "leaves": tree["leaves"], "tree": tree})
         return
-    click.echo(f"{info.path}: {tree['leaves']} leaves, {_human(tree['bytes'])}, "
+    click.echo(f"{info.path}: {_leaves(tree['leaves'])}, {_human(tree['bytes'])}, "
                f"format version {info.format_version}")
     if info.metadata:
         click.echo(f"metadata: {json.dumps(info.metadata, default=str)}")
@@ -240,7 +267,7 @@ def _print_node(node: dict[str, Any], indent: int) -> None:
             click.echo(f"{pad}{name}  = {kid['value']!r}")
         else:
             folded = "" if "children" in kid else "  …"
-            click.echo(f"{pad}{name}/  {kid['leaves']} leaves, {_human(kid['bytes'])}{folded}")
+            click.echo(f"{pad}{name}/  {_leaves(kid['leaves'])}, {_human(kid['bytes'])}{folded}")
             _print_node(kid, indent + 1)
 
 
@@ -387,8 +414,8 @@ def import_orbax_command(src: str, dest: str, overwrite: bool, as_json: bool) ->
 
     _limit_malloc_retention()
     with _progress("import") as progress:
-        convert.from_orbax(src, dest, overwrite=overwrite, progress=progress)
-    _print_written(src, dest, as_json)
+        result = convert.from_orbax(src, dest, overwrite=overwrite, progress=progress)
+    _print_copy(src, result.path, result.leaves, result.total_size, as_json)
 
 
 @main.command("export")
@@ -576,10 +603,14 @@ def _print_written(src: str, dest: str, as_json: bool) -> None:
 
     info = jaxckpt.metadata(dest)
     tree = _describe(info.tree, "", 0, 0)
+    _print_copy(src, info.path, tree["leaves"], tree["bytes"], as_json)
+
+
+def _print_copy(src: str, dest: str, leaves: int, nbytes: int, as_json: bool) -> None:
     if as_json:
-        _emit_json({"src": src, "dest": info.path, "leaves": tree["leaves"], "bytes": tree["bytes"]})
+        _emit_json({"src": src, "dest": dest, "leaves": leaves, "bytes": nbytes})
         return
-    click.echo(f"{src} -> {info.path}: {tree['leaves']} leaves, {_human(tree['bytes'])}")
+    click.echo(f"{src} -> {dest}: {_leaves(leaves)}, {_human(nbytes)}")
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ the training job; no device of the target mesh is needed.
 Example:
   >>> from jaxckpt import convert
   >>> convert.from_orbax("/ckpt/orbax/1000", "/ckpt/jaxckpt/1000")
+  ImportResult(path='/ckpt/jaxckpt/1000', leaves=212, arrays=210, total_size=1073741824)
   >>> convert.to_safetensors("/ckpt/jaxckpt/1000", "/export/model", select="params",
   ...                        dtype="bfloat16")
 """
@@ -28,9 +29,9 @@ import numpy as np
 
 from . import _checkpoint, _dtypes, _layout, _location, _safetensors, _sources, _stream, _tasks, _tree
 from ._errors import CheckpointError, TreeMismatchError
-from ._manifest import LeafRecord
+from ._manifest import LeafRecord, Manifest
 
-__all__ = ["ExportResult", "from_orbax", "relayout", "to_safetensors"]
+__all__ = ["ExportResult", "ImportResult", "from_orbax", "relayout", "to_safetensors"]
 
 Progress = Callable[[int, int], None]
 # Hugging Face's default max_shard_size ("5GB", decimal).
@@ -42,7 +43,23 @@ SMALL_BATCH_BYTES = 64 << 20  # small leaves read together (see _SmallLeaves)
 # --- import ---------------------------------------------------------------------------
 
 
-def from_orbax(src: Any, dest: Any, *, overwrite: bool = False, progress: Progress | None = None) -> None:
+class ImportResult(NamedTuple):
+    """What ``from_orbax`` wrote (as ``ExportResult`` tells what ``to_safetensors`` did).
+
+    Attributes:
+      path: the jaxckpt checkpoint written (``dest`` as a path or URL).
+      leaves: how many leaves it holds: arrays, PRNG keys and inline values.
+      arrays: how many of them hold array data (PRNG keys included).
+      total_size: bytes of array data (uncompressed, as ``metadata`` counts them).
+    """
+
+    path: str
+    leaves: int
+    arrays: int
+    total_size: int
+
+
+def from_orbax(src: Any, dest: Any, *, overwrite: bool = False, progress: Progress | None = None) -> ImportResult:
     """Convert the orbax-checkpoint checkpoint at ``src`` into a jaxckpt checkpoint at ``dest``.
 
     The tree structure, values, dtypes and recorded shardings are kept; each array's
@@ -63,12 +80,16 @@ def from_orbax(src: Any, dest: Any, *, overwrite: bool = False, progress: Progre
       overwrite: replace a checkpoint already at ``dest``.
       progress: called with ``(bytes done, bytes total)`` after each leaf.
 
+    Returns:
+      An ``ImportResult``: the checkpoint written, its leaf and array counts, its bytes.
+
     Raises:
       CheckpointError: ``src`` is a checkpoint of another format (jaxckpt, safetensors).
       CheckpointNotFoundError: nothing at ``src`` is a checkpoint.
 
     Example:
       >>> convert.from_orbax("/runs/a/checkpoints/1000", "/runs/a/jaxckpt/1000")
+      ImportResult(path='/runs/a/jaxckpt/1000', leaves=212, arrays=210, total_size=1073741824)
     """
     source = _sources.open_source(src)
     if source.format != "orbax":
@@ -76,21 +97,25 @@ def from_orbax(src: Any, dest: Any, *, overwrite: bool = False, progress: Progre
             f"'{source.loc}' is a {source.format} checkpoint, not an orbax-checkpoint one; from_orbax "
             "imports orbax checkpoints (relayout rewrites a jaxckpt checkpoint)")
     _stream.limit_malloc_retention()  # not with JAXCKPT_KEEP_MALLOC set
-    import_source(source, dest, overwrite=overwrite, progress=progress)
+    return import_source(source, dest, overwrite=overwrite, progress=progress)
 
 
 def import_source(source: _sources.Source, dest: Any, *, overwrite: bool = False,
-                  progress: Progress | None = None) -> None:
+                  progress: Progress | None = None) -> ImportResult:
     """Write any ``Source`` as a jaxckpt checkpoint (what ``from_orbax`` runs); chunks
     follow each leaf's recorded sharding."""
     man = source.manifest
     leaves = [_retarget(rec, rec.sharding, None) for rec in man.leaves]
-    _copy(source, dest, man.structure, list(range(len(leaves))), leaves, overwrite, progress)
+    written = _copy(source, dest, man.structure, list(range(len(leaves))), leaves, overwrite, progress)
+    arrays = [r for r in written.leaves if r.kind != "value"]
+    return ImportResult(str(_location.resolve(dest)), len(written.leaves), len(arrays),
+                        sum(r.nbytes for r in arrays))
 
 
 def _copy(source: _sources.Source, dest: Any, structure: dict[str, Any], indices: list[int],
-          leaves: list[LeafRecord], overwrite: bool, progress: Progress | None) -> None:
-    """Write source leaves ``indices`` as ``leaves`` (their new records, same order).
+          leaves: list[LeafRecord], overwrite: bool, progress: Progress | None) -> Manifest:
+    """Write source leaves ``indices`` as ``leaves`` (their new records, same order);
+    returns the manifest committed.
 
     A big leaf whose new chunks are unions of whole saved chunks is read chunk by chunk
     as the writer asks (each saved chunk read once, a few in flight); any other leaf is
@@ -104,7 +129,7 @@ def _copy(source: _sources.Source, dest: Any, structure: dict[str, Any], indices
         return small.leaf(saved[i])  # the writer writes views of it, casting
 
     info = {"converted_from": {"path": str(source.loc), "format": source.format}}
-    _stream.write_checkpoint(dest, structure, leaves, chunk_data, metadata=source.manifest.metadata,
+    return _stream.write_checkpoint(dest, structure, leaves, chunk_data, metadata=source.manifest.metadata,
                              overwrite=overwrite, info=info, progress=progress)
 
 

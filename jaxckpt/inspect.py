@@ -8,6 +8,12 @@
     ((1024, 512), dtype('float32'))
     >>> k[:2, :4]                            # reads only the chunks this slice touches
     array([[...]], dtype=float32)
+    >>> view["params"]["dense"]["kernel"]    # nested access, as in metadata().tree
+    LazyArray('params/dense/kernel', shape=(1024, 512), dtype=float32)
+    >>> view["opt"][0]                       # an int is a sequence index (or int dict key)
+    CheckpointView('/ckpts/100/opt/0', ...)
+    >>> view["rng"].dtype, view["rng"].shape # a typed PRNG key is a key, as `jaxckpt show` says
+    (key<fry>, ())
 
 In a notebook the view renders as a collapsible tree (``_repr_html_``).
 """
@@ -18,6 +24,7 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
 import numpy as np
 
 from . import _dtypes, _html, _layout, _location, _reader, _scan, _sources, _tree
@@ -26,12 +33,19 @@ from ._scan import LeafStats
 
 
 class LazyArray:
-    """One saved array; indexing reads only the saved chunks the index touches."""
+    """One saved array; indexing reads only the saved chunks the index touches.
+
+    A typed PRNG key leaf is described as the key array it was (``shape`` and ``dtype``
+    ``key<impl>``, as ``metadata`` and ``jaxckpt show`` report it): indexing it returns
+    typed keys (a ``jax.Array``); ``key_data`` is the stored ``uint32`` data as a
+    ``LazyArray`` of numpy slices.
+    """
 
     def __init__(self, loc: _location.Location, man: Manifest, rec: LeafRecord,
-                 new_reader: Callable[[], Any] | None = None):
+                 new_reader: Callable[[], Any] | None = None, *, key_data: bool = False):
         self._loc, self._man, self._rec = loc, man, rec
         self._new_reader = new_reader or (lambda: _reader.Reader(loc, man))
+        self._is_key = rec.kind == "prng_key" and not key_data
 
     @property
     def path(self) -> str:
@@ -39,19 +53,21 @@ class LazyArray:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self._rec.shape
+        """The array's shape; for a typed PRNG key, the key array's (its data has more)."""
+        return self._rec.shape[: self._rec.key_ndim] if self._is_key else self._rec.shape
 
     @property
-    def dtype(self) -> np.dtype:
-        return _dtypes.DTYPES[self._rec.dtype]
+    def dtype(self) -> Any:
+        """A numpy dtype; for a typed PRNG key, jax's key dtype (``key<fry>``)."""
+        return _key_dtype(self._rec.impl) if self._is_key else _dtypes.DTYPES[self._rec.dtype]
 
     @property
     def ndim(self) -> int:
-        return len(self._rec.shape)
+        return len(self.shape)
 
     @property
     def size(self) -> int:
-        return math.prod(self._rec.shape)
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -64,11 +80,21 @@ class LazyArray:
 
     @property
     def prng_impl(self) -> str | None:
-        """For a typed PRNG key: its implementation (the data is the key data)."""
+        """For a typed PRNG key: its implementation (``threefry2x32``)."""
         return self._rec.impl
 
-    def __getitem__(self, index: Any) -> np.ndarray:
+    @property
+    def key_data(self) -> LazyArray:
+        """For a typed PRNG key: its stored data (``uint32``, the key shape and the
+        implementation's own dimensions), read as numpy slices like any array."""
+        if self._rec.kind != "prng_key":
+            raise TypeError(f"'{self.path}' is not a typed PRNG key (its dtype is {self.dtype})")
+        return LazyArray(self._loc, self._man, self._rec, self._new_reader, key_data=True)
+
+    def __getitem__(self, index: Any) -> Any:
+        """A numpy array; for a typed PRNG key, typed keys (a ``jax.Array``)."""
         box, rest = _bounding_box(index, self.shape)
+        box += tuple((0, d) for d in self._rec.shape[len(box):])  # a key's data dimensions, whole
         reader = self._new_reader()
         reader.add(self._rec, box)
         reader.run()
@@ -80,9 +106,12 @@ class LazyArray:
             else:
                 out = out[(slice(None),) * axis + (r,)]
                 axis += 1
-        return out
+        return jax.random.wrap_key_data(out, impl=self._rec.impl) if self._is_key else out
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if self._is_key:  # as jax refuses np.asarray of typed keys
+            raise TypeError(f"'{self.path}' is a typed PRNG key ({self.dtype}): it has no numpy form; "
+                            f"index it for typed keys, or read its uint32 data with .key_data[...]")
         out = self[...]
         return out if dtype is None else out.astype(dtype)
 
@@ -92,7 +121,13 @@ class LazyArray:
         return self.shape[0]
 
     def __repr__(self) -> str:
-        return f"LazyArray('{self.path}', shape={self.shape}, dtype={self.dtype.name})"
+        data = ".key_data" if self._rec.kind == "prng_key" and not self._is_key else ""
+        return f"LazyArray('{self.path}'{data}, shape={self.shape}, dtype={self.dtype.name})"
+
+
+def _key_dtype(impl: str | None) -> Any:
+    """jax's dtype of a typed key of ``impl`` (``key<fry>``), as ``metadata`` reports it."""
+    return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
 
 
 def _bounding_box(index: Any, shape: tuple[int, ...]) -> tuple[_layout.Index, list[Any]]:
@@ -170,18 +205,39 @@ class CheckpointView:
     def __len__(self) -> int:
         return len(self._by_path)
 
-    def __contains__(self, key: str) -> bool:
-        return self._prefix + key in self._by_path
+    def __contains__(self, key: Any) -> bool:
+        """Whether ``key`` (as ``__getitem__`` takes it) is a leaf or a subtree here."""
+        return self._find(key) is not None
 
-    def __getitem__(self, key: str) -> Any:
-        """A leaf (``LazyArray`` or its inline value) or, for a prefix, a sub-view."""
-        full = self._prefix + key.strip("/")
-        rec = self._by_path.get(full)
+    def _find(self, key: Any) -> str | None:
+        """The key path (with this view's prefix) ``key`` names, a leaf's or a subtree's.
+        A str is a flat key path first; failing that, one raw key (``metadata().tree``'s
+        ``"a/b"``, saved as ``a%2Fb``)."""
+        tries = [_key_path(key)]
+        if isinstance(key, str) and _tree.encode_key(key) != key:
+            tries.append(_tree.encode_key(key))
+        for path in tries:
+            full = self._prefix + path
+            if full in self._by_path or any(p.startswith(full + "/") for p in self._by_path):
+                return full
+        return None
+
+    def __getitem__(self, key: str | int | tuple[str | int, ...]) -> Any:
+        """A leaf (``LazyArray`` or its inline value) or, for a prefix, a sub-view.
+
+        ``key`` is a key path relative to this view, flat (``"params/dense/kernel"``,
+        as ``keys()`` lists it) or one level at a time as ``metadata().tree`` nests it:
+        ``view["params"]["dense"]["kernel"]``, ``view["opt"][0]`` (an int: a sequence
+        index or an int dict key). A tuple names one level per entry, raw (a key
+        holding ``/`` needs no escaping): ``view["params", "a/b"]``. A str that is no key
+        path here is tried as one raw key (``view["params"]["a/b"]``).
+        """
+        full = self._find(key)
+        rec = None if full is None else self._by_path.get(full)
         if rec is not None:
             return rec.value if rec.kind == "value" else LazyArray(self._loc, self._man, rec, self._new_reader)
-        sub = full + "/"
-        if any(p.startswith(sub) for p in self._by_path):
-            return CheckpointView(self._loc, self._man, sub, self._new_reader, self.format)
+        if full is not None:
+            return CheckpointView(self._loc, self._man, full + "/", self._new_reader, self.format)
         raise KeyError(f"'{key}' is not a key path in checkpoint '{self._loc}'")
 
     def rows(self) -> list[dict[str, Any]]:
@@ -196,8 +252,12 @@ class CheckpointView:
             sharding = _layout.sharding_from_json(rec.sharding)
             where = "host" if sharding is None else (
                 f"{sharding.spec} on {sharding.mesh_shape}" if sharding.type == "named" else sharding.type)
-            rows.append({"path": path, "kind": rec.kind if rec.kind != "prng_key" else f"key<{rec.impl}>",
-                         "shape": rec.shape, "dtype": rec.dtype, "bytes": rec.nbytes, "sharding": where})
+            if rec.kind == "prng_key":  # the key array, as ``LazyArray`` and ``jaxckpt show`` describe it
+                kind, shape, dtype = f"key<{rec.impl}>", rec.shape[: rec.key_ndim], str(_key_dtype(rec.impl))
+            else:
+                kind, shape, dtype = rec.kind, rec.shape, rec.dtype
+            rows.append({"path": path, "kind": kind, "shape": shape, "dtype": dtype, "bytes": rec.nbytes,
+                         "sharding": where})
         return rows
 
     def summary(self) -> dict[str, Any]:
@@ -265,10 +325,25 @@ class CheckpointView:
         return self._new_reader or (lambda: _reader.Reader(self._loc, self._man))
 
     def __repr__(self) -> str:
-        return f"CheckpointView('{self._loc}', {len(self)} leaves, {_html.human_bytes(self.nbytes)})"
+        n = len(self)
+        return (f"CheckpointView('{self._loc}', {n} {'leaf' if n == 1 else 'leaves'}, "
+                f"{_html.human_bytes(self.nbytes)})")
 
     def _repr_html_(self) -> str:
         return _html.render_view(self)
+
+
+def _key_path(key: Any) -> str:
+    """``__getitem__``'s key as a key path: a str is one already; an int is one level
+    (a sequence index or int dict key, written as a decimal); a tuple one level each."""
+    if isinstance(key, str):
+        return key.strip("/")
+    if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+        return str(int(key))
+    if isinstance(key, tuple) and key:
+        return "/".join(_tree.encode_key(k) if isinstance(k, str) else _key_path(k) for k in key)
+    raise TypeError(f"a checkpoint view is indexed by a key path (str), an int or a tuple of them, "
+                    f"got {type(key).__name__}")
 
 
 def open(path: Any) -> CheckpointView:  # noqa: A001 - the public name is jaxckpt.open

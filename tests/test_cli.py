@@ -62,7 +62,7 @@ def test_ls_lists_committed_steps_and_dead_attempts_apart(run_dir):
         ".50.jaxckpt-tmp-0123456789ab", 50, 100, False)
     _, out, _ = cli("ls", run_dir)
     lines = out.splitlines()
-    assert lines[0].split() == ["step", "committed", "age", "size", "save", "metrics"]
+    assert lines[0].split() == ["step", "committed", "age", "size", "blocking", "total", "metrics"]
     assert [ln.split()[0] for ln in lines[1:4]] == ["20", "30", "40"] and "loss=0.25" in lines[3]
     assert "uncommitted attempts" in out and ".50.jaxckpt-tmp-0123456789ab  50    100 B  dead" in out
     # one checkpoint path lists that one

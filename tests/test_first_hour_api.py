@@ -5,12 +5,10 @@ cli.py, convert.py)."""
 
 import json
 import os
-import re
 import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_bit_equal, sharded
@@ -53,7 +51,7 @@ def test_manager_restore_with_the_target_first_says_pass_target(run_dir):
         if hasattr(x, "dtype") else x, train_state(3))
     with jaxckpt.CheckpointManager(run_dir) as mgr:
         with pytest.raises(jaxckpt.CheckpointError) as e:
-            mgr.restore(abstract_state)  # d7c90e7: TypeError: unhashable type: 'dict'
+            mgr.restore(abstract_state)  # 18952db: TypeError: unhashable type: 'dict'
         assert type(e.value) is jaxckpt.CheckpointError
         assert str(e.value) == (
             f"Restoring from '{run_dir}': mgr.restore() takes the step first: got a dict; pass target=... "
@@ -85,7 +83,7 @@ def _manager_message(where, steps, latest):
 def test_a_run_directory_passed_as_a_checkpoint_lists_its_steps(run_dir, call):
     (run_dir / "40").mkdir()  # a save in progress: a step directory without a manifest is no step
     with pytest.raises(jaxckpt.CheckpointNotFoundError) as e:
-        getattr(jaxckpt, call)(run_dir)  # d7c90e7: "... manifest.json is missing (not committed, ...)"
+        getattr(jaxckpt, call)(run_dir)  # 18952db: "... manifest.json is missing (not committed, ...)"
     assert str(e.value) == _manager_message(run_dir, "10, 20, 30", run_dir / "30")
     assert isinstance(e.value, FileNotFoundError)
     # the way out it names works
@@ -140,3 +138,141 @@ def test_a_run_directory_on_an_object_store_lists_its_steps(s3_server):
         jaxckpt.restore(spec)
     assert str(e.value) == _manager_message(where, "5, 6", f"{where}/6")
     assert jaxckpt.restore({**spec, "path": "first-hour/run/6"})["x"] == np.float32(6)
+
+
+# --- item 9: one answer from every face ----------------------------------------------
+
+
+@pytest.fixture
+def saved(tmp_path):
+    keys = jax.device_put(jax.random.split(jax.random.key(5), 8), jax.sharding.NamedSharding(
+        jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",)), jax.sharding.PartitionSpec("x")))
+    tree = {"params": {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "a/b": np.ones(2, np.int8)},
+            "opt": (np.arange(3, dtype=np.float32), {"mu": np.full(2, 7, np.float32)}),
+            "rng": jax.random.key(3), "keys": keys, "step": 12}
+    jaxckpt.save(tmp_path / "ckpt", tree)
+    return tmp_path / "ckpt", tree
+
+
+def test_the_view_takes_the_nested_keys_metadata_shows(saved):
+    path, tree = saved
+    view, info = jaxckpt.open(path), jaxckpt.metadata(path)
+
+    def walk(node, at, keys):  # every leaf of metadata().tree, reached on the view by the same keys
+        if isinstance(node, jaxckpt.LeafInfo):  # a NamedTuple: before the sequences
+            assert isinstance(at, jaxckpt.LazyArray) and at.path == node.path, keys
+            assert (at.shape, at.dtype) == (node.shape, node.dtype), keys
+            assert view[keys].path == node.path
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, at[k], keys + (k,))
+        elif isinstance(node, (tuple, list)):
+            for i, v in enumerate(node):
+                walk(v, at[i], keys + (i,))
+        else:
+            assert at == node, keys
+
+    assert_bit_equal(view["opt"][1]["mu"][...], tree["opt"][1]["mu"])  # 18952db: AttributeError: 'int' ...
+    walk(info.tree, view, ())
+    assert_bit_equal(view["opt/1/mu"][...], tree["opt"][1]["mu"])  # flat, as keys() lists it
+    assert_bit_equal(view["params", "a/b"][...], tree["params"]["a/b"])  # a tuple: raw keys
+    assert_bit_equal(view["params"]["a%2Fb"][...], tree["params"]["a/b"])  # a str: a key path
+    assert "params" in view and ("opt", 1) in view and "params/w" in view and "nope" not in view
+    with pytest.raises(KeyError, match="'2' is not a key path"):
+        view["opt"][2]
+    with pytest.raises(TypeError, match="indexed by a key path .str., an int or a tuple of them, got float"):
+        view[1.5]
+
+
+def test_a_typed_key_is_a_key_in_the_view_as_in_show(saved):
+    path, tree = saved
+    view = jaxckpt.open(path)
+    rng = view["rng"]  # 18952db: uint32 (2,), where metadata and show say key<fry> ()
+    assert (rng.shape, rng.dtype, rng.ndim, rng.size) == ((), jax.random.key(0).dtype, 0, 1)
+    assert str(rng.dtype) == "key<fry>" and rng.prng_impl == "threefry2x32"
+    assert (rng.shape, rng.dtype) == tuple(jaxckpt.metadata(path).tree["rng"][:2])
+    assert repr(rng) == "LazyArray('rng', shape=(), dtype=key<fry>)"
+    _, out, _ = cli("show", path)
+    assert "\nrng  key<fry>[]  " in out and "\nkeys  key<fry>[8]  " in out
+    # indexing gives typed keys; key_data the stored uint32 data as numpy
+    got = rng[...]
+    assert got.dtype == tree["rng"].dtype
+    assert_bit_equal(jax.random.key_data(got), jax.random.key_data(tree["rng"]))
+    assert_bit_equal(rng.key_data[...], np.asarray(jax.random.key_data(tree["rng"])))
+    assert repr(rng.key_data) == "LazyArray('rng'.key_data, shape=(2,), dtype=uint32)"
+    keys = view["keys"]
+    assert (keys.shape, len(keys), str(keys.dtype)) == ((8,), 8, "key<fry>")
+    assert_bit_equal(jax.random.key_data(keys[2:7:2]), jax.random.key_data(tree["keys"])[2:7:2])
+    assert_bit_equal(jax.random.key_data(keys[5]), jax.random.key_data(tree["keys"])[5])
+    assert_bit_equal(keys.key_data[1:3, 1], np.asarray(jax.random.key_data(tree["keys"]))[1:3, 1])
+    with pytest.raises(TypeError, match=r"'rng' is a typed PRNG key \(key<fry>\): it has no numpy form; "
+                                        r"index it for typed keys, or read its uint32 data with .key_data"):
+        np.asarray(rng)
+    with pytest.raises(TypeError, match="'params/w' is not a typed PRNG key"):
+        view["params/w"].key_data
+    row = next(r for r in view.rows() if r["path"] == "rng")
+    assert (row["kind"], row["shape"], row["dtype"]) == ("key<threefry2x32>", (), "key<fry>")
+
+
+def test_ls_shows_blocking_and_total_seconds_as_the_html_view_does(run_dir):
+    _, out, _ = cli("ls", run_dir)  # 18952db: one column "save", the total
+    lines = out.splitlines()
+    assert lines[0].split() == ["step", "committed", "age", "size", "blocking", "total", "metrics"]
+    with jaxckpt.CheckpointManager(run_dir, read_only=True) as mgr:
+        html = mgr._repr_html_()
+        for line, step in zip(lines[1:], (10, 20, 30)):
+            info = mgr.info(step)
+            cells = line.split()  # step, date, time, age, size, unit, blocking, total
+            assert cells[0] == str(step)
+            assert cells[6:8] == [f"{info['blocking_seconds']:.2f}s", f"{info['total_seconds']:.2f}s"]
+    assert "blocking s" in html and "total s" in html
+
+
+def test_from_orbax_returns_what_it_wrote(tmp_path):
+    import orbax.checkpoint as ocp
+
+    tree = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "rng": jax.random.key(1), "step": 4}
+    with ocp.CheckpointManager(os.path.abspath(tmp_path / "orbax")) as mgr:
+        mgr.save(5, args=ocp.args.StandardSave(tree))
+        mgr.wait_until_finished()
+    result = jaxckpt.convert.from_orbax(tmp_path / "orbax" / "5", tmp_path / "ours")  # 18952db: None
+    assert isinstance(result, jaxckpt.convert.ImportResult) and isinstance(result, tuple)
+    assert result == (str(tmp_path / "ours"), 3, 2, 24 + 8)
+    assert result._asdict() == {"path": str(tmp_path / "ours"), "leaves": 3, "arrays": 2, "total_size": 32}
+    _, out, _ = cli("import-orbax", tmp_path / "orbax" / "5", tmp_path / "again", "--json")
+    assert json.loads(out) == {"src": str(tmp_path / "orbax" / "5"), "dest": str(tmp_path / "again"),
+                               "leaves": 3, "bytes": 32}
+
+
+def _first_sentence(doc):
+    words = doc.partition("\n\n")[0].split()
+    for i, w in enumerate(words):
+        if w.endswith(".") and (i == len(words) - 1 or not words[i + 1][0].islower()):
+            return " ".join(words[: i + 1])
+    return " ".join(words)
+
+
+def test_help_lists_each_command_with_its_whole_first_sentence():
+    from jaxckpt import cli as cli_module
+
+    _, out, _ = cli("--help")  # 18952db: "convert  Rewrite the checkpoint SRC at DEST with its chunks laid..."
+    listing = out.split("Commands:", 1)[1]
+    assert "..." not in listing
+    flat = " ".join(listing.split())
+    for name, command in cli_module.main.commands.items():
+        assert f"{name} {_first_sentence(command.help)}" in flat, name
+    assert "convert Rewrite the checkpoint SRC at DEST with its chunks laid out for another mesh, floats " \
+           "cast, or a subset of its leaves, one leaf at a time." in flat
+
+
+def test_one_leaf_is_one_leaf(tmp_path):
+    jaxckpt.save(tmp_path / "one", {"w": np.zeros(3, np.float32)})
+    _, out, _ = cli("show", tmp_path / "one")
+    assert out.splitlines()[0] == f"{tmp_path / 'one'}: 1 leaf, 12 B, format version 1"  # 18952db: 1 leaves
+    assert repr(jaxckpt.open(tmp_path / "one")) == f"CheckpointView('{tmp_path / 'one'}', 1 leaf, 12 B)"
+    _, out, _ = cli("convert", tmp_path / "one", tmp_path / "copy", "--dtype", "bfloat16")
+    assert out.strip() == f"{tmp_path / 'one'} -> {tmp_path / 'copy'}: 1 leaf, 6 B"
+    jaxckpt.save(tmp_path / "two", {"p": {"a": np.zeros(1, np.int8), "b": np.zeros(1, np.int8)}})
+    _, out, _ = cli("show", tmp_path / "two", "--depth", "1")
+    assert out.splitlines()[0] == f"{tmp_path / 'two'}: 2 leaves, 2 B, format version 1"
+    assert "\np/  2 leaves, 2 B  …" in out
