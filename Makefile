@@ -4,8 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
+PKG_STAMP := $(VENV)/.installed-package
+PKG_VENV := build/package-venv
 
-.PHONY: test demo bench-smoke lint docs clean
+.PHONY: test demo bench-smoke lint docs package clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,6 +18,10 @@ $(STAMP): pyproject.toml
 $(DOCS_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e ".[docs]"
 	touch $(DOCS_STAMP)
+
+$(PKG_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[package]"
+	touch $(PKG_STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
@@ -34,5 +40,24 @@ lint: $(STAMP)
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
+# The wheel and the sdist into dist/, checked by twine, each holding LICENSE (the sdist also
+# README.md and CHANGELOG.md); then installed in a fresh venv, the wheel with its dependencies
+# from the index and the sdist over it, and the installed command must run. `build` runs from /:
+# in the repository the build/ folder would shadow the module.
+package: $(PKG_STAMP)
+	rm -rf dist $(PKG_VENV)
+	cd / && $(CURDIR)/$(PY) -m build -q --outdir $(CURDIR)/dist $(CURDIR)
+	$(VENV)/bin/twine check --strict dist/*
+	for f in LICENSE README.md CHANGELOG.md; do \
+	  tar tzf dist/jaxckpt-*.tar.gz | grep -x "jaxckpt-[^/]*/$$f" >/dev/null || { echo "the sdist lacks $$f"; exit 1; }; done
+	$(PY) -m zipfile -l dist/jaxckpt-*.whl | grep "dist-info/licenses/LICENSE" >/dev/null || { echo "the wheel lacks LICENSE"; exit 1; }
+	$(PYTHON) -m venv $(PKG_VENV)
+	$(PKG_VENV)/bin/pip install -q dist/jaxckpt-*.whl
+	cd / && help="$$($(CURDIR)/$(PKG_VENV)/bin/jaxckpt --help)" && echo "$$help" | grep "^Usage: jaxckpt" >/dev/null
+	$(PKG_VENV)/bin/pip install -q --force-reinstall --no-deps dist/jaxckpt-*.tar.gz
+	cd / && help="$$($(CURDIR)/$(PKG_VENV)/bin/jaxckpt --help)" && echo "$$help" | grep "^Usage: jaxckpt" >/dev/null
+	cd / && $(CURDIR)/$(PKG_VENV)/bin/python -c "import jaxckpt, sys; assert jaxckpt.__file__.startswith(sys.prefix), jaxckpt.__file__"
+	@echo "package: dist/ built, checked, installed in a fresh venv; jaxckpt --help runs"
+
 clean:
-	rm -rf $(VENV) .pytest_cache build/site
+	rm -rf $(VENV) .pytest_cache build/site dist $(PKG_VENV)
