@@ -425,7 +425,7 @@ def verify(path: Any, *, progress: Progress | None = None) -> VerifyReport:
     if root.local is not None:
         skip = _check_files(root.local, man, expected_files(man, owners), problems)
     reads, n_chunks = _plan_reads(root, man, owners, skip)
-    _check_array_metadata(root, man, owners, skip, problems)
+    _check_array_metadata(root, man, owners, {r.array for r in reads}, problems)
     meter = _Meter(sum(r.nbytes for r in reads), progress)
     _run_reads(reads, problems, meter)
     return VerifyReport(str(loc), not problems.items, len(man.leaves), n_chunks, meter.good,
@@ -551,6 +551,8 @@ def _check_files(root: str, man: Manifest, expected: dict[str, tuple[int | None,
     bad = set()
     for name, (size, owners) in expected.items():
         got = found.pop(name, None)
+        if name.endswith("/zarr.json"):
+            continue  # checked (missing too) by _check_array_metadata, on every store
         if got is None:
             why = "is missing"
         elif size is not None and got != size:
@@ -558,10 +560,8 @@ def _check_files(root: str, man: Manifest, expected: dict[str, tuple[int | None,
         else:
             continue
         bad.add(name)
-        # restores take an array's metadata from the manifest, never from its zarr.json
-        effect = "metadata" if name.endswith("/zarr.json") else "unrestorable"
         for leaf, chunk in owners:
-            problems.add(leaf, chunk, f"{name} {why}", file=name, effect=effect)
+            problems.add(leaf, chunk, f"{name} {why}", file=name)
     keys = {rec.key: rec.path for rec in man.leaves if _has_data(rec, "file")}
     for name in sorted(found):
         problems.add(_leaf_of(name, keys), name, f"unexpected file {name}", file=name, effect="stray")
@@ -591,6 +591,7 @@ class _Read(NamedTuple):
     region: _layout.Index
     dtype: np.dtype
     owners: tuple  # (leaf, chunk label) pairs to name when it fails
+    array: str  # the array's directory: "arrays/<key>" or "packed/p<k>"
 
 
 def _plan_reads(loc: Location, man: Manifest, owners, skip: set[str]) -> tuple[list[_Read], int]:
@@ -617,7 +618,7 @@ def _plan_reads(loc: Location, man: Manifest, owners, skip: set[str]) -> tuple[l
             whole = _layout.index_shape(region) == tuple(rec.chunk_shape)  # edge chunks: tensorstore
             path = _chunkfiles.chunk_file(loc, rec.key, cell) if direct and whole else None
             reads.append(_Read(name, _layout.index_size(region) * storage.itemsize, path, store, region,
-                               storage, ((rec.path, _cell_label(cell)),)))
+                               storage, ((rec.path, _cell_label(cell)),), f"arrays/{rec.key}"))
     for p in man.packed:
         store = _zarr.open_array(_zarr.packed_spec(loc, p.process, p.nbytes, p.chunk_bytes), ctx, create=False)
         for n in range(-(-p.nbytes // p.chunk_bytes)):
@@ -626,23 +627,25 @@ def _plan_reads(loc: Location, man: Manifest, owners, skip: set[str]) -> tuple[l
             if name not in skip:
                 region = ((n * p.chunk_bytes, min((n + 1) * p.chunk_bytes, p.nbytes)),)
                 reads.append(_Read(name, region[0][1] - region[0][0], None, store, region,
-                                   np.dtype(np.uint8), _owner_list(owners, p.process, n)))
+                                   np.dtype(np.uint8), _owner_list(owners, p.process, n), f"packed/p{p.process}"))
     return reads, n_chunks
 
 
-def _check_array_metadata(loc: Location, man: Manifest, owners, skip: set[str], problems: _Problems) -> None:
+def _check_array_metadata(loc: Location, man: Manifest, owners, read: set[str], problems: _Problems) -> None:
     """Each array's ``zarr.json`` must agree with the manifest (restores never read it,
     but other zarr readers do): one problem per array whose opening failed, naming
-    every leaf stored in it (those in ``skip`` are already reported)."""
+    every leaf stored in it. Checked for the arrays with chunks to ``read`` (an array
+    whose every chunk is already reported, e.g. by a manifest copied from elsewhere,
+    gains nothing from a second account of the same mismatch)."""
     ctx = _storage.context(loc)
     checks = []  # (zarr.json name, leaves stored in the array, the opening)
     for rec in man.leaves:
-        if _has_data(rec, "file") and f"arrays/{rec.key}/zarr.json" not in skip:
+        if _has_data(rec, "file") and f"arrays/{rec.key}" in read:
             spec = _zarr.array_spec(loc, rec.key, rec.shape, rec.chunk_shape, rec.storage_dtype)
             checks.append((f"arrays/{rec.key}/zarr.json", [rec.path],
                            _zarr.open_array(spec, ctx, create=False, check_metadata=True)))
     for p in man.packed:
-        if f"packed/p{p.process}/zarr.json" not in skip:
+        if f"packed/p{p.process}" in read:
             held = sorted({leaf for (proc, _), leaves in owners.items() if proc == p.process for leaf in leaves})
             spec = _zarr.packed_spec(loc, p.process, p.nbytes, p.chunk_bytes)
             checks.append((f"packed/p{p.process}/zarr.json", held,
