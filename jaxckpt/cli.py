@@ -202,7 +202,7 @@ def _print_advice(advice: Any) -> None:
     a = advice._asdict() if hasattr(advice, "_asdict") else dict(advice)
     click.echo(f"\ncadence (Young-Daly, MTBF {a['mtbf_s']:.0f}s, save cost {a['save_cost_s']:.3g}s): "
                f"save every {a['interval_s']:.0f}s"
-               + (f" (~{a['interval_steps']} steps)" if a.get("interval_steps") else "")
+               + (f" (~{_count(a['interval_steps'], 'step')})" if a.get("interval_steps") else "")
                + f"; time lost now {100 * a['lost_fraction_now']:.2f}%, advised "
                f"{100 * a['lost_fraction_advised']:.2f}%")
 
@@ -453,7 +453,7 @@ def export_command(path: str, out: str, select: tuple[str, ...], dtype: str | No
         return
     for f in result.files:
         click.echo(f"{f}  {_human(os.path.getsize(f))}")
-    click.echo(f"{result.tensors} tensors, {_human(result.total_size)}"
+    click.echo(f"{_count(result.tensors, 'tensor')}, {_human(result.total_size)}"
                + (f"; not tensors, skipped: {', '.join(result.skipped)}" if result.skipped else ""))
 
 

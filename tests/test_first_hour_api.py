@@ -272,6 +272,8 @@ def test_one_leaf_is_one_leaf(tmp_path):
     assert repr(jaxckpt.open(tmp_path / "one")) == f"CheckpointView('{tmp_path / 'one'}', 1 leaf, 12 B)"
     _, out, _ = cli("convert", tmp_path / "one", tmp_path / "copy", "--dtype", "bfloat16")
     assert out.strip() == f"{tmp_path / 'one'} -> {tmp_path / 'copy'}: 1 leaf, 6 B"
+    _, out, _ = cli("export", tmp_path / "one", tmp_path / "one.safetensors")
+    assert out.splitlines()[-1] == "1 tensor, 12 B"
     jaxckpt.save(tmp_path / "two", {"p": {"a": np.zeros(1, np.int8), "b": np.zeros(1, np.int8)}})
     _, out, _ = cli("show", tmp_path / "two", "--depth", "1")
     assert out.splitlines()[0] == f"{tmp_path / 'two'}: 2 leaves, 2 B, format version 1"
