@@ -660,10 +660,9 @@ class CheckpointManager:
             if self._leads():
                 try:
                     report = _scan.verify(final)
-                    if not report.ok:
-                        shown = "; ".join(f"{p['leaf'] or ''} {p['chunk'] or ''}: {p['message']}".strip()
-                                          for p in report.problems[:3])
-                        more = f" (and {len(report.problems) - 3} more)" if len(report.problems) > 3 else ""
+                    if not report.ok:  # one entry per damaged file, with the leaves it costs
+                        shown = "; ".join(_damage(d) for d in report.damaged[:3])
+                        more = f" (and {len(report.damaged) - 3} more)" if len(report.damaged) > 3 else ""
                         error = CheckpointError(f"step {step} failed verification after its commit: {shown}{more}")
                 except CheckpointError as e:
                     error = e
@@ -1103,6 +1102,14 @@ class _Deleter:
         self._worker.wait()
 
     close = wait
+
+
+def _damage(entry: dict[str, Any]) -> str:
+    """One damaged file of a verify report: its problem and the leaves it costs."""
+    leaves = entry.get("leaves") or []
+    named = ", ".join(repr(p) for p in leaves[:3]) + (f" and {len(leaves) - 3} more" if len(leaves) > 3 else "")
+    message = entry["message"] if entry["message"].startswith(entry["file"]) else f"{entry['file']}: {entry['message']}"
+    return f"{message} (leaves {named})" if leaves else message
 
 
 def _check_positive(**values: Any) -> None:
