@@ -405,8 +405,11 @@ def verify(path: Any, *, progress: Progress | None = None) -> VerifyReport:
       >>> [p["message"] for p in report.problems]
       []
     """
+    return _verify(_location.resolve(path), progress)
+
+
+def _verify(loc: Location, progress: Progress | None) -> VerifyReport:
     start = time.perf_counter()
-    loc = _location.resolve(path)
     try:
         man = _sources.read_manifest(loc)  # also: a manifest copied from another step
     except CorruptCheckpointError as e:

@@ -487,14 +487,16 @@ def to_safetensors(path: Any, out: str | os.PathLike, *, select: Any = None, dty
       >>> convert.to_safetensors("/ckpt/1000", "/export/model", select="params", dtype="bfloat16",
       ...                        key_map={"": "model"})  # model.layers.0.kernel
     """
+    return _export(path, os.fspath(out), select, dtype, max_shard_bytes, _Names(key_map, keep_value), overwrite,
+                   progress)
+
+
+def _export(path: Any, out: str, select: Any, dtype: Any, max_shard_bytes: int | None, names: Any,
+            overwrite: bool, progress: Progress | None) -> ExportResult:
     source = _sources.open_source(path)
-    out = os.fspath(out)
     single = out.endswith(".safetensors")
-    if single and max_shard_bytes is not None:
-        raise CheckpointError(f"max_shard_bytes shards a directory export; '{out}' is one .safetensors file")
-    if max_shard_bytes is not None and max_shard_bytes < 1:
-        raise CheckpointError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    tensors, skipped = _plan_tensors(source, select, _dtype_arg(dtype), _Names(key_map, keep_value))
+    _check_shard_bytes(out, single, max_shard_bytes)
+    tensors, skipped = _plan_tensors(source, select, _dtype_arg(dtype), names)
     shards = [tensors] if single else _shard(tensors, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
     old = _existing_export(out, single)
     if old and not overwrite:
@@ -502,15 +504,20 @@ def to_safetensors(path: Any, out: str | os.PathLike, *, select: Any = None, dty
                               + "; pass overwrite=True (jaxckpt export --overwrite) to replace it")
     # the parent of a file, or the directory itself: the temporary files are written there
     os.makedirs(os.path.dirname(os.path.abspath(out)) if single else out, exist_ok=True)
-    if single:
-        files = [out]
-    else:
-        files = [os.path.join(out, f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors") for k in range(len(shards))]
+    files = [out] if single else [os.path.join(out, f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors")
+                                  for k in range(len(shards))]
     index = None if single else os.path.join(out, _safetensors.INDEX_FILE)
     _write_files(source, list(zip(files, shards)), index, progress)
     _remove_stale(old, files + ([index] if index else []))
     total = sum(t.nbytes for t in tensors)
     return ExportResult(tuple(files) + ((index,) if index else ()), len(tensors), total, tuple(skipped))
+
+
+def _check_shard_bytes(out: str, single: bool, max_shard_bytes: int | None) -> None:
+    if single and max_shard_bytes is not None:
+        raise CheckpointError(f"max_shard_bytes shards a directory export; '{out}' is one .safetensors file")
+    if max_shard_bytes is not None and max_shard_bytes < 1:
+        raise CheckpointError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
 
 
 class _Names:

@@ -116,7 +116,8 @@ def test_ls_says_which_tier_holds_each_step(tmp_path, s3_server):
         (2, ["persistent"]), (3, ["local"])]
     out = subprocess.run([exe, "ls", str(tmp_path / "local"), "--persistent", url], capture_output=True,
                          text=True, env=env, timeout=120)
-    assert out.stdout.splitlines()[0].split() == ["step", "committed", "age", "size", "save", "tier", "metrics"]
+    assert out.stdout.splitlines()[0].split() == [
+        "step", "committed", "age", "size", "blocking", "total", "tier", "metrics"]
     step2, step3 = out.stdout.splitlines()[1:3]
     assert step2.split()[0] == "2" and step2.split()[-1] == "persistent"  # no metrics were saved
     assert step3.split()[0] == "3" and step3.split()[-1] == "local"
