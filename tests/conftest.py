@@ -277,3 +277,38 @@ def s3_auth_server():
         yield server
     finally:
         server.close()
+
+
+def run_workers(worker, nproc, argv, timeout, label="the job", env=None):
+    """A real multi-process JAX job: ``nproc`` processes of the script ``worker``, each
+    started with ``argv(i, port)`` (the arguments after the script); each one's last
+    ``RESULT <json>`` line by process id. Every process is killed, and the test fails,
+    past ``timeout`` seconds; a process that crashed or printed no result fails it too."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    port = free_port()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    extra, env = env or {}, dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+    for var in ("XLA_FLAGS", "JAXCKPT_STALL_S", "JAXCKPT_FAULT"):
+        env.pop(var, None)
+    env.update(extra)
+    procs = [subprocess.Popen([sys.executable, worker, *map(str, argv(i, port))], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for i in range(nproc)]
+    results, deadline = {}, time.monotonic() + timeout
+    for i, p in enumerate(procs):
+        try:
+            out, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            for q in procs:
+                q.communicate(timeout=30)
+            raise AssertionError(f"process {i} of {label} did not finish within {timeout}s") from None
+        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        assert lines, f"process {i} of {label} exited {p.returncode} without a result: {err[-3000:]}"
+        results[i] = json.loads(lines[-1][7:])
+        assert "crash" not in results[i], results[i]["crash"]
+    return results

@@ -5,12 +5,9 @@ bound; a slow peer, and the processes waiting for it, are not stalled."""
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
+from conftest import run_workers
 
 import jaxckpt
 from jaxckpt import _distributed
@@ -19,37 +16,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "mp_dist_worker.py")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_job(nproc, scenario, args, timeout):
     """``nproc`` processes of one device each; each one's ``RESULT`` dict by process id."""
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    for var in ("XLA_FLAGS", "JAXCKPT_STALL_S", "JAXCKPT_FAULT"):
-        env.pop(var, None)
-    procs = [subprocess.Popen([sys.executable, WORKER, str(port), str(nproc), str(i), "1", scenario, json.dumps(args)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for i in range(nproc)]
-    results = {}
-    deadline = time.monotonic() + timeout
-    for i, p in enumerate(procs):
-        try:
-            out, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            for q in procs:
-                q.communicate(timeout=30)
-            raise AssertionError(f"process {i} of {scenario} did not finish within {timeout}s") from None
-        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-        assert lines, f"process {i} of {scenario} exited {p.returncode} without a result: {err[-3000:]}"
-        results[i] = json.loads(lines[-1][7:])
-        assert "crash" not in results[i], results[i]["crash"]
-    return results
+    return run_workers(WORKER, nproc, lambda i, port: [port, nproc, i, 1, scenario, json.dumps(args)], timeout,
+                       scenario)
 
 
 def test_a_delayed_peer_and_process_0_agree_on_every_save_sharing_a_thread_lane(tmp_path):

@@ -5,43 +5,17 @@ instead of exchanging wrong bytes. The plan itself: test_exchange.py."""
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
+
+from conftest import run_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "mp_exchange_worker.py")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_job(nproc, scenario, args, timeout):
     """Every process's RESULT; the job killed (and the test failed) past ``timeout``."""
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    procs = [subprocess.Popen([sys.executable, WORKER, str(port), str(nproc), str(i), scenario, json.dumps(args)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for i in range(nproc)]
-    results = {}
-    deadline = time.monotonic() + timeout
-    for i, p in enumerate(procs):
-        try:
-            out, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"process {i} of {scenario} did not finish within {timeout}s") from None
-        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-        assert lines, f"process {i} of {scenario} exited {p.returncode}:\n{err[-3000:]}"
-        results[i] = json.loads(lines[-1][7:])
-        assert "crash" not in results[i], results[i]["crash"]
-    return results
+    return run_workers(WORKER, nproc, lambda i, port: [port, nproc, i, scenario, json.dumps(args)], timeout,
+                       scenario)
 
 
 def test_a_wave_holds_at_most_its_budget_with_4_processes(tmp_path):

@@ -5,40 +5,17 @@ Real 2-process jobs (tests/mp_hosts_worker.py)."""
 import json
 import os
 import shutil
-import subprocess
-import sys
-import time
 
 import numpy as np
+from conftest import run_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "mp_hosts_worker.py")
 
 
 def run_job(scenario_args, nproc=2, ndev=2, timeout=120):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=os.environ.get("JAXCKPT_TEST_ROOT", ROOT), JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    procs = [subprocess.Popen([sys.executable, WORKER, str(port), str(nproc), str(i), str(ndev), "job",
-                               json.dumps(scenario_args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env) for i in range(nproc)]
-    results, deadline = {}, time.monotonic() + timeout
-    for i, p in enumerate(procs):
-        try:
-            out, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"process {i} timed out") from None
-        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-        assert lines, (p.returncode, err[-3000:])
-        results[i] = json.loads(lines[-1][7:])
-        assert "crash" not in results[i], results[i]["crash"]
-    return results
+    return run_workers(WORKER, nproc, lambda i, port: [port, nproc, i, ndev, "job", json.dumps(scenario_args)],
+                       timeout)
 
 
 def test_a_manager_start_never_deletes_steps_a_replaced_host_lacks(tmp_path):

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import run_workers
 
 import jaxckpt
 from jaxckpt import _lease, _location, _readers, _storage
@@ -246,33 +247,8 @@ def test_renewals_failing_for_a_lease_period_lose_the_lease_for_good(tmp_path, m
 # --- defect 6: two processes raise at the same call ------------------------------------
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_job(args, nproc=2, ndev=2, timeout=150):
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    procs = [subprocess.Popen([sys.executable, WORKER, str(port), str(nproc), str(i), str(ndev), json.dumps(args)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for i in range(nproc)]
-    results = {}
-    deadline = time.monotonic() + timeout
-    for i, p in enumerate(procs):
-        try:
-            out, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"process {i} timed out") from None
-        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-        assert lines, f"process {i} exited {p.returncode} without a result: {err[-3000:]}"
-        results[i] = json.loads(lines[-1][7:])
-        assert "crash" not in results[i], results[i]["crash"]
-    return results
+    return run_workers(WORKER, nproc, lambda i, port: [port, nproc, i, ndev, json.dumps(args)], timeout)
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])

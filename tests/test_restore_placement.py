@@ -6,17 +6,12 @@ the plans several processes must agree on follow from global facts only. The
 multi-process cases run real ``jax.distributed`` jobs (``mp_place_worker.py``).
 """
 
-import json
 import os
-import socket
-import subprocess
-import sys
-import time
 
 import jax
 import numpy as np
 import pytest
-from conftest import assert_bit_equal, mesh, sharded
+from conftest import assert_bit_equal, mesh, run_workers, sharded
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -27,32 +22,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "mp_place_worker.py")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_place_job(path, read_once, nproc=2, ndev=2, timeout=150):
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", JAXCKPT_READ_ONCE=read_once)
-    env.pop("XLA_FLAGS", None)
-    procs = [subprocess.Popen([sys.executable, WORKER, str(port), str(nproc), str(i), str(ndev), str(path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for i in range(nproc)]
-    results, deadline = {}, time.monotonic() + timeout
-    for i, p in enumerate(procs):
-        try:
-            out, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"process {i} of the placement job timed out") from None
-        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-        assert lines, f"process {i} exited {p.returncode} without a result: {err[-3000:]}"
-        results[i] = json.loads(lines[-1][7:])
-        assert "crash" not in results[i], results[i]["crash"]
-    return results
+    return run_workers(WORKER, nproc, lambda i, port: [port, nproc, i, ndev, path], timeout,
+                       "the placement job", env={"JAXCKPT_READ_ONCE": read_once})
 
 
 EXACT_ON_MESH = {"type": "array", "shards": 2, "exact": True, "sharding": True}
