@@ -71,7 +71,7 @@ def _make(work: str, size_gib: float, leaves: int) -> dict:
     from jax.sharding import PartitionSpec as P
 
     import jaxckpt
-    from jaxckpt import _sources
+    from jaxckpt import _formats
 
     cols = 4096
     rows = max(NDEV, int(size_gib * GiB / leaves / 4 / cols) // NDEV * NDEV)
@@ -87,7 +87,7 @@ def _make(work: str, size_gib: float, leaves: int) -> dict:
         with ocp.StandardCheckpointer() as ck:
             ck.save(os.path.join(work, "orbax"), tree)
             ck.wait_until_finished()
-        out["orbax"] = _sources.open_source(os.path.join(work, "orbax")).format == "orbax"
+        out["orbax"] = _formats.open_source(os.path.join(work, "orbax")).format == "orbax"
     except Exception as e:  # noqa: BLE001 - import then runs from the jaxckpt copy
         out["orbax_error"] = f"{type(e).__name__}: {e}"
     return out
@@ -128,13 +128,13 @@ def _op(op: str, work: str, orbax: bool) -> None:
     from jax.sharding import AbstractMesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxckpt import _sources, convert
+    from jaxckpt import _formats, convert
 
     if op == "import":
         if orbax:
             convert.from_orbax(os.path.join(work, "orbax"), dest)
         else:
-            convert.import_source(_sources.open_source(src), dest)
+            convert.import_source(_formats.open_source(src), dest)
     elif op == "export":
         convert.to_safetensors(src, dest)
     elif op == "export-bf16":
@@ -154,7 +154,7 @@ def worker(args: argparse.Namespace) -> None:
     from jaxckpt import convert  # noqa: F401
 
     if args.cli_malloc:  # what the jaxckpt commands do
-        from jaxckpt import _stream
+        from jaxckpt._formats import stream as _stream
 
         assert _stream.limit_malloc_retention()
     base = _maxrss()

@@ -27,7 +27,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxckpt import _layout, _manifest, _snapshot, _tree  # noqa: E402
+from jaxckpt import (
+    _layout,
+    _manifest,
+    _snapshot,
+    _tree,  # noqa: E402
+)
 from jaxckpt._manifest import LeafRecord, Manifest  # noqa: E402
 
 

@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _scan
+from jaxckpt import _verify
 
 
 def save_big(path: str, size_bytes: int) -> int:
@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--budget-mib", type=int, default=None, help="verify's read budget (default: the library's)")
     args = ap.parse_args()
     if args.budget_mib is not None:
-        _scan.SCAN_BUDGET_BYTES = args.budget_mib << 20
+        _verify.SCAN_BUDGET_BYTES = args.budget_mib << 20
     os.makedirs(OUT_ROOT, exist_ok=True)
     work = tempfile.mkdtemp(prefix="verify-", dir=OUT_ROOT)
     try:
@@ -105,7 +105,7 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t0)
         v, r = statistics.median(times["verify"]), statistics.median(times["raw"])
         print(f"checkpoint: {data / GiB:.2f} GiB of data in 8 leaves, {report.chunks} chunks, "
-              f"{NDEV} CPU devices, {os.cpu_count()} CPUs, read budget {_scan.SCAN_BUDGET_BYTES >> 20} MiB; "
+              f"{NDEV} CPU devices, {os.cpu_count()} CPUs, read budget {_verify.SCAN_BUDGET_BYTES >> 20} MiB; "
               f"warm page cache for both")
         print(f"verify: {data / v / GiB:6.2f} GiB/s  (median {v:.3f} s of {args.reps}: "
               + ", ".join(f"{t:.3f}" for t in times["verify"]) + ")")

@@ -6,7 +6,6 @@ commits.
 """
 
 from . import convert as convert
-from ._cadence import CadenceAdvice as CadenceAdvice
 from ._checkpoint import CheckpointInfo as CheckpointInfo
 from ._checkpoint import LeafInfo as LeafInfo
 from ._checkpoint import MissingKeysWarning as MissingKeysWarning
@@ -17,17 +16,18 @@ from ._errors import CheckpointError as CheckpointError
 from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ._errors import CorruptCheckpointError as CorruptCheckpointError
 from ._errors import TreeMismatchError as TreeMismatchError
-from ._history import History as History
-from ._history import HistoryRecord as HistoryRecord
-from ._history import history as history
 from ._layout import SavedSharding as SavedSharding
-from ._manager import CheckpointManager as CheckpointManager
+from ._manager.cadence import CadenceAdvice as CadenceAdvice
+from ._manager.history import History as History
+from ._manager.history import HistoryRecord as HistoryRecord
+from ._manager.history import history as history
+from ._manager.manager import CheckpointManager as CheckpointManager
 from ._plot import plot_history as plot_history
-from ._scan import DiffReport as DiffReport
-from ._scan import LeafStats as LeafStats
-from ._scan import VerifyReport as VerifyReport
-from ._scan import diff as diff
-from ._scan import verify as verify
+from ._verify import DiffReport as DiffReport
+from ._verify import LeafStats as LeafStats
+from ._verify import VerifyReport as VerifyReport
+from ._verify import diff as diff
+from ._verify import verify as verify
 from ._version import __version__ as __version__
 from .inspect import CheckpointView as CheckpointView
 from .inspect import LazyArray as LazyArray

@@ -22,11 +22,12 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from . import _commit, _distributed, _dtypes, _exchange, _layout, _location, _manifest, _sources, _tree
+from . import _commit, _distributed, _dtypes, _exchange, _formats, _layout, _manifest, _tree
 from ._errors import SHOWN_PATHS, CheckpointError, TreeMismatchError, some_paths
-from ._location import Location
 from ._manifest import LeafRecord, Manifest
 from ._snapshot import Snapshot, snapshot
+from ._storage import location as _location
+from ._storage.location import Location
 from ._writer import write_data
 
 _log = logging.getLogger("jaxckpt")
@@ -284,7 +285,7 @@ def metadata(path: Any) -> CheckpointInfo:
       (1024, 1024)
     """
     with _tree.gc_paused():
-        source = _sources.open_source(path)
+        source = _formats.open_source(path)
         man = source.manifest
         tree = _tree.build(man.structure, lambda i: _leaf_info(man.leaves[i]))
     return CheckpointInfo(tree, man.metadata, man.format_version, man.info, str(source.loc))
@@ -541,7 +542,7 @@ def _cast(arr: np.ndarray, req: _Request, where: str) -> np.ndarray:
     return arr.astype(req.dtype)
 
 
-def _restore_leaves(source: _sources.Source, requests: list[_Request]) -> list[Any]:
+def _restore_leaves(source: _formats.Source, requests: list[_Request]) -> list[Any]:
     """Read what every request needs (each distinct slice once), then place it. In a
     multi-process job a slice several processes need is read once per job (``_exchange``):
     whether it is, and each leaf's part in it, follow from global facts only (the
@@ -556,7 +557,7 @@ def _restore_leaves(source: _sources.Source, requests: list[_Request]) -> list[A
     return _place(reader, requests, plans, str(source.loc))
 
 
-def _plan_reads(reader: _sources.ReaderLike, req: _Request) -> Any:
+def _plan_reads(reader: _formats.ReaderLike, req: _Request) -> Any:
     """Tell ``reader`` which slices ``req`` needs: ``None`` (an inline value), the full
     index (host arrays) or ``(sharding, {device: index})`` (``{}``: this process holds
     none of it). A leaf on devices of several processes goes to the exchange in every
@@ -587,7 +588,7 @@ def _plan_reads(reader: _sources.ReaderLike, req: _Request) -> Any:
     return sharding, per_device
 
 
-def _place(reader: _sources.ReaderLike, requests: list[_Request], plans: list[Any], where: str) -> list[Any]:
+def _place(reader: _formats.ReaderLike, requests: list[_Request], plans: list[Any], where: str) -> list[Any]:
     """Host values for host requests; device arrays, placed in one batched
     ``device_put``, for the rest. On CPU jax adopts our 64-byte-aligned host buffers
     without a copy (devices holding the same slice share it; jax arrays are immutable
@@ -684,7 +685,7 @@ def _key_data_sharding(sharding: Any, extra: int, path: str) -> Any:
     )
 
 
-def _restore_all_numpy(source: _sources.Source) -> Any:
+def _restore_all_numpy(source: _formats.Source) -> Any:
     man = source.manifest
     requests = [
         _Request(r, "value" if r.kind == "value" else "numpy", None, None, None, r.value)
@@ -767,7 +768,7 @@ class MissingKeysWarning(UserWarning):
 
 def _restore(path: Any, target: Any, shardings: Any, partial: bool, allow_narrowing: bool = False,
              key_map: Any = None, missing: str | None = None) -> Any:
-    source = _sources.open_source(path)
+    source = _formats.open_source(path)
     loc, man = source.loc, source.manifest
     single_sharding = isinstance(shardings, jax.sharding.Sharding)
     if target is None and (shardings is None or single_sharding):

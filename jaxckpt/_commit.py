@@ -28,7 +28,7 @@ what no other state looks like (a deleted step's hidden copy has no staging sibl
   cleanup of dead attempts can never delete the only copy of a step.
 
 A deleted local step is renamed aside first (it is unlisted at once), then its
-manifest is removed, then its data (``_storage.delete_tree``): a half-deleted copy
+manifest is removed, then its data (``_kvstore.delete_tree``): a half-deleted copy
 never has a manifest.
 """
 
@@ -48,9 +48,12 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import _iostats, _lease, _location, _manifest, _storage, _tasks
+from . import _manifest, _storage, _tasks
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ._location import Location
+from ._manager import lease as _lease
+from ._storage import kvstore as _kvstore
+from ._storage import location as _location
+from ._storage.location import Location
 
 TMP_MARK = ".jaxckpt-tmp-"
 DATA_DIRS = {"arrays", "packed"}  # a checkpoint's data when it has no data prefix (format 1)
@@ -106,7 +109,7 @@ def data_location(final: Location, token: str) -> Location:
 
 
 def has_manifest(loc: Location) -> bool:
-    return _storage.read_blob(loc, _manifest.MANIFEST) is not None
+    return _kvstore.read_blob(loc, _manifest.MANIFEST) is not None
 
 
 def prepare(final: Location, token: str, overwrite: bool) -> Location:
@@ -123,7 +126,7 @@ def prepare(final: Location, token: str, overwrite: bool) -> Location:
         except OSError as e:
             raise CheckpointError(f"Putting back the checkpoint an overwrite of '{final}' left aside "
                                   f"failed: {e}") from e
-    children = set(_storage.list_children(final))
+    children = set(_kvstore.list_children(final))
     if children:
         # On an object store, data prefixes (and format-1 data dirs) without a manifest
         # are attempts that died before their commit: not a checkpoint, and no obstacle.
@@ -159,7 +162,7 @@ def make_staging(final: Location, token: str) -> Location:
         except OSError as e:  # permission denied, a read-only file system, a full disk
             raise CheckpointError(f"Cannot create the staging directory of '{final}': {e}") from e
     else:  # an object store: the claim sits beside the attempt's data prefix
-        _storage.write_blob(final, f"{DATA_PREFIX_DIR}/{token}{CLAIM_SUFFIX}", json.dumps(_claim(final)).encode())
+        _kvstore.write_blob(final, f"{DATA_PREFIX_DIR}/{token}{CLAIM_SUFFIX}", json.dumps(_claim(final)).encode())
     return staging
 
 
@@ -197,7 +200,7 @@ def _drop_claim(final: Location, token: str | None) -> None:
         return
     if final.local is None:
         try:
-            _storage.delete_blob(final, f"{DATA_PREFIX_DIR}/{token}{CLAIM_SUFFIX}")
+            _kvstore.delete_blob(final, f"{DATA_PREFIX_DIR}/{token}{CLAIM_SUFFIX}")
         except Exception as e:  # noqa: BLE001 - a claim left behind is removed by a later writer
             _log.info("jaxckpt: removing the claim of attempt %s at '%s' failed: %s", token, final, e)
         return
@@ -224,9 +227,9 @@ def commit(final: Location, staging: Location, manifest_bytes: bytes, token: str
 
 def _commit_local(final: Location, staging: Location, manifest_bytes: bytes, token: str) -> None:
     where = str(final)
-    _iostats.fault("commit:before-manifest", where)
-    _storage.write_blob(staging, _manifest.MANIFEST, manifest_bytes, fault="manifest:partial")
-    _iostats.fault("commit:after-manifest", where)
+    _storage.fault("commit:before-manifest", where)
+    _kvstore.write_blob(staging, _manifest.MANIFEST, manifest_bytes, fault="manifest:partial")
+    _storage.fault("commit:after-manifest", where)
     parent, name = os.path.split(final.local)
     replaced = None  # where the copy this commit replaces is once it is committed
     if not os.path.lexists(final.local):
@@ -237,17 +240,17 @@ def _commit_local(final: Location, staging: Location, manifest_bytes: bytes, tok
         replaced = os.path.join(parent, f".{name}{OLD_MARK}{token}")
         os.rename(final.local, replaced)
         try:
-            _iostats.fault("commit:between-renames", where)
+            _storage.fault("commit:between-renames", where)
             os.rename(staging.local, final.local)  # the commit
         except BaseException:
             os.rename(replaced, final.local)  # not committed: the old copy goes back
             raise
     _drop_claim(final, token)
     try:  # committed: nothing raises from here on
-        _storage.fsync_dir(parent)
-        _iostats.fault("commit:after-rename", where)
+        _kvstore.fsync_dir(parent)
+        _storage.fault("commit:after-rename", where)
         if replaced is not None:
-            _storage.delete_tree(_location.resolve(replaced))  # its manifest first
+            _kvstore.delete_tree(_location.resolve(replaced))  # its manifest first
     except Exception as e:  # noqa: BLE001 - what is left is a dead attempt, removed by a later writer
         _log.warning("jaxckpt: '%s' is committed, but removing the copy it replaced failed: %s", final, e)
 
@@ -292,14 +295,14 @@ def _commit_object_store(final: Location, manifest_bytes: bytes, token: str) -> 
     ours = data_key(final, token)
     replaced = named_data(final)  # read just before the PUT: what this commit replaces
     where = str(final)
-    _iostats.fault("commit:before-manifest", where)
-    _storage.write_blob(final, _manifest.MANIFEST, manifest_bytes)
+    _storage.fault("commit:before-manifest", where)
+    _kvstore.write_blob(final, _manifest.MANIFEST, manifest_bytes)
     _drop_claim(final, token)
     try:
-        _iostats.fault("commit:after-manifest", where)
+        _storage.fault("commit:after-manifest", where)
         if replaced is not None and replaced != ours:
             _delete_data(final, replaced)
-        _iostats.fault("commit:after-old-delete", where)
+        _storage.fault("commit:after-old-delete", where)
         remove_dead_data(final, ours, ATTEMPT_GRACE_S)
     except Exception as e:  # noqa: BLE001 - committed; what is left is removed by a later writer
         _log.warning("jaxckpt: '%s' is committed, but removing the data it replaced failed: %s", final, e)
@@ -319,10 +322,10 @@ def named_data(loc: Location) -> str | None:
 
 def _delete_data(loc: Location, key: str) -> None:
     if key:
-        _storage.delete_tree(loc.child(key))
+        _kvstore.delete_tree(loc.child(key))
         return
     for name in sorted(DATA_DIRS):
-        _storage.delete_tree(loc.child(name))
+        _kvstore.delete_tree(loc.child(name))
 
 
 def _attempt_age(name: str, now: float) -> float | None:
@@ -346,7 +349,7 @@ def remove_dead_data(loc: Location, keep: str | None, grace_s: float | None, *, 
     checkpoint before writing; none can be in the middle of a commit). Returns the keys
     removed.
     """
-    children = set(_storage.list_children(loc))
+    children = set(_kvstore.list_children(loc))
     removed = []
     if keep != "":
         removed += sorted(children & DATA_DIRS)
@@ -354,7 +357,7 @@ def remove_dead_data(loc: Location, keep: str | None, grace_s: float | None, *, 
     orphans: list[str] = []  # claims whose attempt wrote nothing, their writer gone
     if DATA_PREFIX_DIR in children:
         now = time.time()
-        names = _storage.list_children(loc.child(DATA_PREFIX_DIR))
+        names = _kvstore.list_children(loc.child(DATA_PREFIX_DIR))
         claims = {n[:-len(CLAIM_SUFFIX)]: n for n in names if n.endswith(CLAIM_SUFFIX)}
         for name in names:
             key = f"{DATA_PREFIX_DIR}/{name}"
@@ -370,17 +373,17 @@ def remove_dead_data(loc: Location, keep: str | None, grace_s: float | None, *, 
         orphans = [c for t, c in claims.items() if t not in names and t + "/" not in names
                    and not claim_alive(_read_claim(loc, c), lease_token)]
     for key in () if dry_run else removed:
-        _storage.delete_tree(loc.child(key))
+        _kvstore.delete_tree(loc.child(key))
         token = key.split("/", 1)[1] if key.startswith(f"{DATA_PREFIX_DIR}/") else None
         if token in claims:
-            _storage.delete_blob(loc, f"{DATA_PREFIX_DIR}/{claims[token]}")
+            _kvstore.delete_blob(loc, f"{DATA_PREFIX_DIR}/{claims[token]}")
     for name in () if dry_run or grace_s is not None else orphans:  # a writer's clean-up: claims of the gone
-        _storage.delete_blob(loc, f"{DATA_PREFIX_DIR}/{name}")
+        _kvstore.delete_blob(loc, f"{DATA_PREFIX_DIR}/{name}")
     return removed
 
 
 def _read_claim(loc: Location, name: str) -> dict[str, Any]:
-    owner = _lease._parse(_storage.read_blob(loc, f"{DATA_PREFIX_DIR}/{name}"))
+    owner = _lease._parse(_kvstore.read_blob(loc, f"{DATA_PREFIX_DIR}/{name}"))
     return {} if owner is None else owner
 
 
@@ -394,7 +397,7 @@ def abort(final: Location, staging: Location, token: str | None = None) -> None:
     if staging.local is not None and staging.local != final.local:
         try:
             _recover_local(*os.path.split(final.local))
-            _storage.delete_tree(staging)
+            _kvstore.delete_tree(staging)
         except Exception as e:  # noqa: BLE001 - best effort: the save's own error is what matters
             _log.warning("jaxckpt: cleaning up after a failed save to '%s' failed: %s", final, e)
         else:
@@ -405,7 +408,7 @@ def abort(final: Location, staging: Location, token: str | None = None) -> None:
         key = data_key(final, token)
         try:
             if named_data(final) != key:
-                _storage.delete_tree(final.child(key))
+                _kvstore.delete_tree(final.child(key))
                 _drop_claim(final, token)
         except Exception as e:  # noqa: BLE001 - best effort: the save's own error is what matters
             _log.warning("jaxckpt: removing the data of a failed save to '%s' failed: %s", final, e)
@@ -425,7 +428,7 @@ def _manager_hint(loc: Location) -> str:
     a writer's lease): its committed steps and how to open one. A run's directory is what
     a user passes first where a step is expected (``restore``, ``open``, ``jaxckpt show``)."""
     try:
-        names = _storage.list_children(loc)
+        names = _kvstore.list_children(loc)
         steps = sorted(s for s in map(_step_of, names) if s is not None)
         committed = _committed_steps(loc, steps)
     except (OSError, CheckpointError):  # only a hint: the not-found error is the answer
@@ -493,7 +496,7 @@ def _read_manifest_bytes(loc: Location) -> bytes | None:
     huge (or sparse) file, or a FIFO that would block ``open`` forever.
     """
     if loc.local is None:
-        return _storage.read_blob(loc, _manifest.MANIFEST)  # parse() checks the size
+        return _kvstore.read_blob(loc, _manifest.MANIFEST)  # parse() checks the size
     path = os.path.join(loc.local, _manifest.MANIFEST)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
@@ -542,7 +545,7 @@ def discover(directory: Location) -> tuple[dict[int, _manifest.Manifest], dict[i
     """
     found: dict[int, _manifest.Manifest] = {}
     skipped: dict[int, str] = {}
-    names = _storage.list_children(directory)
+    names = _kvstore.list_children(directory)
     for name, (old, _) in interrupted_overwrites(names).items():
         step = _step_of(name)
         if step is not None:  # not gone: a writer puts it back (``recover``)
@@ -581,7 +584,7 @@ def stale_attempts(directory: Location) -> list[str]:
     Never the two copies of an overwrite stopped between its renames (``<step>``
     missing): the old one is the step, which ``recover`` puts back."""
     out = []
-    names = _storage.list_children(directory)
+    names = _kvstore.list_children(directory)
     pairs = {n for pair in interrupted_overwrites(names).values() for n in pair}
     for name in names:
         if is_temporary_name(name) and name not in pairs:
@@ -607,7 +610,7 @@ def attempt_owner(directory: Location, name: str) -> dict[str, Any] | None:
 
 def remove_attempt(directory: Location, name: str) -> None:
     """Remove a dead local attempt (or a step being deleted) and its claim."""
-    _storage.delete_tree(directory.child(name))
+    _kvstore.delete_tree(directory.child(name))
     hidden = _split_hidden(name)
     if directory.local is not None and hidden is not None and hidden[1] == TMP_MARK:
         try:
@@ -621,7 +624,7 @@ def remove_dead_claims(directory: Location) -> list[str]:
     removal) whose writer is gone. Returns the names removed."""
     if directory.local is None:
         return []
-    names = set(_storage.list_children(directory))
+    names = set(_kvstore.list_children(directory))
     removed = []
     for name in sorted(names):
         if CLAIM_MARK not in name or not name.startswith(".") or not name.endswith(".json"):
@@ -702,7 +705,7 @@ def _recover_local(parent: str, name: str | None) -> list[str]:
         if name is not None and target != name:
             continue
         os.rename(os.path.join(parent, old), os.path.join(parent, target))
-        _storage.fsync_dir(parent)
+        _kvstore.fsync_dir(parent)
         _log.warning("jaxckpt: an overwrite of '%s' stopped between its renames; the checkpoint it "
                      "replaced is back in place", os.path.join(parent, target))
         remove_attempt(_location.resolve(parent), staging)
@@ -713,7 +716,7 @@ def _recover_local(parent: str, name: str | None) -> list[str]:
 def delete_step(directory: Location, step: int, token: str, *,
                 held: Callable[[], bool] | None = None) -> bool:
     """Make a committed step invisible first, then delete its data (locally: renamed
-    aside, then ``_storage.delete_tree``: its manifest, then the rest; no staging
+    aside, then ``_kvstore.delete_tree``: its manifest, then the rest; no staging
     sibling shares its token, so it is never taken for an interrupted overwrite's old
     copy). ``held`` is asked once the step is invisible (no new reader can find it):
     ``True`` puts the step back as it was and returns ``False``. ``True``: it is gone."""
@@ -727,19 +730,19 @@ def delete_step(directory: Location, step: int, token: str, *,
         if held is not None and held():
             os.rename(doomed, loc.local)
             return False
-        _storage.fsync_dir(directory.local)
-        _iostats.fault("delete:after-rename", str(loc))
-        _storage.delete_tree(_location.resolve(doomed))  # its manifest first
+        _kvstore.fsync_dir(directory.local)
+        _storage.fault("delete:after-rename", str(loc))
+        _kvstore.delete_tree(_location.resolve(doomed))  # its manifest first
         return True
     # No rename on an object store: the manifest goes first (the step is unlisted at
     # once; a crash here leaves data that is no checkpoint), then everything under it.
-    manifest = _storage.read_blob(loc, _manifest.MANIFEST) if held is not None else None
-    _storage.delete_blob(loc, _manifest.MANIFEST)
-    _iostats.fault("delete:after-manifest", str(loc))
+    manifest = _kvstore.read_blob(loc, _manifest.MANIFEST) if held is not None else None
+    _kvstore.delete_blob(loc, _manifest.MANIFEST)
+    _storage.fault("delete:after-manifest", str(loc))
     if manifest is not None and held():
-        _storage.write_blob(loc, _manifest.MANIFEST, manifest)
+        _kvstore.write_blob(loc, _manifest.MANIFEST, manifest)
         return False
-    _storage.delete_tree(loc)
+    _kvstore.delete_tree(loc)
     return True
 
 
@@ -760,7 +763,7 @@ def remove_dead_step_data(directory: Location, *, dry_run: bool = False, lease_t
             recover(directory)
         return []
     removed: list[str] = []
-    names = [n for n in _storage.list_children(directory) if _step_of(n) is not None]
+    names = [n for n in _kvstore.list_children(directory) if _step_of(n) is not None]
     _tasks.run_tasks([lambda n=n: removed.extend(_remove_dead_in_step(directory, n, dry_run, lease_token, live))
                       for n in names], CLEAN_THREADS)
     return sorted(removed)
@@ -769,10 +772,10 @@ def remove_dead_step_data(directory: Location, *, dry_run: bool = False, lease_t
 def _remove_dead_in_step(directory: Location, name: str, dry_run: bool = False,
                          lease_token: str | None = None, live: list[str] | None = None) -> list[str]:
     loc = directory.child(name)
-    children = set(_storage.list_children(loc))
+    children = set(_kvstore.list_children(loc))
     candidates = 1 if children & DATA_DIRS else 0
     if DATA_PREFIX_DIR in children:
-        candidates += len(_storage.list_children(loc.child(DATA_PREFIX_DIR)))
+        candidates += len(_kvstore.list_children(loc.child(DATA_PREFIX_DIR)))
     if not candidates or (candidates == 1 and _manifest.MANIFEST in children):
         return []  # nothing, or only the data its manifest names
     keep = named_data(loc)

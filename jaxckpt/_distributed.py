@@ -25,7 +25,7 @@ apart, so that a slow process is never mistaken for a dead one:
 * a peer that has not started the operation: waited for ``timeout_s`` (counted from
   when the waiting process started waiting), then the wait fails.
 
-Progress, per process: every chunk it read or wrote (``_iostats.progress``) plus every
+Progress, per process: every chunk it read or wrote (``_storage.progress``) plus every
 phase it posted. A process that is itself blocked waiting for its peers does no I/O, yet
 is not stalled: while it waits, its heartbeat carries the sum of the progress of the
 peers it waits for, so it moves as long as they do (the coordinator of a save waiting
@@ -60,7 +60,7 @@ from typing import Any
 
 import jax
 
-from . import _iostats
+from . import _storage
 from ._errors import CheckpointError
 
 DEFAULT_TIMEOUT_S = 30.0  # waiting for a peer that has not started the operation
@@ -129,7 +129,7 @@ def _count_post() -> None:
 def progress() -> int:
     """This process's progress as its peers see it: chunks read and written plus phases
     posted. Only grows."""
-    return _iostats.progress() + _posts
+    return _storage.progress() + _posts
 
 
 def _client():

@@ -69,10 +69,11 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _chunkfiles, _distributed, _dtypes, _layout
+from . import _distributed, _dtypes, _layout
 from ._errors import CheckpointError
-from ._location import Location
 from ._manifest import LeafRecord
+from ._storage import chunkfiles as _chunkfiles
+from ._storage.location import Location
 
 _log = logging.getLogger("jaxckpt")
 
@@ -359,7 +360,7 @@ def _padded(n: int) -> int:
 
 
 class ReadOnce:
-    """A reader (``_sources.ReaderLike``) that reads shared slices once per job.
+    """A reader (``_formats.ReaderLike``) that reads shared slices once per job.
 
     ``add`` a slice only this process needs; ``add_global`` a leaf placed on a sharding
     that spans processes (in the same order in every process). ``run`` then plans,

@@ -23,8 +23,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _dtypes, _layout, _location, _tree
+from . import _dtypes, _layout, _tree
 from ._errors import CorruptCheckpointError
+from ._storage import location as _location
 
 MANIFEST = "manifest.json"
 FORMAT = "jaxckpt"

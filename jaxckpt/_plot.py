@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from . import _history
+from ._manager import history as _history
 
 
 def plot_history(mgr_or_directory: Any, metrics: str | Sequence[str] | None = None, ax: Any = None) -> Any:

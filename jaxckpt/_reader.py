@@ -35,10 +35,13 @@ from typing import Any
 
 import numpy as np
 
-from . import _chunkfiles, _dtypes, _layout, _storage, _tasks, _zarr
+from . import _dtypes, _layout, _tasks
 from ._errors import CheckpointError, CorruptCheckpointError
-from ._location import Location
 from ._manifest import LeafRecord, Manifest
+from ._storage import chunkfiles as _chunkfiles
+from ._storage import kvstore as _kvstore
+from ._storage import zarr as _zarr
+from ._storage.location import Location
 
 READ_BUDGET_BYTES = 256 << 20  # bytes of reads in flight (bounds transient buffers)
 DIRECT_READ_THREADS = 4
@@ -54,7 +57,7 @@ class Reader:
     def __init__(self, loc: Location, man: Manifest):
         self.loc, self.man = loc, man  # ``loc``: the checkpoint, as messages name it
         self.root = man.data_root(loc)  # where its arrays/ and packed/ are
-        self.ctx = _storage.context(loc)  # shared by every reader of this store
+        self.ctx = _kvstore.context(loc)  # shared by every reader of this store
         self._stores: dict[str, Any] = {}
         self._packed = {p.process: p for p in man.packed}
         self._wanted: dict[tuple[str, _layout.Index], LeafRecord] = {}
@@ -225,7 +228,7 @@ def _corrupt(loc: Location, op: _Op, e: BaseException) -> CheckpointError:
     names = ", ".join(f"'{p}'" for p in op.leaves[:5]) + (" ..." if len(op.leaves) > 5 else "")
     if isinstance(e, CorruptCheckpointError) or any(mark in str(e) for mark in _DATA_ERRORS):
         return CorruptCheckpointError(f"Checkpoint '{loc}': leaf {names} could not be read: {e}")
-    cause = e if isinstance(e, CheckpointError) else _storage.storage_cause(e)
+    cause = e if isinstance(e, CheckpointError) else _kvstore.storage_cause(e)
     return CheckpointError(f"Checkpoint '{loc}': reading leaf {names} failed: {cause}")
 
 

@@ -19,10 +19,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _chunkfiles, _distributed, _dtypes, _iostats, _storage, _tasks, _zarr
+from . import _distributed, _dtypes, _storage, _tasks
 from ._errors import CheckpointError
-from ._location import Location
 from ._snapshot import Snapshot, Wave, cell_of
+from ._storage import chunkfiles as _chunkfiles
+from ._storage import kvstore as _kvstore
+from ._storage import zarr as _zarr
+from ._storage.location import Location
 
 # Bytes of writes in flight at once: bounds tensorstore's encode buffers (host memory)
 # while keeping the disk busy.
@@ -47,7 +50,7 @@ class _Write(NamedTuple):
 def write_data(staging: Location, snap: Snapshot) -> None:
     """Write this process's part of every leaf; return when every write is durable."""
     try:
-        _iostats.fault("data:start", str(staging))
+        _storage.fault("data:start", str(staging))
         if snap.waves is not None:
             _write_waves(staging, snap)
             return
@@ -76,7 +79,7 @@ def _create_arrays(staging: Location, snap: Snapshot) -> None:
     before any wave is written: each wave then opens them blind, as the others do."""
     if _distributed.process_index() != (snap.group[0] if snap.group else 0):
         return
-    ctx = _storage.context(staging)
+    ctx = _kvstore.context(staging)
     openings = []
     for rec in snap.records:
         if rec.kind != "value" and rec.store == "file":
@@ -95,7 +98,7 @@ def plan(staging: Location, snap: Snapshot, create: bool = True) -> list[_Write]
     chunk. Nothing is written yet. ``create=False``: the arrays exist (a later wave)."""
     me = _distributed.process_index()
     creator = snap.group[0] if snap.group else 0  # writes each array's zarr.json
-    ctx = _storage.context(staging)
+    ctx = _kvstore.context(staging)
     direct = DIRECT_WRITES and staging.local is not None
     writes = []
     if snap.packed_buf is not None:
@@ -143,7 +146,7 @@ def execute(writes: list[_Write], staging: Location) -> None:
     _tasks.run_tasks([functools.partial(_chunkfiles.write_chunk_file, w.path, w.data, w.key) for w in direct],
                      WRITE_THREADS)
     for d in _parents_up_to(set(dirs), staging.local):
-        _storage.fsync_dir(d)
+        _kvstore.fsync_dir(d)
 
 
 def _wait(future: Any) -> None:

@@ -108,7 +108,8 @@ def main() -> None:
 
 
 def _is_checkpoint(path: str) -> bool:
-    from . import _commit, _location
+    from . import _commit
+    from ._storage import location as _location
 
     return _commit.has_manifest(_location.resolve(path))
 
@@ -473,7 +474,7 @@ def _parse_renames(renames: tuple[str, ...]) -> dict[str, str] | None:
 def _limit_malloc_retention() -> None:
     """This process only converts: keep decoded chunks from piling up in malloc's
     arenas (see ``_stream.limit_malloc_retention``), unless ``JAXCKPT_KEEP_MALLOC`` is set."""
-    from . import _stream
+    from ._formats import stream as _stream
 
     _stream.limit_malloc_retention()
 
@@ -666,17 +667,17 @@ def console() -> None:
 
 def _http_timeouts() -> None:
     """The command owns its process, so it sets what a library call may not: curl's
-    timeouts for the I/O bound (``_storage.http_timeouts``), each only where the user left
+    timeouts for the I/O bound (``_bounds.http_timeouts``), each only where the user left
     it unset, before tensorstore reads them."""
-    from . import _storage
     from ._errors import CheckpointError
+    from ._storage import bounds as _bounds
 
     try:
-        bound = _storage.io_timeout_s()
+        bound = _bounds.io_timeout_s()
     except CheckpointError:
         return  # the command reports the bad value when it first waits on the store
     if bound is not None:
-        for name, value in _storage.http_timeouts(bound).items():
+        for name, value in _bounds.http_timeouts(bound).items():
             os.environ.setdefault(name, value)
 
 

@@ -1,6 +1,6 @@
 """Interop: import an orbax checkpoint, export to safetensors, re-layout offline.
 
-Every function here reads its input as a ``_sources.Source`` (a jaxckpt checkpoint, an
+Every function here reads its input as a ``_formats.Source`` (a jaxckpt checkpoint, an
 orbax step, safetensors files), one leaf at a time through the source's reader, and
 writes one leaf at a time (``_stream`` for jaxckpt checkpoints), so host memory stays
 near the largest leaf whatever the checkpoint's size. They run in one process, outside
@@ -27,9 +27,12 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _checkpoint, _dtypes, _layout, _location, _safetensors, _sources, _stream, _tasks, _tree
+from . import _checkpoint, _dtypes, _formats, _layout, _tasks, _tree
 from ._errors import CheckpointError, TreeMismatchError
+from ._formats import safetensors as _safetensors
+from ._formats import stream as _stream
 from ._manifest import LeafRecord, Manifest
+from ._storage import location as _location
 
 __all__ = ["ExportResult", "ImportResult", "from_orbax", "relayout", "to_safetensors"]
 
@@ -91,7 +94,7 @@ def from_orbax(src: Any, dest: Any, *, overwrite: bool = False, progress: Progre
       >>> convert.from_orbax("/runs/a/checkpoints/1000", "/runs/a/jaxckpt/1000")
       ImportResult(path='/runs/a/jaxckpt/1000', leaves=212, arrays=210, total_size=1073741824)
     """
-    source = _sources.open_source(src)
+    source = _formats.open_source(src)
     if source.format != "orbax":
         raise CheckpointError(
             f"'{source.loc}' is a {source.format} checkpoint, not an orbax-checkpoint one; from_orbax "
@@ -100,7 +103,7 @@ def from_orbax(src: Any, dest: Any, *, overwrite: bool = False, progress: Progre
     return import_source(source, dest, overwrite=overwrite, progress=progress)
 
 
-def import_source(source: _sources.Source, dest: Any, *, overwrite: bool = False,
+def import_source(source: _formats.Source, dest: Any, *, overwrite: bool = False,
                   progress: Progress | None = None) -> ImportResult:
     """Write any ``Source`` as a jaxckpt checkpoint (what ``from_orbax`` runs); chunks
     follow each leaf's recorded sharding."""
@@ -112,7 +115,7 @@ def import_source(source: _sources.Source, dest: Any, *, overwrite: bool = False
                         sum(r.nbytes for r in arrays))
 
 
-def _copy(source: _sources.Source, dest: Any, structure: dict[str, Any], indices: list[int],
+def _copy(source: _formats.Source, dest: Any, structure: dict[str, Any], indices: list[int],
           leaves: list[LeafRecord], overwrite: bool, progress: Progress | None) -> Manifest:
     """Write source leaves ``indices`` as ``leaves`` (their new records, same order);
     returns the manifest committed.
@@ -139,14 +142,14 @@ def _aligned(saved: LeafRecord, rec: LeafRecord) -> bool:
         c % s == 0 or c >= n for c, s, n in zip(rec.chunk_shape, saved.chunk_shape, rec.shape))
 
 
-def _read_region(source: _sources.Source, rec: LeafRecord, index: _layout.Index) -> np.ndarray:
+def _read_region(source: _formats.Source, rec: LeafRecord, index: _layout.Index) -> np.ndarray:
     reader = source.new_reader()
     reader.add(rec, index)
     reader.run()
     return reader.get(rec, index)
 
 
-def _read_leaf(source: _sources.Source, rec: LeafRecord) -> np.ndarray:
+def _read_leaf(source: _formats.Source, rec: LeafRecord) -> np.ndarray:
     """The whole of one saved leaf, as a host array of its saved dtype."""
     return _read_region(source, rec, tuple((0, d) for d in rec.shape))
 
@@ -158,7 +161,7 @@ class _SmallLeaves:
     would be read once per leaf in it. They are read in batches of consecutive small
     leaves (up to ``SMALL_BATCH_BYTES`` of them) with one reader, each chunk once."""
 
-    def __init__(self, source: _sources.Source, recs: list[LeafRecord]):
+    def __init__(self, source: _formats.Source, recs: list[LeafRecord]):
         self.source = source
         self.batch_of: dict[str, list[LeafRecord]] = {}
         self.ready: dict[str, np.ndarray] = {}
@@ -254,7 +257,7 @@ def _under(path: str, prefix: str) -> bool:
     return prefix == "" or path == prefix or path.startswith(prefix + "/")
 
 
-def _select(source: _sources.Source, select: Any) -> tuple[list[int], dict[int, str]]:
+def _select(source: _formats.Source, select: Any) -> tuple[list[int], dict[int, str]]:
     """Indices of the leaves under any prefix in ``select`` (all without one), and for
     each the longest prefix it is under. A prefix that selects nothing raises."""
     prefixes = _prefixes(select)
@@ -324,7 +327,7 @@ def relayout(src: Any, dest: Any, *, shardings: Any = None, dtype: Any = None, s
       >>> convert.relayout("/ckpt/1000", "/ckpt/1000-2x2",
       ...                  shardings=NamedSharding(mesh, P(None, "b")))
     """
-    source = _sources.open_source(src)
+    source = _formats.open_source(src)
     final = _location.resolve(dest)
     if final.local is None and final == source.loc:
         raise CheckpointError(f"relayout of '{final}' onto itself works on a local disk only "
@@ -345,7 +348,7 @@ def relayout(src: Any, dest: Any, *, shardings: Any = None, dtype: Any = None, s
     _copy(source, final, structure, indices, leaves, overwrite, progress)
 
 
-def _layout_map(shardings: Any, recs: list[LeafRecord], source: _sources.Source) -> dict[str, Any]:
+def _layout_map(shardings: Any, recs: list[LeafRecord], source: _formats.Source) -> dict[str, Any]:
     """Key path -> its new sharding (``None``: keep the recorded one)."""
     arrays = [r for r in recs if r.kind != "value"]
     if shardings is None:
@@ -390,7 +393,7 @@ def _sharding_json(sharding: jax.sharding.Sharding) -> dict[str, Any] | None:
     return _layout.sharding_to_json(sharding)
 
 
-def _target_shard_shape(rec: LeafRecord, sharding: jax.sharding.Sharding, source: _sources.Source) -> tuple[int, ...]:
+def _target_shard_shape(rec: LeafRecord, sharding: jax.sharding.Sharding, source: _formats.Source) -> tuple[int, ...]:
     """``sharding.shard_shape`` of the leaf (of a PRNG key's key shape, its key-data
     dimension whole); an uneven split rounds up."""
     key_ndim = rec.key_ndim if rec.kind == "prng_key" else len(rec.shape)
@@ -493,7 +496,7 @@ def to_safetensors(path: Any, out: str | os.PathLike, *, select: Any = None, dty
 
 def _export(path: Any, out: str, select: Any, dtype: Any, max_shard_bytes: int | None, names: Any,
             overwrite: bool, progress: Progress | None) -> ExportResult:
-    source = _sources.open_source(path)
+    source = _formats.open_source(path)
     single = out.endswith(".safetensors")
     _check_shard_bytes(out, single, max_shard_bytes)
     tensors, skipped = _plan_tensors(source, select, _dtype_arg(dtype), names)
@@ -584,7 +587,7 @@ def _single_leaf_subtrees(paths: list[str]) -> set[str]:
     return {p for p, n in counts.items() if n == 1}
 
 
-def _plan_tensors(source: _sources.Source, select: Any, dtype: str | None,
+def _plan_tensors(source: _formats.Source, select: Any, dtype: str | None,
                   names_of: _Names) -> tuple[list[_Tensor], list[str]]:
     """The selected array leaves as named tensors (names checked unique, dtypes
     checked writable) and the key paths skipped."""
@@ -652,7 +655,7 @@ def _header(tensors: list[_Tensor]) -> bytes:
     return len(text).to_bytes(8, "little") + text
 
 
-def _write_files(source: _sources.Source, files: list[tuple[str, list[_Tensor]]], index: str | None,
+def _write_files(source: _formats.Source, files: list[tuple[str, list[_Tensor]]], index: str | None,
                  progress: Progress | None) -> None:
     """Write every file under a temporary name, then rename them all, the index last
     (each rename replaces a file atomically); a failure leaves no partial file."""
@@ -677,7 +680,7 @@ def _write_files(source: _sources.Source, files: list[tuple[str, list[_Tensor]]]
                 os.unlink(tmp)
 
 
-def _write_file(source: _sources.Source, tmp: str, tensors: list[_Tensor], progress: Progress | None,
+def _write_file(source: _formats.Source, tmp: str, tensors: list[_Tensor], progress: Progress | None,
                 done: list[int]) -> None:
     with open(tmp, "wb") as fh:
         fh.write(_header(tensors))

@@ -27,9 +27,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _dtypes, _html, _layout, _location, _reader, _scan, _sources, _tree
+from . import _dtypes, _formats, _html, _layout, _reader, _tree, _verify
 from ._manifest import LeafRecord, Manifest
-from ._scan import LeafStats
+from ._storage import location as _location
+from ._verify import LeafStats
 
 
 class LazyArray:
@@ -287,7 +288,7 @@ class CheckpointView:
               progress: Callable[[int, int], None] | None = None) -> LeafStats | dict[str, LeafStats]:
         """Statistics of a leaf, or of every leaf under a prefix (``None``: all).
 
-        Streams the saved chunks (memory stays near ``_scan.SCAN_BUDGET_BYTES``) and
+        Streams the saved chunks (memory stays near ``_verify.SCAN_BUDGET_BYTES``) and
         combines per-chunk statistics in float64 (Chan et al.'s update): ``count``,
         ``nan``, ``inf``, and ``min``/``max``/``mean``/``std`` over the finite
         elements. PRNG keys, inline values and complex arrays come back with
@@ -313,12 +314,12 @@ class CheckpointView:
         full = self._prefix + key.strip("/") if key and key.strip("/") else None
         rec = self._by_path.get(full) if full is not None else None
         if rec is not None:
-            return _scan.leaf_stats(self._reader_factory(), [rec], progress)[rec.path]
+            return _verify.leaf_stats(self._reader_factory(), [rec], progress)[rec.path]
         prefix = self._prefix if full is None else full + "/"
         recs = [self._by_path[p] for p in sorted(self._by_path) if p.startswith(prefix)]
         if not recs:
             raise KeyError(f"'{key}' is not a key path in checkpoint '{self._loc}'")
-        out = _scan.leaf_stats(self._reader_factory(), recs, progress)
+        out = _verify.leaf_stats(self._reader_factory(), recs, progress)
         return {r.path[len(self._prefix):]: out[r.path] for r in recs}
 
     def _reader_factory(self) -> Callable[[], Any]:
@@ -363,5 +364,5 @@ def open(path: Any) -> CheckpointView:  # noqa: A001 - the public name is jaxckp
     """
     loc = _location.resolve(path)
     with _tree.gc_paused():
-        source = _sources.open_source(loc)
+        source = _formats.open_source(loc)
         return CheckpointView(source.loc, source.manifest, "", source.new_reader, source.format)

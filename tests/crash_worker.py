@@ -2,7 +2,7 @@
 
 Usage: crash_worker.py JSON_ARGS
 
-``JAXCKPT_FAULT`` (read by ``jaxckpt._iostats`` at import) names the fault point where
+``JAXCKPT_FAULT`` (read by ``jaxckpt._storage`` at import) names the fault point where
 this process SIGKILLs itself. ``args``: ``scenario`` (``manager``: a CheckpointManager
 saves steps 1..``steps``; ``overwrite``: ``jaxckpt.save(path, state(value),
 overwrite=True)``; ``resume``: a fresh manager lists, restores the latest step, checks it

@@ -19,7 +19,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import numpy as np
 
 import jaxckpt
-from jaxckpt import _iostats, _lease
+from jaxckpt import _storage
+from jaxckpt._manager import lease as _lease
 
 
 def state(i):
@@ -41,7 +42,7 @@ def arm(point, match=lambda key: True):
                     raise RuntimeError("never released")
                 time.sleep(0.02)
 
-    _iostats.fault_hook = hook
+    _storage.fault_hook = hook
 
 
 def writer():

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding  # noqa: E402 - after XLA_FLAGS / jax.dis
 from jax.sharding import PartitionSpec as P  # noqa: E402 - after XLA_FLAGS / jax.distributed
 
 import jaxckpt  # noqa: E402 - after XLA_FLAGS / jax.distributed
-from jaxckpt import _distributed, _storage  # noqa: E402 - after XLA_FLAGS / jax.distributed
+from jaxckpt import _distributed, _storage
 
 HOLD_S = 60  # the longest a fault hook holds a thread (every wait in a test is bounded)
 

@@ -26,7 +26,10 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxckpt  # noqa: E402
-from jaxckpt import _distributed, _exchange  # noqa: E402
+from jaxckpt import (
+    _distributed,
+    _exchange,  # noqa: E402
+)
 
 
 def bounded_state():

@@ -32,7 +32,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _distributed, _lease
+from jaxckpt import _distributed
+from jaxckpt._manager import lease as _lease
 
 INTRUDER = {"host": "other-host", "pid": 4242, "token": "intruder", "started": 0.0, "count": 0,
             "lease_s": 15.0}

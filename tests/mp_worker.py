@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import _storage
+from jaxckpt._storage import kvstore as _kvstore
 
 
 def make_mesh(shape, names):
@@ -301,13 +302,13 @@ def run_no_manifest_reread(mesh, spec, path):
         def refuse(*a, **k):
             raise AssertionError("re-read the manifest")
         _commit.read_manifest = refuse
-        original = _storage.read_blob
+        original = _kvstore.read_blob
 
         def read_blob(root, key, *a, **k):
             if key == "manifest.json":
                 raise AssertionError("re-read manifest.json")
             return original(root, key, *a, **k)
-        _storage.read_blob = read_blob
+        _kvstore.read_blob = read_blob
     steps = []
     with jaxckpt.CheckpointManager(path, timeout_s=20) as mgr:
         for i in range(1, 4):

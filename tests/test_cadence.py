@@ -6,7 +6,7 @@ import math
 import pytest
 
 import jaxckpt
-from jaxckpt._cadence import CadenceAdvice, SaveSample, advise, lost_fraction
+from jaxckpt._manager.cadence import CadenceAdvice, SaveSample, advise, lost_fraction
 
 
 def saves(n, *, every_steps=100, every_s=20.0, blocking=2.0, total=8.0, t0=1000.0):

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _commit, _iostats, _location
+from jaxckpt import _commit, _storage
+from jaxckpt._storage import location as _location
 
 
 def state(i):
@@ -40,7 +41,7 @@ class HeldSave:
             self.error = e
 
     def __enter__(self):
-        _iostats.fault_hook = self._hook
+        _storage.fault_hook = self._hook
         self.thread.start()
         assert self.reached.wait(60)
         return self
@@ -48,7 +49,7 @@ class HeldSave:
     def __exit__(self, *exc):
         self.release.set()
         self.thread.join(60)
-        _iostats.fault_hook = None
+        _storage.fault_hook = None
 
 
 def check(directory, steps):
@@ -96,9 +97,9 @@ def test_the_attempt_of_a_plain_save_whose_process_is_gone_is_removed(tmp_path, 
 
 
 def _storage_children(loc):
-    from jaxckpt import _storage
+    from jaxckpt._storage import kvstore as _kvstore
 
     try:
-        return sorted(_storage.list_children(loc))
+        return sorted(_kvstore.list_children(loc))
     except Exception:  # noqa: BLE001 - nothing there
         return []

@@ -18,8 +18,10 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file
 
 import jaxckpt
-from jaxckpt import _commit, _distributed, _layout, _location, _sources, _storage, _stream, convert
+from jaxckpt import _commit, _distributed, _formats, _layout, _storage, convert
+from jaxckpt._formats import stream as _stream
 from jaxckpt._manifest import LeafRecord
+from jaxckpt._storage import location as _location
 
 EXE = os.path.join(os.path.dirname(sys.executable), "jaxckpt")
 
@@ -52,7 +54,7 @@ def _flat(tree):
 
 
 def records(path):
-    return {r.path: r for r in _sources.open_source(path).manifest.leaves}
+    return {r.path: r for r in _formats.open_source(path).manifest.leaves}
 
 
 # --- import (the generic path from_orbax runs) ---------------------------------------------
@@ -61,10 +63,10 @@ def records(path):
 def test_import_keeps_tree_values_dtypes_and_shardings(tmp_path):
     jaxckpt.save(tmp_path / "a", state(), metadata={"run": "a"})
     _storage.reset_io_stats()
-    convert.import_source(_sources.open_source(tmp_path / "a"), tmp_path / "b")
+    convert.import_source(_formats.open_source(tmp_path / "a"), tmp_path / "b")
     recs = records(tmp_path / "a").values()
     stored = sum(r.nbytes for r in recs if r.store == "file") + sum(
-        p.nbytes for p in _sources.open_source(tmp_path / "a").manifest.packed)
+        p.nbytes for p in _formats.open_source(tmp_path / "a").manifest.packed)
     assert _storage.io_stats()["bytes_read"] == stored  # each saved chunk once (packed: padding too)
     assert jaxckpt.verify(tmp_path / "b").ok
     a, b = jaxckpt.restore(tmp_path / "a"), jaxckpt.restore(tmp_path / "b")
@@ -92,8 +94,8 @@ def test_import_keeps_tree_values_dtypes_and_shardings(tmp_path):
 
 def test_import_packs_small_leaves_exactly_as_save_does(tmp_path):
     jaxckpt.save(tmp_path / "a", state())
-    convert.import_source(_sources.open_source(tmp_path / "a"), tmp_path / "b")
-    ma, mb = (_sources.open_source(tmp_path / p).manifest for p in "ab")
+    convert.import_source(_formats.open_source(tmp_path / "a"), tmp_path / "b")
+    ma, mb = (_formats.open_source(tmp_path / p).manifest for p in "ab")
     assert ma.packed == mb.packed
     packed = [r.path for r in ma.leaves if r.store == "packed" and r.kind != "value"]
     assert {p: records(tmp_path / "a")[p].chunks for p in packed} == {p: records(tmp_path / "b")[p].chunks
@@ -156,7 +158,7 @@ def test_from_orbax_refuses_a_checkpoint_of_another_format(tmp_path):
 def test_import_refuses_an_existing_destination_unless_overwrite(tmp_path):
     jaxckpt.save(tmp_path / "a", {"x": np.arange(3)})
     jaxckpt.save(tmp_path / "b", {"y": np.arange(2)})
-    source = _sources.open_source(tmp_path / "a")
+    source = _formats.open_source(tmp_path / "a")
     with pytest.raises(jaxckpt.CheckpointError, match="already exists; pass overwrite=True"):
         convert.import_source(source, tmp_path / "b")
     convert.import_source(source, tmp_path / "b", overwrite=True)

@@ -27,7 +27,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _commit, _location, _manifest, _storage, _zarr, cli
+from jaxckpt import _commit, _manifest, cli
+from jaxckpt._storage import kvstore as _kvstore
+from jaxckpt._storage import location as _location
+from jaxckpt._storage import zarr as _zarr
 
 BIG = np.arange(1 << 19, dtype=np.float32).reshape(512, 1024)  # 2 MiB: arrays/0, one chunk file
 SMALL = np.arange(12, dtype=np.int32).reshape(3, 4)  # 48 bytes: packed/p0
@@ -299,11 +302,11 @@ def test_the_metadata_check_finds_a_rewritten_zarr_json(ckpt, leaf, damage):
     specs = {"big": _zarr.array_spec(loc, "0", BIG.shape, BIG.shape, "float32"),
              "small": _zarr.packed_spec(loc, 0, 64, 64)}
     for spec in specs.values():  # intact: both open
-        _zarr.open_array(spec, _storage.context(loc), create=False, check_metadata=True).result()
+        _zarr.open_array(spec, _kvstore.context(loc), create=False, check_metadata=True).result()
     fn, said = ZARR_DAMAGE[damage]
     fn(ckpt / ZARR_JSON[leaf])
     with pytest.raises(jaxckpt.CheckpointError) as err:
-        _zarr.open_array(specs[leaf], _storage.context(loc), create=False, check_metadata=True).result()
+        _zarr.open_array(specs[leaf], _kvstore.context(loc), create=False, check_metadata=True).result()
     shape = list(BIG.shape) if leaf == "big" else [64]
     array = os.path.dirname(ckpt / ZARR_JSON[leaf])
     assert str(err.value) == f"Opening array '{array}' failed: " + said.format(
@@ -352,16 +355,16 @@ def test_every_single_bit_flip_in_the_manifest_is_refused_or_harmless(ckpt):
 
 def test_a_manifest_recording_another_step_is_refused_on_an_object_store_too():
     """The step is the last component of the prefix (here memory://), as of a directory."""
-    from jaxckpt import _storage
+    from jaxckpt._storage import kvstore as _kvstore
 
     for step in (1, 2):
         url = f"memory://copied/{step}"
         jaxckpt.save(url, {"small": SMALL * step, "step": step})
         loc = _location.resolve(url)
-        doc = json.loads(_storage.read_blob(loc, "manifest.json"))
+        doc = json.loads(_kvstore.read_blob(loc, "manifest.json"))
         doc["step"] = 1  # what the manager records; step 2's as if copied from step 1
         del doc["checksum"]  # (a copied manifest's checksum is its own and valid)
-        _storage.write_blob(loc, "manifest.json", json.dumps(doc).encode())
+        _kvstore.write_blob(loc, "manifest.json", json.dumps(doc).encode())
     assert jaxckpt.restore("memory://copied/1")["step"] == 1
     with pytest.raises(jaxckpt.CorruptCheckpointError, match=re.escape(
             "Checkpoint 'memory://copied/2': its manifest.json records step 1, but it is the directory of step 2")):

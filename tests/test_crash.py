@@ -1,7 +1,7 @@
 """Crashes at exact places, and storage that refuses to write (issue 12, items 1, 2 and 8).
 
 A child process (tests/crash_worker.py) saves with ``JAXCKPT_FAULT=<point>[@<key>][:<n>]``
-set, and ``jaxckpt._iostats`` SIGKILLs it at that fault point: before any data, in the
+set, and ``jaxckpt._storage`` SIGKILLs it at that fault point: before any data, in the
 middle of the data, after the data, in the middle of the manifest, after the manifest,
 between the two renames of a local overwrite, after the commit, in the middle of a
 retention delete. After each kill: what is on disk is what the point says it is (the kill
@@ -30,7 +30,8 @@ import pytest
 from crash_worker import same, state
 
 import jaxckpt
-from jaxckpt import _commit, _iostats, _storage
+from jaxckpt import _commit, _storage
+from jaxckpt._storage import kvstore as _kvstore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "crash_worker.py")
@@ -40,9 +41,9 @@ LEASE, HISTORY = ".jaxckpt-writer.json", "history.jsonl"
 def spawn(args, fault=None):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    env.pop(_iostats.FAULT_ENV, None)
+    env.pop(_storage.FAULT_ENV, None)
     if fault is not None:
-        env[_iostats.FAULT_ENV] = fault
+        env[_storage.FAULT_ENV] = fault
     return subprocess.Popen([sys.executable, WORKER, json.dumps(args)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -247,7 +248,7 @@ def test_a_step_renamed_aside_to_be_deleted_is_never_put_back(tmp_path):
 def test_deleting_a_link_to_a_checkpoint_leaves_the_checkpoint_whole(tmp_path):
     jaxckpt.save(tmp_path / "ckpt", state(1))
     os.symlink(tmp_path / "ckpt", tmp_path / "link")
-    _storage.delete_tree(_commit._location.resolve(str(tmp_path / "link")))
+    _kvstore.delete_tree(_commit._location.resolve(str(tmp_path / "link")))
     assert same(jaxckpt.restore(tmp_path / "ckpt"), 1)
 
 
@@ -456,14 +457,14 @@ def test_a_manifest_write_that_fails_leaves_no_partial_file(tmp_path, monkeypatc
     monkeypatch.setattr(_storage, "fault_hook", hook)
     loc = _commit._location.resolve(str(tmp_path))
     with pytest.raises(OSError, match="No space left on device"):
-        _storage.write_blob(loc, "manifest.json", b"x" * 100, fault="manifest:partial")
+        _kvstore.write_blob(loc, "manifest.json", b"x" * 100, fault="manifest:partial")
     assert os.listdir(tmp_path) == []
 
 
 def test_the_fault_spec_names_a_point_a_key_and_a_hit():
-    assert _iostats.parse_kill_point(None) is None and _iostats.parse_kill_point("") is None
-    assert _iostats.parse_kill_point("commit:between-renames") == ("commit:between-renames", "", 1)
-    assert _iostats.parse_kill_point("manifest:partial:3") == ("manifest:partial", "", 3)
-    assert _iostats.parse_kill_point("write@packed/p0:2") == ("write", "packed/p0", 2)
+    assert _storage.parse_kill_point(None) is None and _storage.parse_kill_point("") is None
+    assert _storage.parse_kill_point("commit:between-renames") == ("commit:between-renames", "", 1)
+    assert _storage.parse_kill_point("manifest:partial:3") == ("manifest:partial", "", 3)
+    assert _storage.parse_kill_point("write@packed/p0:2") == ("write", "packed/p0", 2)
     with pytest.raises(ValueError, match="expected <point>"):
-        _iostats.parse_kill_point("write:0")
+        _storage.parse_kill_point("write:0")

@@ -9,7 +9,7 @@ import pytest
 
 from jaxckpt import _distributed, _exchange
 from jaxckpt._exchange import SharedSlice
-from jaxckpt._location import Location
+from jaxckpt._storage.location import Location
 
 
 class Rec(NamedTuple):  # the fields of a LeafRecord the plan reads

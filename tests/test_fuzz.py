@@ -505,9 +505,9 @@ def no_data_io(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("array data was touched for a manifest the reader must refuse")
     for name in ("open_array", "read_into"):
-        monkeypatch.setattr(f"jaxckpt._zarr.{name}", refuse)
+        monkeypatch.setattr(f"jaxckpt._storage.zarr.{name}", refuse)
     for name in ("read_chunk_file", "aligned_empty"):
-        monkeypatch.setattr(f"jaxckpt._chunkfiles.{name}", refuse)
+        monkeypatch.setattr(f"jaxckpt._storage.chunkfiles.{name}", refuse)
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
@@ -556,7 +556,7 @@ def listener():
 @pytest.fixture
 def opened(monkeypatch):
     """The kvstore of every tensorstore array opened (read side)."""
-    from jaxckpt import _zarr
+    from jaxckpt._storage import zarr as _zarr
 
     seen, real = [], _zarr.ts.open
 
@@ -618,12 +618,13 @@ def test_a_chunk_that_is_not_a_regular_file_is_corrupt_and_never_blocks(small_ck
 def _declare_huge(loc, monkeypatch):
     """The big leaf's manifest record promises a 16 TiB leaf in one chunk, on a machine
     that cannot allocate more than 1 GiB at once."""
-    from jaxckpt import _chunkfiles, _storage
+    from jaxckpt._storage import chunkfiles as _chunkfiles
+    from jaxckpt._storage import kvstore as _kvstore
 
-    doc = json.loads(_storage.read_blob(loc, "manifest.json"))
+    doc = json.loads(_kvstore.read_blob(loc, "manifest.json"))
     del doc["checksum"]  # edited: read as a manifest written before checksums
     _leaf(doc, "big").update(shape=[1 << 42], chunk_shape=[1 << 42], nbytes=1 << 44)
-    _storage.write_blob(loc, "manifest.json", json.dumps(doc).encode())
+    _kvstore.write_blob(loc, "manifest.json", json.dumps(doc).encode())
     real = _chunkfiles.aligned_empty
 
     def small_machine(shape, dtype):
@@ -639,7 +640,8 @@ def test_a_promised_leaf_too_big_to_allocate_is_an_error_not_a_crash(small_ckpt,
     """tensorstore allocates a whole chunk before reading any byte of it and aborts the
     process when it cannot; the reader checks first. On a local disk the chunk file's
     size already gives the lie away; on an object store (here memory://) it cannot."""
-    from jaxckpt import _location, _zarr
+    from jaxckpt._storage import location as _location
+    from jaxckpt._storage import zarr as _zarr
 
     path = str(small_ckpt) if where == "local" else "memory://hostile/ckpt"
     if where == "memory":

@@ -21,7 +21,7 @@ import pytest
 from conftest import assert_bit_equal, sharded
 
 import jaxckpt
-from jaxckpt import _location
+from jaxckpt._storage import location as _location
 
 
 def test_gs_url_resolves_to_a_gcs_kvstore():

@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _commit, _history, _location, _storage
+from jaxckpt import _commit
+from jaxckpt._manager import history as _history
+from jaxckpt._storage import kvstore as _kvstore
+from jaxckpt._storage import location as _location
 
 
 class FakeClock:
@@ -137,10 +140,10 @@ def test_history_on_an_object_store_is_one_blob_per_step(tmp_path):
     assert [(r.step, r.exists, r.metrics["tag"]) for r in hist] == [
         (0, False, "s0"), (1, False, "s1"), (2, False, "s2"), (3, True, "s3")]
     loc = _location.resolve(url)
-    assert _storage.list_children(loc.child(".history")) == ["0.json", "1.json", "2.json", "3.json"]
-    assert json.loads(_storage.read_blob(loc.child(".history"), "2.json"))["metrics"]["loss"] == 1 / 3
-    _storage.write_blob(loc.child(".history"), "9.json", b"{garbage")
-    _storage.write_blob(loc.child(".history"), "notes.txt", b"ignored")
+    assert _kvstore.list_children(loc.child(".history")) == ["0.json", "1.json", "2.json", "3.json"]
+    assert json.loads(_kvstore.read_blob(loc.child(".history"), "2.json"))["metrics"]["loss"] == 1 / 3
+    _kvstore.write_blob(loc.child(".history"), "9.json", b"{garbage")
+    _kvstore.write_blob(loc.child(".history"), "notes.txt", b"ignored")
     assert jaxckpt.history(url) == hist
     assert _commit.discover(loc)[1] == {}
 

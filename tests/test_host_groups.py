@@ -63,7 +63,7 @@ def test_a_step_no_host_holds_whole_is_named_with_the_host_that_lacks_it(tmp_pat
 
 
 def test_the_source_is_the_lowest_host_holding_every_file():
-    from jaxckpt import _hostcopy
+    from jaxckpt._manager import hostcopy as _hostcopy
 
     expected = {"arrays/a/c/0": (20, ()), "arrays/a/zarr.json": (None, ())}
     listings = {0: {"arrays/a/c/0": 20}, 1: {"arrays/a/c/0": 20, "arrays/a/zarr.json": 5},
@@ -74,7 +74,7 @@ def test_the_source_is_the_lowest_host_holding_every_file():
 
 
 def test_stream_and_sink_move_files_back_to_back(tmp_path):
-    from jaxckpt import _hostcopy
+    from jaxckpt._manager import hostcopy as _hostcopy
 
     rng = np.random.default_rng(0)
     files = [("arrays/a/c/0", 13), ("arrays/a/zarr.json", 0), ("packed/p0", 40), ("z", 0)]

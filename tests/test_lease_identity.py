@@ -15,7 +15,10 @@ import pytest
 from conftest import run_workers
 
 import jaxckpt
-from jaxckpt import _lease, _location, _readers, _storage
+from jaxckpt import _storage
+from jaxckpt._manager import lease as _lease
+from jaxckpt._manager import marks as _marks
+from jaxckpt._storage import location as _location
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "mp_lease_worker.py")
@@ -116,7 +119,7 @@ def test_a_live_writer_on_this_host_is_still_refused(tmp_path, case):
 
 
 def write_mark(directory, step, owner):
-    marks = directory / _readers.READERS_DIR
+    marks = directory / _marks.READERS_DIR
     marks.mkdir(exist_ok=True)
     (marks / f"{step}-0123456789ab.json").write_text(json.dumps(owner))
 
@@ -130,7 +133,7 @@ def test_a_reader_mark_left_by_a_restarted_pid_does_not_hold_a_delete(tmp_path, 
         owner.pop("token")
         write_mark(tmp_path, 1, owner)
         mgr.delete(1)
-        assert mgr.all_steps() == [2] and sorted(os.listdir(tmp_path / _readers.READERS_DIR)) == []
+        assert mgr.all_steps() == [2] and sorted(os.listdir(tmp_path / _marks.READERS_DIR)) == []
         assert not (tmp_path / "1").exists()
 
 
@@ -149,12 +152,12 @@ def test_a_live_reader_mark_on_this_host_still_holds_a_delete(tmp_path):
 
 
 def test_a_reader_mark_records_the_identity_of_its_process(tmp_path):
-    with _readers.ReaderMark(_location.resolve(str(tmp_path)), 3) as mark:
-        (name,) = os.listdir(tmp_path / _readers.READERS_DIR)
-        written = json.loads((tmp_path / _readers.READERS_DIR / name).read_text())
+    with _marks.ReaderMark(_location.resolve(str(tmp_path)), 3) as mark:
+        (name,) = os.listdir(tmp_path / _marks.READERS_DIR)
+        written = json.loads((tmp_path / _marks.READERS_DIR / name).read_text())
         assert written == mark.owner
         assert written["start_ticks"] == proc_stat_start_ticks(os.getpid())
-        assert _readers.live_readers(_location.resolve(str(tmp_path)), 3) == [written]
+        assert _marks.live_readers(_location.resolve(str(tmp_path)), 3) == [written]
 
 
 # --- defect 6: a failed renewal is not a lost lease ------------------------------------

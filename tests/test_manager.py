@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import _storage
+from jaxckpt._storage import kvstore as _kvstore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -405,7 +406,7 @@ def test_lease_of_another_host_is_waited_out_only_if_it_stops_renewing(tmp_path,
     import json
     import time
 
-    from jaxckpt import _lease
+    from jaxckpt._manager import lease as _lease
 
     monkeypatch.setattr(_lease, "LEASE_S", 1.0)
     lease = tmp_path / ".jaxckpt-writer.json"
@@ -529,7 +530,7 @@ def test_html_lists_steps_metrics_totals_and_escapes(tmp_path):
 
 
 def test_html_caps_rows(tmp_path, monkeypatch):
-    from jaxckpt import _manager
+    from jaxckpt._manager import manager as _manager
 
     monkeypatch.setattr(_manager, "_HTML_ROWS", 3)
     with jaxckpt.CheckpointManager(tmp_path, async_save=False) as mgr:
@@ -546,7 +547,7 @@ def test_delete_renames_first_so_a_half_deleted_step_is_never_listed(tmp_path, m
     for s in (1, 2, 3):
         mgr.save(s, {"x": np.full(8, s)}, metrics={"loss": s})
     seen = {}
-    real_delete_tree = _storage.delete_tree
+    real_delete_tree = _kvstore.delete_tree
 
     def look_then_delete(loc):
         if not seen:  # mid-delete: the data is still there, under a hidden name
@@ -556,7 +557,7 @@ def test_delete_renames_first_so_a_half_deleted_step_is_never_listed(tmp_path, m
             seen["attempts"] = mgr.attempts()
         real_delete_tree(loc)
 
-    monkeypatch.setattr(_storage, "delete_tree", look_then_delete)
+    monkeypatch.setattr(_kvstore, "delete_tree", look_then_delete)
     mgr.delete(2)
     hidden, lease, *shown = seen["listing"]
     assert hidden.startswith(".2.jaxckpt-old-") and lease == ".jaxckpt-writer.json"
@@ -634,17 +635,17 @@ def test_attempts_say_whether_their_writer_is_gone(tmp_path):
 
 
 def test_a_slow_delete_never_delays_the_next_save(tmp_path, monkeypatch):
-    from jaxckpt import _readers
+    from jaxckpt._manager import marks as _marks
 
     release, started = threading.Event(), threading.Event()
-    real = _readers.delete_unless_read
+    real = _marks.delete_unless_read
 
     def slow_delete(directory, step, token):  # an object store deleting object by object
         started.set()
         release.wait(30)
         return real(directory, step, token)
 
-    monkeypatch.setattr(_readers, "delete_unless_read", slow_delete)
+    monkeypatch.setattr(_marks, "delete_unless_read", slow_delete)
     with jaxckpt.CheckpointManager(tmp_path, max_to_keep=1) as mgr:
         mgr.save(1, {"x": np.ones(4)})
         mgr.save(2, {"x": np.ones(4) * 2})

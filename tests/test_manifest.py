@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _location, _manifest
+from jaxckpt import _manifest
+from jaxckpt._storage import location as _location
 
 
 @pytest.fixture
@@ -207,7 +208,7 @@ def test_manifest_over_the_size_cap_is_not_read(saved, monkeypatch):
     def no_read(*args):
         raise AssertionError("the manifest was read")
 
-    monkeypatch.setattr("jaxckpt._storage.read_blob", no_read)
+    monkeypatch.setattr("jaxckpt._storage.kvstore.read_blob", no_read)
     with pytest.raises(jaxckpt.CorruptCheckpointError) as err:
         jaxckpt.restore(saved)
     assert type(err.value) is jaxckpt.CorruptCheckpointError

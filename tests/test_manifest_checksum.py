@@ -15,7 +15,9 @@ import pytest
 from conftest import assert_bit_equal
 
 import jaxckpt
-from jaxckpt import _location, _manifest, _storage
+from jaxckpt import _manifest
+from jaxckpt._storage import kvstore as _kvstore
+from jaxckpt._storage import location as _location
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIG = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: a file of its own
@@ -144,9 +146,9 @@ def test_manifests_swapped_between_two_object_store_checkpoints_are_caught():
     for name, step in (("a", 1), ("b", 2)):
         jaxckpt.save(f"memory://swap/{name}", tree(step))
     a, b = _location.resolve("memory://swap/a"), _location.resolve("memory://swap/b")
-    man_a, man_b = _storage.read_blob(a, "manifest.json"), _storage.read_blob(b, "manifest.json")
-    _storage.write_blob(a, "manifest.json", man_b)
-    _storage.write_blob(b, "manifest.json", man_a)
+    man_a, man_b = _kvstore.read_blob(a, "manifest.json"), _kvstore.read_blob(b, "manifest.json")
+    _kvstore.write_blob(a, "manifest.json", man_b)
+    _kvstore.write_blob(b, "manifest.json", man_a)
     for url in ("memory://swap/a", "memory://swap/b"):
         with pytest.raises(jaxckpt.CorruptCheckpointError, match=re.escape(f"Checkpoint '{url}': leaf ")):
             jaxckpt.restore(url)

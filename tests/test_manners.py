@@ -14,7 +14,10 @@ import pytest
 from conftest import assert_bit_equal
 
 import jaxckpt
-from jaxckpt import _preemption, _storage, _stream, cli
+from jaxckpt import cli
+from jaxckpt._formats import stream as _stream
+from jaxckpt._manager import preemption as _preemption
+from jaxckpt._storage import bounds as _bounds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CURL = ("TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS", "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS")
@@ -58,7 +61,7 @@ def test_the_command_sets_the_curl_timeouts_the_user_left_unset():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["10", "33"]
-    assert _storage.http_timeouts(60) == {"TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS": "5",
+    assert _bounds.http_timeouts(60) == {"TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS": "5",
                                           "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": "8"}
 
 

@@ -37,7 +37,8 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _commit, _location
+from jaxckpt import _commit
+from jaxckpt._storage import location as _location
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACTOR = os.path.join(ROOT, "tests", "matrix_worker.py")

@@ -14,8 +14,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _iostats, _orbax, _sources
+from jaxckpt import _formats, _storage
 from jaxckpt._errors import CheckpointError, CorruptCheckpointError
+from jaxckpt._formats import orbax as _orbax
 
 
 def _tree():
@@ -163,9 +164,9 @@ def test_metadata_and_open_list_leaves(tmp_path):
     assert view.format == "orbax"
     assert view.keys() == ["host", "layers/0", "layers/1", "lr", "params/b", "params/q", "params/w",
                            "rng", "rngs", "step"]
-    _iostats.reset_io_stats()
+    _storage.reset_io_stats()
     part = view["params/w"][2:5, 1]
-    assert _iostats.io_stats()["bytes_read"] == 3 * 4  # the box [2:5, 1:2], nothing more
+    assert _storage.io_stats()["bytes_read"] == 3 * 4  # the box [2:5, 1:2], nothing more
     assert_bit_equal(part, np.asarray(tree["params"]["w"])[2:5, 1])
     assert view["params/q"].dtype == np.int8 and view["step"] == 7
 
@@ -255,7 +256,7 @@ def test_not_orbax_is_not_claimed(tmp_path):
     ours = tmp_path / "jaxckpt"
     jaxckpt.save(ours, {"a": np.arange(3)})
     assert _orbax.open_source(ours) is None
-    assert _sources.open_source(ours).format == "jaxckpt"
+    assert _formats.open_source(ours).format == "jaxckpt"
     with pytest.raises(jaxckpt.CheckpointNotFoundError):
         jaxckpt.restore(tmp_path)
 

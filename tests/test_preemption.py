@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _preemption
+from jaxckpt._manager import preemption as _preemption
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "preempt_worker.py")

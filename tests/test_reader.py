@@ -6,7 +6,10 @@ import numpy as np
 from conftest import assert_bit_equal, sharded
 
 import jaxckpt
-from jaxckpt import _chunkfiles, _commit, _layout, _location, _reader, _storage, _zarr
+from jaxckpt import _commit, _layout, _reader, _storage
+from jaxckpt._storage import chunkfiles as _chunkfiles
+from jaxckpt._storage import location as _location
+from jaxckpt._storage import zarr as _zarr
 
 
 def _reader_for(ckpt):
@@ -85,7 +88,8 @@ def test_edge_chunks_written_by_other_zarr_writers_are_read(ckpt):
 
 
 def test_a_store_that_fails_is_not_reported_as_corruption():
-    from jaxckpt import _errors, _location, _reader
+    from jaxckpt import _errors, _reader
+    from jaxckpt._storage import location as _location
 
     op = _reader._Op(8, ["params/w"], None, None, None, ((0, 2),))
     loc = _location.resolve("s3://b/ckpt")

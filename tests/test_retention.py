@@ -4,7 +4,7 @@ import datetime
 
 import pytest
 
-from jaxckpt._retention import RetentionPolicy, StepInfo, best_steps, steps_to_delete
+from jaxckpt._manager.retention import RetentionPolicy, StepInfo, best_steps, steps_to_delete
 
 
 def steps(n, dt=10.0, metrics=None):

@@ -22,7 +22,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _commit, _iostats, _location, _manifest, _storage, convert
+from jaxckpt import _commit, _manifest, _storage, convert
+from jaxckpt._storage import location as _location
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 V2 = os.path.join(FIXTURES, "v2")
@@ -177,10 +178,10 @@ def hook(op, key):
 if args.get("manager"):
     mgr = jaxckpt.CheckpointManager(args["spec"], async_save=False)
     mgr.save(1, tree(1))
-    _iostats.fault_hook = hook
+    _storage.fault_hook = hook
     mgr.save(2, tree(2))
 else:
-    _iostats.fault_hook = hook
+    _storage.fault_hook = hook
     jaxckpt.save(args["spec"], tree(args["value"]), overwrite=True)
 print("SURVIVED", flush=True)
 """
@@ -276,7 +277,7 @@ def _race(spec, order):
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    _iostats.fault_hook = hook
+    _storage.fault_hook = hook
     try:
         threads = [threading.Thread(target=run, args=(v,), name=f"writer-{v}") for v in (5, 6)]
         for t in threads:
@@ -284,7 +285,7 @@ def _race(spec, order):
         for t in threads:
             t.join(120)
     finally:
-        _iostats.fault_hook = None
+        _storage.fault_hook = None
     assert not errors, errors
 
 

@@ -15,7 +15,9 @@ import pytest
 from conftest import MotoServer, assert_bit_equal, free_port
 
 import jaxckpt
-from jaxckpt import _location, _storage
+from jaxckpt import _storage
+from jaxckpt._storage import bounds as _bounds
+from jaxckpt._storage import location as _location
 
 BOUND_S = 5.0  # the I/O bound the failure tests configure (JAXCKPT_IO_TIMEOUT_S)
 SLACK_S = 4.0  # what a busy 2-core machine may add to it (process start not included)
@@ -199,23 +201,23 @@ def test_no_aws_sdk_noise_on_stderr(s3_server, tmp_path, source):
 
 def test_request_retries_fit_the_bound():
     for bound in (1, 5, 60, 600):
-        r = _storage.request_retries(bound)
+        r = _bounds.request_retries(bound)
         initial, largest = float(r["initial_delay"][:-2]) / 1000, float(r["max_delay"][:-2]) / 1000
         worst = sum(min(initial * 2 ** i + initial, largest) for i in range(r["max_retries"]))
         assert 1 <= r["max_retries"] <= 32 and (worst <= bound / 3 or r["max_retries"] == 1)
-    assert _storage.request_retries(60)["max_retries"] >= 4
+    assert _bounds.request_retries(60)["max_retries"] >= 4
 
 
 def test_the_bound_is_configured_by_the_environment(monkeypatch):
     monkeypatch.delenv("JAXCKPT_IO_TIMEOUT_S", raising=False)
-    assert _storage.io_timeout_s() == 60.0
+    assert _bounds.io_timeout_s() == 60.0
     monkeypatch.setenv("JAXCKPT_IO_TIMEOUT_S", "7.5")
-    assert _storage.io_timeout_s() == 7.5
+    assert _bounds.io_timeout_s() == 7.5
     monkeypatch.setenv("JAXCKPT_IO_TIMEOUT_S", "0")
-    assert _storage.io_timeout_s() is None
+    assert _bounds.io_timeout_s() is None
     monkeypatch.setenv("JAXCKPT_IO_TIMEOUT_S", "soon")
     with pytest.raises(jaxckpt.CheckpointError, match="JAXCKPT_IO_TIMEOUT_S"):
-        _storage.io_timeout_s()
+        _bounds.io_timeout_s()
 
 
 def timed(fn, *args, **kwargs):

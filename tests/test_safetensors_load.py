@@ -15,7 +15,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _location, _safetensors, _storage
+from jaxckpt import _storage
+from jaxckpt._formats import safetensors as _safetensors
+from jaxckpt._storage import location as _location
 
 
 def _tensors():

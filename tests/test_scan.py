@@ -1,4 +1,4 @@
-"""verify, diff and stats (jaxckpt/_scan.py): every chunk streamed, bounded memory."""
+"""verify, diff and stats (jaxckpt/_verify.py): every chunk streamed, bounded memory."""
 
 import json
 import os
@@ -14,7 +14,9 @@ import pytest
 from conftest import sharded
 
 import jaxckpt
-from jaxckpt import _location, _reader, _scan, _zarr
+from jaxckpt import _reader, _verify
+from jaxckpt._storage import location as _location
+from jaxckpt._storage import zarr as _zarr
 
 SMALL = 900 * 256  # float32 elements: 900 KiB, packed (six of them fill two stored chunks)
 
@@ -337,11 +339,11 @@ def test_diff_blocks_fold_like_one_pass(monkeypatch):
     x = np.arange(10, dtype=np.float32)
     y = x.copy()
     y[[2, 9]] = [5, 4.5]
-    monkeypatch.setattr(_scan, "FOLD_BLOCK", 3)
-    assert _scan._diff_block(x, y) == (2, 4.5, 0.6)
-    m = _scan._Moments()
-    for block in _scan._blocks(x):
-        m.merge(_scan._block_moments(x[block]))
+    monkeypatch.setattr(_verify, "FOLD_BLOCK", 3)
+    assert _verify._diff_block(x, y) == (2, 4.5, 0.6)
+    m = _verify._Moments()
+    for block in _verify._blocks(x):
+        m.merge(_verify._block_moments(x[block]))
     assert (m.n, m.lo, m.hi, m.mean) == (10, 0.0, 9.0, 4.5)
     assert m.m2 / m.n == pytest.approx(x.astype(np.float64).var(), rel=1e-15)
 
@@ -368,7 +370,7 @@ _PEAK_SCRIPT = textwrap.dedent("""
     base = mem()["VmRSS"]
     report = jaxckpt.verify(sys.argv[1])
     print(json.dumps({"ok": report.ok, "bytes": report.bytes_read, "growth": mem()["VmHWM"] - base,
-                      "budget": _scan.SCAN_BUDGET_BYTES}))
+                      "budget": _verify.SCAN_BUDGET_BYTES}))
 """)
 
 

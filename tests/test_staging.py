@@ -11,7 +11,8 @@ import pytest
 from conftest import assert_bit_equal, sharded
 
 import jaxckpt
-from jaxckpt import _checkpoint, _snapshot, _storage, _tree, _zarr
+from jaxckpt import _checkpoint, _snapshot, _storage, _tree
+from jaxckpt._storage import zarr as _zarr
 
 MiB = 1 << 20
 BUDGET = 4 * MiB

@@ -9,7 +9,9 @@ import tensorstore as ts
 from conftest import assert_bit_equal, sharded
 
 import jaxckpt
-from jaxckpt import CheckpointError, _dtypes, _location, _storage
+from jaxckpt import CheckpointError, _dtypes
+from jaxckpt._storage import kvstore as _kvstore
+from jaxckpt._storage import location as _location
 
 
 def test_resolve_paths_and_urls(tmp_path):
@@ -74,8 +76,8 @@ def count_handles(monkeypatch):
 
     monkeypatch.setattr(ts, "Context", context)
     monkeypatch.setattr(ts.KvStore, "open", staticmethod(kv_open))
-    monkeypatch.setattr(_storage, "_contexts", collections.OrderedDict(), raising=False)
-    monkeypatch.setattr(_storage, "_kvstores", collections.OrderedDict(), raising=False)
+    monkeypatch.setattr(_kvstore, "_contexts", collections.OrderedDict(), raising=False)
+    monkeypatch.setattr(_kvstore, "_kvstores", collections.OrderedDict(), raising=False)
     return counts
 
 
@@ -106,21 +108,21 @@ def test_context_cache_is_thread_safe_and_bounded(monkeypatch):
     counts = count_handles(monkeypatch)
     loc = _location.resolve("s3://some-bucket/a")
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(lambda _: _storage.context(loc), range(64)))
+        got = list(pool.map(lambda _: _kvstore.context(loc), range(64)))
     assert all(c is got[0] for c in got) and counts["contexts"] == 1
-    assert _storage.context(_location.resolve("s3://some-bucket/b/c")) is got[0]  # path does not matter
-    assert _storage.context(_location.resolve("s3://other-bucket/a")) is not got[0]
+    assert _kvstore.context(_location.resolve("s3://some-bucket/b/c")) is got[0]  # path does not matter
+    assert _kvstore.context(_location.resolve("s3://other-bucket/a")) is not got[0]
 
     # the memory kvstore's data lives in its context: it outlives any eviction
-    monkeypatch.setattr(_storage, "_MAX_CONTEXTS", 2)
-    monkeypatch.setattr(_storage, "_MAX_KVSTORES", 2)
+    monkeypatch.setattr(_kvstore, "_MAX_CONTEXTS", 2)
+    monkeypatch.setattr(_kvstore, "_MAX_KVSTORES", 2)
     mem = _location.resolve("memory://cache-test")
-    _storage.write_blob(mem, "k", b"kept")
+    _kvstore.write_blob(mem, "k", b"kept")
     for i in range(5):
-        _storage.context(_location.resolve(f"s3://bucket-{i}/x"))
-        _storage.write_blob(mem.child(str(i)), "k", b"x")
-    assert len(_storage._contexts) == 2 and len(_storage._kvstores) == 2
-    assert _storage.read_blob(mem, "k") == b"kept"
+        _kvstore.context(_location.resolve(f"s3://bucket-{i}/x"))
+        _kvstore.write_blob(mem.child(str(i)), "k", b"x")
+    assert len(_kvstore._contexts) == 2 and len(_kvstore._kvstores) == 2
+    assert _kvstore.read_blob(mem, "k") == b"kept"
 
 
 @pytest.mark.parametrize("message,cause", [
@@ -141,7 +143,7 @@ def test_context_cache_is_thread_safe_and_bounded(monkeypatch):
 ])
 def test_storage_errors_keep_a_short_cause(message, cause):
     loc = _location.resolve("s3://bucket/runs/a")
-    err = _storage.storage_error(loc, "reading", "manifest.json", ValueError(message))
+    err = _kvstore.storage_error(loc, "reading", "manifest.json", ValueError(message))
     assert isinstance(err, CheckpointError)
     assert str(err) == f"Reading 'manifest.json' in 's3://bucket/runs/a' failed: {cause}"
 
@@ -149,12 +151,12 @@ def test_storage_errors_keep_a_short_cause(message, cause):
 def test_fault_hook_set_on_storage_reaches_the_io_layer(tmp_path, monkeypatch):
     # tests (and older callers) set _storage.fault_hook; the fault points live in _iostats
     import jaxckpt
-    from jaxckpt import _iostats
+    from jaxckpt import _storage
 
     seen = []
     monkeypatch.setattr(_storage, "fault_hook", lambda op, key: seen.append((op, key)))
-    assert _iostats.fault_hook is _storage.fault_hook
+    assert _storage.fault_hook is _storage.fault_hook
     jaxckpt.save(tmp_path / "c", {"big": np.zeros(1 << 18, np.float32), "small": np.ones(3)})
     assert ("write", "0") in seen and any(k.startswith("packed/p0") for _, k in seen)
     monkeypatch.undo()
-    assert _iostats.fault_hook is None
+    assert _storage.fault_hook is None

@@ -1,26 +1,75 @@
-"""The code's shape: pure modules stay pure, functions stay short (issue 8, item 12)."""
+"""The code's shape: pure modules stay pure, functions stay short (issue 8, item 12), and
+the house (issue 21): wings a newcomer can see, no module over ~700 lines, a manager
+class that fits on a page, and no private name used outside its wing."""
 
 import ast
 import os
 
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jaxckpt")
+WINGS = ("_storage", "_manager", "_formats")
+
+
+def _modules():
+    """Every module of the package by its dotted name under ``jaxckpt`` (a wing's
+    ``__init__`` is the wing's name), with its file."""
+    out = {}
+    for root, _, files in os.walk(PKG):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            rel = os.path.relpath(os.path.join(root, name), PKG)[:-3].split(os.sep)
+            if rel[-1] == "__init__":
+                rel = rel[:-1]
+            out[".".join(rel) or "__init__"] = os.path.join(root, name)
+    return out
+
+
+MODULES = _modules()
+
+
+def _package_of(module):
+    """The package a module's relative imports start from."""
+    path = MODULES[module]
+    if os.path.basename(path) == "__init__.py":
+        return module if module != "__init__" else ""
+    return module.rpartition(".")[0]
+
+
+def _resolve(module, node):
+    """The package modules one ``from ... import`` names (its source, and each name that
+    is itself a module)."""
+    if node.level == 0:
+        if not (node.module or "").startswith("jaxckpt"):
+            return []
+        base = node.module[len("jaxckpt"):].lstrip(".")
+    else:
+        parts = _package_of(module).split(".") if _package_of(module) else []
+        parts = parts[: len(parts) - (node.level - 1)]
+        base = ".".join(parts + ([node.module] if node.module else []))
+    found = [base] if base in MODULES else []
+    for alias in node.names:
+        sub = f"{base}.{alias.name}" if base else alias.name
+        if sub in MODULES:
+            found.append(sub)
+    return found
 
 
 def _imports(module):
     """Package modules and top-level third-party modules that ``module`` imports."""
-    with open(os.path.join(PKG, module + ".py")) as f:
+    with open(MODULES[module]) as f:
         tree = ast.parse(f.read())
     ours, theirs = set(), set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module:
-                ours.add("_" + node.module.lstrip("_") if node.module.startswith("_") else node.module)
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 0 and not (node.module or "").startswith("jaxckpt"):
+                theirs.add(node.module.split(".")[0])
             else:
-                ours.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            theirs.add(node.module.split(".")[0])
+                ours.update(_resolve(module, node))
         elif isinstance(node, ast.Import):
             theirs.update(a.name.split(".")[0] for a in node.names)
+    for m in list(ours):  # importing a wing's module runs the wing's __init__ first
+        if "." in m:
+            ours.add(m.split(".")[0])
     return ours, theirs
 
 
@@ -39,24 +88,97 @@ def _closure(module):
 
 def test_pure_modules_do_not_reach_storage():
     # validation, layout arithmetic and retention decide from data alone: no tensorstore,
-    # no crc32c, no storage module anywhere below them
-    for module in ("_manifest", "_layout", "_retention", "_dtypes", "_location"):
+    # no crc32c, no storage I/O module anywhere below them
+    io = {"_storage.kvstore", "_storage.zarr", "_storage.chunkfiles", "_storage.s3"}
+    for module in ("_manifest", "_layout", "_manager.retention", "_dtypes", "_storage.location"):
         ours, third = _closure(module)
         assert not ({"tensorstore", "crc32c"} & third), (module, third)
-        assert not ({"_storage", "_zarr", "_chunkfiles"} & ours), (module, ours)
+        assert not (io & ours), (module, ours)
+
+
+def test_the_wings_exist_and_the_flat_list_is_the_core():
+    flat = sorted(m for m in MODULES if "." not in m and m not in WINGS)
+    assert flat == sorted([
+        "__init__", "__main__", "_version", "_errors", "convert", "inspect", "cli",
+        "_checkpoint", "_restore", "_snapshot", "_writer", "_reader", "_exchange", "_commit",
+        "_claims", "_manifest", "_tree", "_layout", "_dtypes", "_distributed", "_tasks",
+        "_verify", "_diff", "_html", "_plot", "_untrusted", "_owner"])
+
+
+def _function_lengths(path):
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node.name, node.end_lineno - node.lineno + 1
 
 
 def test_no_function_over_sixty_lines():
-    long = []
-    for name in sorted(os.listdir(PKG)):
-        if name.endswith(".py"):
-            with open(os.path.join(PKG, name)) as f:
-                tree = ast.parse(f.read())
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    if node.end_lineno - node.lineno + 1 > 60:
-                        long.append(f"{name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    long = [f"{m}:{name} ({n} lines)" for m, path in sorted(MODULES.items())
+            for name, n in _function_lengths(path) if n > 60]
     assert long == []
+
+
+def test_no_module_over_seven_hundred_lines():
+    big = {}
+    for m, path in MODULES.items():
+        with open(path) as f:
+            n = sum(1 for _ in f)
+        if n > 720:
+            big[m] = n
+    assert big == {}
+
+
+def test_the_manager_class_fits_on_a_page():
+    with open(MODULES["_manager.manager"]) as f:
+        tree = ast.parse(f.read())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CheckpointManager"]
+    assert cls.end_lineno - cls.lineno + 1 <= 450
+
+
+def _wing(module):
+    head = module.split(".")[0]
+    return head if head in WINGS else "core"
+
+
+def _aliases(module, tree):
+    """Local name -> package module, for every ``from ... import`` of a package module."""
+    names = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("jaxckpt")):
+            found = _resolve(module, node)
+            base = found[0] if found and found[0] not in [f"{found[0]}.{a.name}" for a in node.names] else None
+            for alias in node.names:
+                sub = None
+                for f in found:
+                    if f.endswith("." + alias.name) or f == alias.name:
+                        sub = f
+                if sub is not None:
+                    names[alias.asname or alias.name] = sub
+                elif alias.name.startswith("_") and base is not None and _wing(base) != _wing(module):
+                    names.setdefault("<from-import>", []).append(f"{base}.{alias.name}")
+    return names
+
+
+def test_no_private_name_used_outside_its_wing():
+    """``module._name`` (or ``from module import _name``) only within the module's own
+    wing; across wings only public names."""
+    crossing = []
+    for module, path in sorted(MODULES.items()):
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        names = _aliases(module, tree)
+        crossing += [f"{module}: {n}" for n in names.pop("<from-import>", [])]
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in names and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                target = names[node.value.id]
+                if f"{target}.{node.attr}" in MODULES:
+                    continue
+                if _wing(target) != _wing(module):
+                    crossing.append(f"{module}: {target}.{node.attr}")
+    assert sorted(set(crossing)) == []
 
 
 def test_writer_mirrors_reader_and_shares_the_bounded_runner():

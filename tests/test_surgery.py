@@ -86,13 +86,13 @@ def test_a_prefix_mapped_to_none_is_missing(saved):
 
 
 def test_sources_name_the_format_and_refuse_what_is_none(saved, tmp_path):
-    from jaxckpt import _sources
+    from jaxckpt import _formats
 
     ckpt, _ = saved
-    source = _sources.open_source(ckpt)
+    source = _formats.open_source(ckpt)
     assert source.format == "jaxckpt" and source.loc.local == str(ckpt)
     assert [r.path for r in source.manifest.leaves] == [
         "params/encoder/b", "params/encoder/w", "params/layer3", "params/old_head", "step"]
     (tmp_path / "empty").mkdir()
     with pytest.raises(jaxckpt.CheckpointNotFoundError, match="No checkpoint at"):
-        _sources.open_source(tmp_path / "empty")
+        _formats.open_source(tmp_path / "empty")

@@ -15,7 +15,7 @@ import pytest
 from conftest import assert_bit_equal, sharded
 
 import jaxckpt
-from jaxckpt import _iostats
+from jaxckpt import _storage
 
 EXE = os.path.join(os.path.dirname(sys.executable), "jaxckpt")
 URL = "s3://jaxckpt-test/"
@@ -40,12 +40,12 @@ class HoldCopy:
                 assert self.release.wait(120), "the test never released the copy"
 
     def __enter__(self):
-        _iostats.fault_hook = self
+        _storage.fault_hook = self
         return self
 
     def __exit__(self, *exc):
         self.release.set()
-        _iostats.fault_hook = None
+        _storage.fault_hook = None
 
 
 def cli(durable, *args):

@@ -124,21 +124,22 @@ def test_ls_says_which_tier_holds_each_step(tmp_path, s3_server):
 
 
 def test_expected_files_are_exactly_the_files_a_save_writes(tmp_path):
-    from jaxckpt import _commit, _scan, _tiers
+    from jaxckpt import _commit, _verify
+    from jaxckpt._manager import tiers as _tiers
 
     tree = {"big": sharded(np.arange(600 * 1000, dtype=np.float32).reshape(600, 1000), (4,), ("x",), ("x", None)),
             "edge": np.ones((1030, 300), np.float32),  # a host array split in pieces with an edge
             "small": np.arange(10, dtype=np.int16), "scalar": np.float32(3.0), "empty": np.zeros((0, 4)),
             "key": __import__("jax").random.key(1), "n": 3}
     jaxckpt.save(tmp_path / "c", tree)
-    loc = jaxckpt._location.resolve(str(tmp_path / "c"))
+    loc = jaxckpt._storage.location.resolve(str(tmp_path / "c"))
     man = _commit.read_manifest(loc)
-    assert set(_tiers.list_files(loc)) == set(_scan.expected_files(man))
-    assert any(p.startswith("packed/") for p in _scan.expected_files(man))
+    assert set(_tiers.list_files(loc)) == set(_verify.expected_files(man))
+    assert any(p.startswith("packed/") for p in _verify.expected_files(man))
 
 
 def test_copies_are_assigned_once_each_to_a_process_that_holds_them():
-    from jaxckpt import _tiers
+    from jaxckpt._manager import tiers as _tiers
 
     listings = {0: {"a": 10, "b": 5, "z": 1}, 2: {"a": 10, "c": 7, "z": 1}}  # leaders of groups (0, 1), (2,)
     out = _tiers.assign_copies(listings, [(0, 1), (2,)])
@@ -149,14 +150,15 @@ def test_copies_are_assigned_once_each_to_a_process_that_holds_them():
 
 
 def test_a_copy_missing_a_file_fails_and_leaves_no_persistent_step(tmp_path):
-    from jaxckpt import _commit, _tiers
+    from jaxckpt import _commit
+    from jaxckpt._manager import tiers as _tiers
 
     jaxckpt.save(tmp_path / "local" / "1", state(1))
-    loc = jaxckpt._location.resolve(str(tmp_path / "local" / "1"))
+    loc = jaxckpt._storage.location.resolve(str(tmp_path / "local" / "1"))
     man = _commit.read_manifest(loc)
     chunk = next(p for p in sorted(_tiers.list_files(loc)) if "/c/" in p)
     os.remove(tmp_path / "local" / "1" / chunk)  # the only copy of it is gone
-    dest = jaxckpt._location.resolve(str(tmp_path / "durable" / "1"))
+    dest = jaxckpt._storage.location.resolve(str(tmp_path / "durable" / "1"))
     with pytest.raises(jaxckpt.CheckpointError, match=f"no process's local directory holds 1 of its files "
                                                       f"\\(e.g. '{chunk}'\\); a host lost its copy"):
         _tiers._Copy(1, loc, dest, man, [(0,)], 5).run()

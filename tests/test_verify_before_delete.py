@@ -9,7 +9,7 @@ import pytest
 from conftest import assert_bit_equal
 
 import jaxckpt
-from jaxckpt import _scan
+from jaxckpt import _verify
 
 
 def state(i):
@@ -33,7 +33,7 @@ def flip_a_byte(step_dir):
 
 @pytest.mark.parametrize("async_save", [True, False])
 def test_a_step_that_fails_verification_is_reported_deleted_and_not_the_latest(tmp_path, monkeypatch, async_save):
-    real_verify = _scan.verify
+    real_verify = _verify.verify
     verified = []
 
     def corrupting_verify(path, **kw):
@@ -42,7 +42,7 @@ def test_a_step_that_fails_verification_is_reported_deleted_and_not_the_latest(t
         verified.append(os.path.basename(str(path)))
         return real_verify(path, **kw)
 
-    monkeypatch.setattr(_scan, "verify", corrupting_verify)
+    monkeypatch.setattr(_verify, "verify", corrupting_verify)
     mgr = jaxckpt.CheckpointManager(tmp_path, max_to_keep=1, verify_before_delete=True, async_save=async_save)
     mgr.save(1, state(1))
     mgr.wait_until_finished()

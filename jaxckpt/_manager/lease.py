@@ -33,9 +33,10 @@ import time
 import uuid
 from typing import Any
 
-from . import _iostats, _storage
-from ._errors import CheckpointError
-from ._location import Location
+from .. import _storage
+from .._errors import CheckpointError
+from .._storage import kvstore as _kvstore
+from .._storage.location import Location
 
 _log = logging.getLogger("jaxckpt")
 
@@ -153,7 +154,7 @@ class Lease:
         watched: tuple[bytes | None, float] | None = None
         known: dict[str, Any] = {}  # the last readable lease (one read may catch a rewrite)
         while True:
-            data = _storage.read_blob(directory, LEASE_FILE)
+            data = _kvstore.read_blob(directory, LEASE_FILE)
             holder = _parse(data)
             known = holder or known
             if holder is None:
@@ -211,15 +212,15 @@ class Lease:
 
     def renew(self) -> None:
         began, now = time.monotonic(), time.time()
-        _iostats.fault("renew", LEASE_FILE)
-        holder = _parse(_storage.read_blob(self.directory, LEASE_FILE))
+        _storage.fault("renew", LEASE_FILE)
+        holder = _parse(_kvstore.read_blob(self.directory, LEASE_FILE))
         if not holder or holder.get("token") != self.owner["token"]:
             who = describe_owner(holder) if holder else "nobody (the lease file is gone)"
             self._lost = f"the writer lease of '{self.directory}' was taken over by {who}"
             self._stop.set()
             return
         owner = dict(self.owner, renewed=now, count=self.owner["count"] + 1)
-        _storage.write_blob(self.directory, LEASE_FILE, json.dumps(owner).encode())
+        _kvstore.write_blob(self.directory, LEASE_FILE, json.dumps(owner).encode())
         self.owner, self._renewed_at, self._failure = owner, began, None
 
     def release(self) -> None:
@@ -232,9 +233,9 @@ class Lease:
             if _held.get(_key(self.directory)) == self.owner["token"]:
                 del _held[_key(self.directory)]
         if self.lost is None:
-            holder = _parse(_storage.read_blob(self.directory, LEASE_FILE))
+            holder = _parse(_kvstore.read_blob(self.directory, LEASE_FILE))
             if holder and holder.get("token") == self.owner["token"]:
-                _storage.delete_blob(self.directory, LEASE_FILE)
+                _kvstore.delete_blob(self.directory, LEASE_FILE)
         self._lost = self._lost or "released"
 
 
@@ -297,8 +298,8 @@ def _judge_on_this_host(holder: dict[str, Any], pid: int, renewed: float | None,
 def _remove_if_unchanged(directory: Location, data: bytes | None) -> None:
     """Remove the lease file judged dead, unless it changed since it was read."""
     if directory.local is None:
-        if _storage.read_blob(directory, LEASE_FILE) == data:
-            _storage.delete_blob(directory, LEASE_FILE)
+        if _kvstore.read_blob(directory, LEASE_FILE) == data:
+            _kvstore.delete_blob(directory, LEASE_FILE)
         return
     path = os.path.join(directory.local, LEASE_FILE)
     aside = f"{path}.dead-{uuid.uuid4().hex}"
@@ -321,8 +322,8 @@ def _create(directory: Location, owner: dict[str, Any]) -> bool:
     data = json.dumps(owner).encode()
     if directory.local is None:
         # Object stores here have no create-if-absent: write, then read back who won.
-        _storage.write_blob(directory, LEASE_FILE, data)
-        return _parse(_storage.read_blob(directory, LEASE_FILE)) == owner
+        _kvstore.write_blob(directory, LEASE_FILE, data)
+        return _parse(_kvstore.read_blob(directory, LEASE_FILE)) == owner
     path = os.path.join(directory.local, LEASE_FILE)
     tmp = f"{path}.{owner['token']}"
     with open(tmp, "wb") as f:

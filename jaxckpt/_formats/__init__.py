@@ -17,10 +17,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from . import _commit, _location, _manifest, _reader
-from ._errors import CheckpointNotFoundError
-from ._location import Location
-from ._manifest import LeafRecord, Manifest
+from .. import _commit, _manifest, _reader
+from .._errors import CheckpointNotFoundError
+from .._manifest import LeafRecord, Manifest
+from .._storage import location as _location
+from .._storage.location import Location
 
 
 class ReaderLike(Protocol):
@@ -76,6 +77,7 @@ def read_manifest(loc: Location) -> Manifest:
 
 
 def _foreign_formats() -> list[Any]:
-    from . import _orbax, _safetensors
+    from . import orbax as _orbax
+    from . import safetensors as _safetensors
 
     return [_safetensors, _orbax]

@@ -17,8 +17,8 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from . import _iostats
-from ._location import Location
+from .. import _storage
+from .location import Location
 
 
 def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
@@ -62,8 +62,8 @@ def read_chunk_file(dest: np.ndarray, path: str) -> None:
     one that is not a regular file (opened without blocking: a FIFO planted in a hostile
     checkpoint does not hang the read); ``OSError`` when the file system refuses it.
     """
-    _iostats.fault("read", path)
-    _iostats.count(bytes_read=dest.nbytes, reads=1)
+    _storage.fault("read", path)
+    _storage.count(bytes_read=dest.nbytes, reads=1)
     view = memoryview(dest.reshape(-1).view(np.uint8))
     fd = _open_chunk(path)
     try:
@@ -124,8 +124,8 @@ def write_chunk_file(path: str, data: np.ndarray, key: str) -> None:
 
     Only for a staging directory nobody else reads yet: the file is written in place.
     """
-    _iostats.fault("write", key)
-    _iostats.count(bytes_written=data.nbytes, writes=1)
+    _storage.fault("write", key)
+    _storage.count(bytes_written=data.nbytes, writes=1)
     view = memoryview(data.reshape(-1).view(np.uint8))
     trailer = crc32c.crc32c(view).to_bytes(4, "little")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -73,7 +73,7 @@ import sys
 import threading
 from typing import Any
 
-from ._errors import CheckpointError
+from .._errors import CheckpointError
 
 _log = logging.getLogger("jaxckpt")
 

@@ -37,24 +37,16 @@ from typing import Any, Union
 import crc32c
 import numpy as np
 
-from . import (
-    _chunkfiles,
-    _commit,
-    _distributed,
-    _dtypes,
-    _iostats,
-    _layout,
-    _location,
-    _storage,
-    _tasks,
-    _writer,
-    _zarr,
-)
-from ._checkpoint import build_manifest
-from ._errors import CheckpointError
-from ._location import Location
-from ._manifest import LeafRecord, Manifest, PackedArray
-from ._snapshot import PACK_CHUNK_BYTES, SMALL_LEAF_BYTES, Snapshot
+from .. import _commit, _distributed, _dtypes, _layout, _storage, _tasks, _writer
+from .._checkpoint import build_manifest
+from .._errors import CheckpointError
+from .._manifest import LeafRecord, Manifest, PackedArray
+from .._snapshot import PACK_CHUNK_BYTES, SMALL_LEAF_BYTES, Snapshot
+from .._storage import chunkfiles as _chunkfiles
+from .._storage import kvstore as _kvstore
+from .._storage import location as _location
+from .._storage import zarr as _zarr
+from .._storage.location import Location
 
 # Bytes copied (or cast) at a time when a chunk is not a plain contiguous buffer.
 BLOCK_BYTES = 8 << 20
@@ -234,7 +226,7 @@ def _write_file_leaf(staging: Location, rec: LeafRecord, data: Callable[[_layout
     """One big leaf, chunk by chunk, on a few threads; when the chunks are not views of
     a ``held`` leaf, fewer for big chunks (at most ``STREAM_BUDGET_BYTES`` in flight)."""
     spec = _zarr.array_spec(staging, rec.key, rec.shape, rec.chunk_shape, rec.storage_dtype)
-    store = _zarr.open_array(spec, _storage.context(staging), create=True).result()
+    store = _zarr.open_array(spec, _kvstore.context(staging), create=True).result()
     storage = _dtypes.DTYPES[rec.storage_dtype]
     direct = (_writer.DIRECT_WRITES and staging.local is not None
               and (storage.itemsize == 1 or sys.byteorder == "little"))
@@ -249,7 +241,7 @@ def _write_file_leaf(staging: Location, rec: LeafRecord, data: Callable[[_layout
     _tasks.run_tasks([functools.partial(_write_chunk, staging, rec, store, data, cell, region, direct)
                       for cell, region in cells], threads)
     for d in _writer._parents_up_to(dirs, staging.local):
-        _storage.fsync_dir(d)
+        _kvstore.fsync_dir(d)
 
 
 def _write_chunk(staging: Location, rec: LeafRecord, store: Any, data: Callable[[_layout.Index], np.ndarray],
@@ -272,8 +264,8 @@ def _write_chunk(staging: Location, rec: LeafRecord, store: Any, data: Callable[
 def write_chunk_blocks(path: str, piece: np.ndarray, dtype: np.dtype, storage: np.dtype, key: str) -> None:
     """Write one whole zarr3 chunk (``bytes`` + ``crc32c``) from a strided or uncast view,
     ``BLOCK_BYTES`` at a time: the bytes ``_chunkfiles.write_chunk_file`` writes."""
-    _iostats.fault("write", key)
-    _iostats.count(bytes_written=piece.size * dtype.itemsize, writes=1)
+    _storage.fault("write", key)
+    _storage.count(bytes_written=piece.size * dtype.itemsize, writes=1)
     crc = 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -334,7 +326,7 @@ class _PackedStream:
 
     def __init__(self, staging: Location, packed: PackedArray):
         spec = _zarr.packed_spec(staging, packed.process, packed.nbytes, packed.chunk_bytes)
-        self._store = _zarr.open_array(spec, _storage.context(staging), create=True)
+        self._store = _zarr.open_array(spec, _kvstore.context(staging), create=True)
         self._key = f"packed/p{packed.process}"
         self._total, self._size = packed.nbytes, packed.chunk_bytes
         self._start = 0

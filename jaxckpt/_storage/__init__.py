@@ -11,7 +11,7 @@ kills that process with SIGKILL at the ``n``-th hit (default: the first) of faul
 (``JAXCKPT_FAULT=write:3``, ``JAXCKPT_FAULT=manifest:partial``). Unset, a fault point
 costs two ``is None`` checks.
 
-The fault points (``grep -rn "_iostats.fault(" jaxckpt``), in the order a save meets them:
+The fault points (``grep -rn "_storage.fault(" jaxckpt``), in the order a save meets them:
 
 * ``data:start`` (each process, before any of its data), ``write`` (before each chunk
   write; key: the array's data key, ``0``, ``packed/p0``, ...), ``copy`` (each file a
@@ -22,7 +22,7 @@ The fault points (``grep -rn "_iostats.fault(" jaxckpt``), in the order a save m
   copy moved aside, the new one not yet in place), ``commit:after-rename``; object
   stores: ``commit:after-old-delete``;
 * deleting: ``delete:after-rename`` (``_commit.delete_step``, local: renamed aside),
-  ``delete:middle`` (any local tree ``_storage.delete_tree`` removes that holds a
+  ``delete:middle`` (any local tree ``_kvstore.delete_tree`` removes that holds a
   manifest, the replaced copy of an overwrite and every deleted step included: its
   manifest removed, its data not yet), ``delete:after-manifest`` (object stores);
 * restoring: ``read`` (before each chunk read: key the local chunk file's path from a
@@ -118,3 +118,9 @@ def reset_io_stats() -> None:
         for k in _stats:
             _stats[k] = 0
 
+
+
+
+
+# Named in docs/storage.md for users who set curl's process-wide timeouts themselves.
+from .bounds import http_timeouts as http_timeouts  # noqa: E402

@@ -28,11 +28,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _chunkfiles, _commit, _dtypes, _layout, _location, _reader, _sources, _storage, _tasks, _zarr
+from . import _commit, _dtypes, _formats, _layout, _reader, _tasks
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ._html import human_bytes
-from ._location import Location
 from ._manifest import LeafRecord, Manifest, PackedArray
+from ._storage import chunkfiles as _chunkfiles
+from ._storage import kvstore as _kvstore
+from ._storage import location as _location
+from ._storage import zarr as _zarr
+from ._storage.location import Location
 
 # Bytes of chunk buffers held at once (reads in flight plus the batch being folded); a
 # single chunk bigger than this is read alone.
@@ -411,7 +415,7 @@ def verify(path: Any, *, progress: Progress | None = None) -> VerifyReport:
 def _verify(loc: Location, progress: Progress | None) -> VerifyReport:
     start = time.perf_counter()
     try:
-        man = _sources.read_manifest(loc)  # also: a manifest copied from another step
+        man = _formats.read_manifest(loc)  # also: a manifest copied from another step
     except CorruptCheckpointError as e:
         bad = _Problems()
         bad.add(None, "manifest.json", str(e), file="manifest.json", what=f"manifest.json: {e}")
@@ -437,7 +441,7 @@ def _verify(loc: Location, progress: Progress | None) -> VerifyReport:
 
 def _refuse_foreign(loc: Location) -> None:
     """A foreign checkpoint is not ours to verify: say so instead of "not found"."""
-    for module in _sources._foreign_formats():
+    for module in _formats._foreign_formats():
         if module.open_source(loc) is not None:
             name = module.__name__.rsplit("_", 1)[-1]
             raise CheckpointError(
@@ -600,7 +604,7 @@ class _Read(NamedTuple):
 def _plan_reads(loc: Location, man: Manifest, owners, skip: set[str]) -> tuple[list[_Read], int]:
     """One read per stored chunk (those in ``skip`` are already reported); also the
     number of stored chunks."""
-    ctx = _storage.context(loc)
+    ctx = _kvstore.context(loc)
     reads, n_chunks = [], 0
     for rec in man.leaves:
         if not _has_data(rec, "file"):
@@ -640,7 +644,7 @@ def _check_array_metadata(loc: Location, man: Manifest, owners, read: set[str], 
     every leaf stored in it. Checked for the arrays with chunks to ``read`` (an array
     whose every chunk is already reported, e.g. by a manifest copied from elsewhere,
     gains nothing from a second account of the same mismatch)."""
-    ctx = _storage.context(loc)
+    ctx = _kvstore.context(loc)
     checks = []  # (zarr.json name, leaves stored in the array, the opening)
     for rec in man.leaves:
         if _has_data(rec, "file") and f"arrays/{rec.key}" in read:
@@ -657,13 +661,13 @@ def _check_array_metadata(loc: Location, man: Manifest, owners, read: set[str], 
         try:
             opening.result()
         except Exception as e:  # noqa: BLE001 - reported, not raised
-            cause = _storage.storage_cause(e)
+            cause = _kvstore.storage_cause(e)
             for leaf in leaves or [None]:
                 problems.add(leaf, name, cause, file=name, what=f"{name}: {cause}", effect="metadata")
 
 
 def _fail(problems: _Problems, read: _Read, error: BaseException) -> None:
-    cause = _storage.storage_cause(error)
+    cause = _kvstore.storage_cause(error)
     for leaf, chunk in read.owners:
         problems.add(leaf, chunk, f"{read.name}: {cause}", file=read.name)
 
@@ -951,7 +955,7 @@ def diff(a: Any, b: Any, *, progress: Progress | None = None) -> DiffReport:
       (False, 0.0125)
     """
     start = time.perf_counter()
-    src_a, src_b = _sources.open_source(a), _sources.open_source(b)
+    src_a, src_b = _formats.open_source(a), _formats.open_source(b)
     (loc_a, man_a), (loc_b, man_b) = (src_a.loc, src_a.manifest), (src_b.loc, src_b.manifest)
     recs_a = {r.path: r for r in man_a.leaves}
     recs_b = {r.path: r for r in man_b.leaves}

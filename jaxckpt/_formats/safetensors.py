@@ -1,4 +1,4 @@
-"""Safetensors files as a ``_sources.Source`` (reading), and the format's shared facts.
+"""Safetensors files as a ``_formats.Source`` (reading), and the format's shared facts.
 
 The format: 8 bytes little-endian header length N, N bytes of JSON header
 (``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``,
@@ -25,10 +25,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _chunkfiles, _dtypes, _iostats, _layout, _manifest, _tasks, _tree
-from ._errors import CheckpointError, CorruptCheckpointError
-from ._manifest import LeafRecord, Manifest
-from ._sources import Source
+from .. import _dtypes, _layout, _manifest, _storage, _tasks, _tree
+from .._errors import CheckpointError, CorruptCheckpointError
+from .._manifest import LeafRecord, Manifest
+from .._storage import chunkfiles as _chunkfiles
+from . import Source
 
 # safetensors dtype names <-> jaxckpt (numpy / ml_dtypes) dtype names
 DTYPE_TO_ST = {
@@ -436,7 +437,7 @@ def _run_reads(batch: list[_Read], fds: dict[str, int]) -> None:
                     f"Safetensors file '{r.tensor.file}': tensor '{r.tensor.name}': the file ends early "
                     f"(read {got} of {r.nbytes} bytes at offset {r.offset})")
     finally:  # counted once per batch: a lock per small read would cost more than the read
-        _iostats.count(bytes_read=sum(r.nbytes for r in batch[:done]), reads=done)
+        _storage.count(bytes_read=sum(r.nbytes for r in batch[:done]), reads=done)
 
 
 def _preadv_all(fd: int, views: list[memoryview], offset: int) -> int:

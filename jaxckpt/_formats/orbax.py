@@ -1,4 +1,4 @@
-"""orbax-checkpoint checkpoints as a ``_sources.Source`` (reading only; orbax is not imported).
+"""orbax-checkpoint checkpoints as a ``_formats.Source`` (reading only; orbax is not imported).
 
 What is read (tested against orbax-checkpoint 0.12.8; ``tests/test_orbax.py``):
 
@@ -56,10 +56,14 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorstore as ts
 
-from . import _chunkfiles, _dtypes, _layout, _location, _manifest, _sources, _storage, _tasks, _tree, _zarr
-from ._errors import CheckpointError, CorruptCheckpointError
-from ._location import Location
-from ._manifest import LeafRecord, Manifest
+from .. import _dtypes, _formats, _layout, _manifest, _tasks, _tree
+from .._errors import CheckpointError, CorruptCheckpointError
+from .._manifest import LeafRecord, Manifest
+from .._storage import chunkfiles as _chunkfiles
+from .._storage import kvstore as _kvstore
+from .._storage import location as _location
+from .._storage import zarr as _zarr
+from .._storage.location import Location
 
 METADATA = "_METADATA"  # a PyTree item's tree
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"  # a step directory's items
@@ -96,7 +100,7 @@ def _read_small(loc: Location, key: str, where: str) -> bytes | None:
     directory or a FIFO (``open`` would block forever) under the name.
     """
     if loc.local is None:
-        data = _storage.read_blob(loc, key)
+        data = _kvstore.read_blob(loc, key)
         if data is not None and len(data) > MAX_JSON_BYTES:
             raise _bad(where, f"{key} has more than {MAX_JSON_BYTES} bytes")
         return data
@@ -159,7 +163,7 @@ def _step_items(loc: Location, ckpt: Any, where: str) -> tuple[list[_Item], dict
         names = dict(handlers)
     elif handlers is None or isinstance(handlers, str):
         # No item names recorded: the subdirectories holding a PyTree item's metadata.
-        names = {n: "" for n in _storage.list_children(loc) if _safe_component(n)
+        names = {n: "" for n in _kvstore.list_children(loc) if _safe_component(n)
                  and _read_small(loc.child(n), METADATA, where) is not None}
     else:
         raise _bad(where, f"{CHECKPOINT_METADATA}: item_handlers is not an object")
@@ -329,7 +333,7 @@ def _shardings(item: _Item, where: str) -> dict[str, dict[str, Any] | None]:
 def _key_impls(item: _Item, where: str) -> dict[str, str]:
     """Parameter name -> PRNG key implementation, from the first process's array metadata."""
     folder = item.loc.child(ARRAY_METADATAS)
-    files = [n for n in _storage.list_children(folder)
+    files = [n for n in _kvstore.list_children(folder)
              if n.startswith("process_") and n[8:].isdigit() and n[8:].isascii() and len(n) < 20]
     if not files:
         return {}
@@ -417,7 +421,7 @@ class _Pending(NamedTuple):
 def _leaf_error(where: str, p: _Pending, doing: str, e: BaseException) -> CorruptCheckpointError:
     item = f" of item '{p.arrays.item.name}'" if p.arrays.item.name else ""
     return CorruptCheckpointError(f"Checkpoint '{where}': leaf '{p.path}' (orbax parameter "
-                                  f"'{p.param}'{item}) {doing}: {_storage.storage_cause(e)}")
+                                  f"'{p.param}'{item}) {doing}: {_kvstore.storage_cause(e)}")
 
 
 def _open_stores(pending: list[_Pending], ctx: ts.Context, where: str) -> list[Any]:
@@ -437,10 +441,10 @@ def _open_stores(pending: list[_Pending], ctx: ts.Context, where: str) -> list[A
 
 
 def _result(future: Any, where: str, p: _Pending, doing: str) -> Any:
-    """A tensorstore future's result within the I/O bound (``_storage.wait``); its own
+    """A tensorstore future's result within the I/O bound (``_kvstore.wait``); its own
     error (missing or malformed metadata, corruption) as a ``CorruptCheckpointError``."""
     try:
-        return _storage.wait(future, _Where(where), doing, p.param)
+        return _kvstore.wait(future, _Where(where), doing, p.param)
     except CheckpointError as bounded:
         if not future.done() or future.cancelled():
             raise _leaf_error(where, p, doing, bounded) from None  # the store stopped answering
@@ -579,7 +583,7 @@ class _Builder:
 def _context(loc: Location) -> ts.Context:
     """The store's shared context, plus a cache for OCDBT b-tree nodes (as orbax reads)."""
     spec = ts.Context.Spec({"cache_pool#ocdbt": {"total_bytes_limit": _OCDBT_CACHE_BYTES}})
-    return ts.Context(spec, parent=_storage.context(loc))
+    return ts.Context(spec, parent=_kvstore.context(loc))
 
 
 def _info(items: list[_Item], unread: dict[str, str], ckpt: Any, leaves: list[LeafRecord]) -> dict[str, Any]:
@@ -593,7 +597,7 @@ def _info(items: list[_Item], unread: dict[str, str], ckpt: Any, leaves: list[Le
     return info
 
 
-def _build_source(loc: Location, items: list[_Item], unread: dict[str, str], ckpt: Any) -> _sources.Source:
+def _build_source(loc: Location, items: list[_Item], unread: dict[str, str], ckpt: Any) -> _formats.Source:
     where = str(loc)
     b = _Builder(where)
     single = len(items) == 1
@@ -612,10 +616,10 @@ def _build_source(loc: Location, items: list[_Item], unread: dict[str, str], ckp
     leaves = [r for r in b.leaves if r is not None]
     man = Manifest(format_version=_manifest.FORMAT_VERSION, structure=structure, leaves=tuple(leaves),
                    metadata={}, process_count=1, info=_info(items, unread, ckpt, leaves))
-    return _sources.Source(loc, man, lambda: OrbaxReader(where, arrays), "orbax")
+    return _formats.Source(loc, man, lambda: OrbaxReader(where, arrays), "orbax")
 
 
-def open_source(loc: Any) -> _sources.Source | None:
+def open_source(loc: Any) -> _formats.Source | None:
     """The orbax checkpoint at ``loc`` as a ``Source``, or ``None`` when it is not one.
 
     ``loc`` is a PyTree item directory (it has ``_METADATA``) or an orbax step directory

@@ -31,9 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _commit, _distributed, _manifest, _scan, _storage
-from ._errors import CheckpointError
-from ._location import Location
+from .. import _commit, _distributed, _manifest, _verify
+from .._errors import CheckpointError
+from .._storage import kvstore as _kvstore
+from .._storage.location import Location
 
 _log = logging.getLogger("jaxckpt")
 
@@ -67,8 +68,8 @@ def copy_from_holders(op: _distributed.Operation, step: int, directory: Location
     when a copy failed.
     """
     final = directory.child(_commit.step_name(step))
-    mine: dict[str, int] = _scan.list_files(final.local) if lists and holds else {}
-    man_bytes = _storage.read_blob(final, "manifest.json") if holds else None
+    mine: dict[str, int] = _verify.list_files(final.local) if lists and holds else {}
+    man_bytes = _kvstore.read_blob(final, "manifest.json") if holds else None
     payload = json.dumps({"files": mine if lists and holds else None}).encode()
     op.post(f"have{step}", payload)
     op.post(f"man{step}", man_bytes or b"")
@@ -83,7 +84,7 @@ def copy_from_holders(op: _distributed.Operation, step: int, directory: Location
     if first is None or read_only:
         return None
     man = _manifest.parse(mans[first], str(final))
-    source = plan_source(listings, _scan.expected_files(man))
+    source = plan_source(listings, _verify.expected_files(man))
     if source is None:
         return None
     files = sorted(listings[source].items())

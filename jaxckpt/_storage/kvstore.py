@@ -16,26 +16,19 @@ from __future__ import annotations
 
 import collections
 import json
-import math
 import os
 import re
-import sys
 import threading
 import time
-import types
 from typing import Any
 
 import tensorstore as ts
 
-from . import _iostats
-from ._errors import CheckpointError
-from ._location import Location
-from ._manifest import MANIFEST
-
-# Kept here for callers and tests written against the single storage module.
-io_stats = _iostats.io_stats
-reset_io_stats = _iostats.reset_io_stats
-
+from .. import _storage
+from .._errors import CheckpointError
+from .._manifest import MANIFEST
+from .bounds import DEFAULT_IO_TIMEOUT_S, IO_TIMEOUT_ENV, io_timeout_s, request_retries
+from .location import Location
 
 # One tensorstore context per store (a bucket on an endpoint, the local file system, the
 # memory kvstore): connections, credentials and thread pools are made once and reused by
@@ -88,7 +81,6 @@ def _new_context(root: Location) -> ts.Context:
     return ts.Context(resources)
 
 
-new_context = context  # the name callers used when every call made a fresh context
 
 
 def _kvstore(root: Location) -> ts.KvStore:
@@ -100,66 +92,8 @@ def _kvstore(root: Location) -> ts.KvStore:
 
 # --- bounded waits ----------------------------------------------------------------
 
-IO_TIMEOUT_ENV = "JAXCKPT_IO_TIMEOUT_S"
-DEFAULT_IO_TIMEOUT_S = 60.0
 # The context resource holding each object store's retry policy.
 _RETRIES = {"s3": "s3_request_retries", "gcs": "gcs_request_retries"}
-
-
-def io_timeout_s() -> float | None:
-    """The I/O bound in seconds (``JAXCKPT_IO_TIMEOUT_S``, default 60); ``None`` when
-    set to ``0``, ``inf`` or ``none`` (tensorstore's own retries, no bound: ~15 min)."""
-    text = os.environ.get(IO_TIMEOUT_ENV, "").strip().lower()
-    if not text:
-        return DEFAULT_IO_TIMEOUT_S
-    if text in ("0", "inf", "none"):
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0 or math.isinf(value):
-        raise CheckpointError(f"{IO_TIMEOUT_ENV} must be a positive number of seconds (or 0 for no bound), "
-                              f"got {text!r}")
-    return value
-
-
-def request_retries(bound: float) -> dict[str, Any]:
-    """tensorstore's retry policy for object-store requests, sized so that its backoff
-    delays add up to at most a third of ``bound`` even with the most jitter: a dead
-    endpoint then fails with tensorstore's own cause, well within the bound.
-
-    tensorstore waits ``min(initial * 2**i + U(0, initial), max)`` before retry ``i``;
-    its default (32 retries, 1 s to 32 s) adds up to about 15 minutes.
-    """
-    initial = min(1.0, bound / 60)
-    largest = max(initial, bound / 6)
-    retries, total = 0, 0.0
-    while retries < 32:
-        total += min(initial * 2 ** retries + initial, largest)
-        if total > bound / 3:
-            break
-        retries += 1
-    return {"max_retries": max(1, retries), "initial_delay": f"{initial * 1000:.0f}ms",
-            "max_delay": f"{largest * 1000:.0f}ms"}
-
-
-def http_timeouts(bound: float) -> dict[str, str]:
-    """curl's connect timeout and low-speed time that fit ``bound``: the environment
-    variables, and their values, with which curl drops a request that cannot connect (in
-    bound/12) or moves next to nothing (for bound/8), and tensorstore retries it.
-
-    A library call never sets them. tensorstore 0.1.86 has no context resource or spec
-    member for curl's timeouts: it reads these variables (or its absl flags) once per
-    process, when it makes its one HTTP transport, which every tensorstore user of the
-    process then shares and which cannot be changed back. So they are the user's to set
-    (docs/storage.md, "Failing, never hanging"); the ``jaxckpt`` command, which owns its
-    process, sets the ones the user left unset. Without them tensorstore's own defaults
-    hold (it drops a stalled transfer after 120 s), and the bound on every wait
-    (``wait``) still fails a silent store's requests within ``bound``.
-    """
-    return {"TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS": str(max(1, round(bound / 12))),
-            "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": str(max(2, round(bound / 8)))}
 
 
 # Monotonic time of the last answer (a result or an error) to a storage request of this
@@ -263,7 +197,7 @@ def call(root: Any, doing: str, key: str, fn: Any) -> Any:
 
 def write_blob(root: Location, key: str, data: bytes, *, fault: str | None = None) -> None:
     """Write a small blob whole (one PUT; locally: write, fsync, rename). ``fault``: a
-    fault point (``_iostats.fault``) met once half of a local blob's bytes are written."""
+    fault point (``_storage.fault``) met once half of a local blob's bytes are written."""
     if root.local is not None:
         # Write, fsync, then rename: the blob appears whole or not at all.
         path = os.path.join(root.local, key)
@@ -274,7 +208,7 @@ def write_blob(root: Location, key: str, data: bytes, *, fault: str | None = Non
                 view = memoryview(data)
                 _write_all(fd, view[:len(view) // 2])
                 if fault is not None:
-                    _iostats.fault(fault, key)
+                    _storage.fault(fault, key)
                 _write_all(fd, view[len(view) // 2:])
                 os.fsync(fd)
             finally:
@@ -461,7 +395,7 @@ def delete_tree(root: Location) -> None:
             except OSError:  # none (not a checkpoint, or not yet), or not a directory at all
                 pass
             else:
-                _iostats.fault("delete:middle", root.local)
+                _storage.fault("delete:middle", root.local)
         shutil.rmtree(root.local, ignore_errors=True)
         return
     if root.kvstore["driver"] == "s3" and _s3_delete_batched(root):
@@ -507,18 +441,3 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-class _Module(types.ModuleType):
-    """``_storage.fault_hook`` reads and sets ``_iostats.fault_hook`` (tests set it here)."""
-
-    @property
-    def fault_hook(self) -> Any:
-        return _iostats.fault_hook
-
-    @fault_hook.setter
-    def fault_hook(self, hook: Any) -> None:
-        _iostats.fault_hook = hook
-
-
-sys.modules[__name__].__class__ = _Module

@@ -25,8 +25,10 @@ import time
 import uuid
 from typing import Any
 
-from . import _commit, _iostats, _lease, _storage
-from ._location import Location
+from .. import _commit, _storage
+from .._storage import kvstore as _kvstore
+from .._storage.location import Location
+from . import lease as _lease
 
 _log = logging.getLogger("jaxckpt")
 
@@ -50,7 +52,7 @@ class ReaderMark:
     def __enter__(self) -> ReaderMark:
         if self.directory.local is not None:
             os.makedirs(self.directory.local, exist_ok=True)
-        _storage.write_blob(self.directory, self.key, json.dumps(self.owner).encode())
+        _kvstore.write_blob(self.directory, self.key, json.dumps(self.owner).encode())
         self._thread = threading.Thread(target=self._renew, name="jaxckpt-reader", daemon=True)
         self._thread.start()
         return self
@@ -59,8 +61,8 @@ class ReaderMark:
         while not self._stop.wait(RENEW_S):
             self.owner["renewed"] = time.time()
             try:
-                _iostats.fault("renew", self.key)
-                _storage.write_blob(self.directory, self.key, json.dumps(self.owner).encode())
+                _storage.fault("renew", self.key)
+                _kvstore.write_blob(self.directory, self.key, json.dumps(self.owner).encode())
             except Exception as e:  # noqa: BLE001 - the mark stays, just older
                 _log.warning("jaxckpt: renewing the reader mark %s failed: %s", self.key, e)
 
@@ -69,7 +71,7 @@ class ReaderMark:
         if self._thread is not None:
             self._thread.join()
         try:
-            _storage.delete_blob(self.directory, self.key)
+            _kvstore.delete_blob(self.directory, self.key)
         except Exception as e:  # noqa: BLE001 - a stale mark only delays a delete until it expires
             _log.warning("jaxckpt: removing the reader mark %s failed: %s", self.key, e)
 
@@ -79,16 +81,16 @@ def live_readers(directory: Location, step: int) -> list[dict[str, Any]]:
     where = directory.child(READERS_DIR)
     prefix = f"{step}-"
     try:
-        names = [n for n in _storage.list_children(where) if n.startswith(prefix) and n.endswith(".json")]
+        names = [n for n in _kvstore.list_children(where) if n.startswith(prefix) and n.endswith(".json")]
     except Exception:  # noqa: BLE001 - no readers directory yet
         return []
     live = []
     for name in names:
-        owner = _lease._parse(_storage.read_blob(where, name))
+        owner = _lease._parse(_kvstore.read_blob(where, name))
         if owner is None:
             continue  # removed as we looked
         if owner and _lease._judge(owner, _lease.lease_period(owner, LEASE_S)) == "gone":
-            _storage.delete_blob(where, name)
+            _kvstore.delete_blob(where, name)
             continue
         live.append(owner)
     return live

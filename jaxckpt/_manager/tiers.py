@@ -30,10 +30,12 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _commit, _distributed, _iostats, _layout, _manifest, _retention, _scan, _storage, _tasks
-from ._errors import CheckpointError
-from ._location import Location
-from ._manifest import Manifest
+from .. import _commit, _distributed, _layout, _manifest, _storage, _tasks, _verify
+from .._errors import CheckpointError
+from .._manifest import Manifest
+from .._storage import kvstore as _kvstore
+from .._storage.location import Location
+from . import retention as _retention
 
 _log = logging.getLogger("jaxckpt")
 
@@ -45,7 +47,7 @@ def list_files(root: Location) -> dict[str, int]:
     relative path -> size. Empty when it is not there (a host that lost its disk)."""
     if root.local is None:
         raise CheckpointError(f"'{root}': the local tier must be a local directory")
-    return _scan.list_files(root.local)
+    return _verify.list_files(root.local)
 
 
 def assign_copies(listings: dict[int, dict[str, int]], groups: Sequence[Sequence[int]]) -> dict[int, list[str]]:
@@ -69,13 +71,13 @@ def assign_copies(listings: dict[int, dict[str, int]], groups: Sequence[Sequence
 
 def _copy_files(src: Location, dest: Location, paths: list[str]) -> None:
     def copy(path: str) -> None:
-        _iostats.fault("copy", path)
+        _storage.fault("copy", path)
         with open(os.path.join(src.local, path), "rb") as f:
             data = f.read()
-        _iostats.count(bytes_written=len(data), writes=1)
+        _storage.count(bytes_written=len(data), writes=1)
         if dest.local is not None:
             os.makedirs(os.path.dirname(os.path.join(dest.local, path)), exist_ok=True)
-        _storage.write_blob(dest, path, data)
+        _kvstore.write_blob(dest, path, data)
 
     _tasks.run_tasks([lambda p=p: copy(p) for p in paths], COPY_THREADS)
 
@@ -131,7 +133,7 @@ class _Copy:
         try:
             listings = self._copy_mine(op, token)
             held = set().union(*listings.values()) if listings else set()
-            missing = sorted(set(_scan.expected_files(self.man)) - held)
+            missing = sorted(set(_verify.expected_files(self.man)) - held)
             if missing:
                 raise CheckpointError(
                     f"step {self.step}: no process's local directory holds {len(missing)} of its files "

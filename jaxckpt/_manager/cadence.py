@@ -28,7 +28,7 @@ import statistics
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from ._errors import CheckpointError
+from .._errors import CheckpointError
 
 WINDOW = 10  # the saves the advice is measured on: the most recent ones, by step
 

@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from . import _iostats, _layout, _storage
-from ._dtypes import DTYPES
-from ._location import Location, resolve
+from .. import _layout, _storage
+from .._dtypes import DTYPES
+from . import kvstore as _kvstore
+from .location import Location, resolve
 
 
 def _zarr3(kvstore: dict[str, Any], shape: Sequence[int], chunk_shape: Sequence[int],
@@ -76,14 +77,14 @@ class _Opening:
     __slots__ = ("_future", "_kvstore", "_issued")
 
     def __init__(self, future: ts.Future, kvstore: dict[str, Any]):
-        self._future, self._kvstore = _storage.track(future), kvstore
+        self._future, self._kvstore = _kvstore.track(future), kvstore
         self._issued = time.monotonic()
 
     def result(self, timeout: float | None = None) -> ts.TensorStore:
         if timeout is not None:
-            return _storage.call(resolve(self._kvstore), "opening array", "",
+            return _kvstore.call(resolve(self._kvstore), "opening array", "",
                                  lambda: self._future.result(timeout=timeout))
-        return _storage.wait(self._future, _ArrayLocation(self._kvstore), "opening array", "", self._issued)
+        return _kvstore.wait(self._future, _ArrayLocation(self._kvstore), "opening array", "", self._issued)
 
     def done(self) -> bool:
         return self._future.done()
@@ -97,13 +98,13 @@ class _Pending:
     __slots__ = ("_future", "_store", "_doing", "_nbytes", "_issued")
 
     def __init__(self, future: Any, store: ts.TensorStore, doing: str, nbytes: int):
-        self._future, self._store, self._doing = _storage.track(future), store, doing
+        self._future, self._store, self._doing = _kvstore.track(future), store, doing
         self._nbytes, self._issued = nbytes, time.monotonic()
 
     def result(self, timeout: float | None = None) -> Any:
         if timeout is not None:
             return self._future.result(timeout=timeout)
-        return _storage.wait(self._future, _ArrayLocation(self._store), self._doing, "", self._issued,
+        return _kvstore.wait(self._future, _ArrayLocation(self._store), self._doing, "", self._issued,
                              self._nbytes)
 
     def done(self) -> bool:
@@ -153,8 +154,8 @@ def open_array(spec: dict[str, Any], ctx: ts.Context, *, create: bool, check_met
 def write_region(store: ts.TensorStore, index: Sequence[tuple[int, int]], data: np.ndarray,
                  key: str) -> _Pending:
     """Start writing ``data`` (already in the storage dtype) to ``store[index]``."""
-    _iostats.fault("write", key)
-    _iostats.count(bytes_written=data.nbytes, writes=1)
+    _storage.fault("write", key)
+    _storage.count(bytes_written=data.nbytes, writes=1)
     future = store[_layout.index_to_slices(index)].write(data) if index else store.write(data)
     return _Pending(future, store, "writing", data.nbytes)
 
@@ -165,8 +166,8 @@ def read_into(dest: np.ndarray, store: ts.TensorStore, index: Sequence[tuple[int
     """Start reading ``store[index]`` straight into ``dest`` (a numpy array or view);
     ``fetched``: the bytes this reads from storage, when more than ``dest`` (the whole
     stored chunks a part of them costs), for ``io_stats``."""
-    _iostats.fault("read", "")
-    _iostats.count(bytes_read=max(fetched, dest.nbytes), reads=1)
+    _storage.fault("read", "")
+    _storage.count(bytes_read=max(fetched, dest.nbytes), reads=1)
     target = ts.array(dest, copy=False, write=True)
     return _Pending(target.write(store[_layout.index_to_slices(index)] if index else store), store, "reading",
                     dest.nbytes)

@@ -23,27 +23,19 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import (
-    _cadence,
-    _checkpoint,
-    _commit,
-    _distributed,
-    _history,
-    _hostcopy,
-    _html,
-    _lease,
-    _location,
-    _preemption,
-    _readers,
-    _retention,
-    _scan,
-    _snapshot,
-    _storage,
-    _tasks,
-    _tiers,
-)
-from ._errors import CheckpointError, CheckpointNotFoundError
-from ._manifest import Manifest
+from .. import _checkpoint, _commit, _distributed, _html, _snapshot, _tasks, _verify
+from .._errors import CheckpointError, CheckpointNotFoundError
+from .._manifest import Manifest
+from .._storage import kvstore as _kvstore
+from .._storage import location as _location
+from . import cadence as _cadence
+from . import history as _history
+from . import hostcopy as _hostcopy
+from . import lease as _lease
+from . import marks as _marks
+from . import preemption as _preemption
+from . import retention as _retention
+from . import tiers as _tiers
 
 _log = logging.getLogger("jaxckpt")
 
@@ -470,7 +462,7 @@ class CheckpointManager:
 
         Young–Daly: the interval ``sqrt(2·C·M)`` where ``C`` is the median blocking
         seconds of the last ``window`` saves and ``M`` the mean time between failures;
-        see ``jaxckpt._cadence`` for the model of the time lost. The result is also
+        see ``jaxckpt._manager.cadence`` for the model of the time lost. The result is also
         shown by the manager's notebook view.
 
         Args:
@@ -659,7 +651,7 @@ class CheckpointManager:
         with _distributed.Operation(f"verify{op_id}", str(final), self._timeout) as op:
             if self._leads():
                 try:
-                    report = _scan.verify(final)
+                    report = _verify.verify(final)
                     if not report.ok:  # one entry per damaged file, with the leaves it costs
                         shown = "; ".join(_damage(d) for d in report.damaged[:3])
                         more = f" (and {len(report.damaged) - 3} more)" if len(report.damaged) > 3 else ""
@@ -759,7 +751,7 @@ class CheckpointManager:
             if not self._read_only or where != self._dir.child(_commit.step_name(step)):
                 return read(where)  # a writer's own restores are held by self._reading
             # Another process writes here: mark the step so its retention waits for us.
-            with _readers.ReaderMark(self._dir, step):
+            with _marks.ReaderMark(self._dir, step):
                 if not _commit.has_manifest(where):
                     raise CheckpointNotFoundError(f"Step {step} in '{self._dir}' was deleted")
                 return read(where)
@@ -941,9 +933,9 @@ class CheckpointManager:
         lost = self._lease.lost if self._lease is not None else None
         if lost:
             return CheckpointError(f"CheckpointManager for '{self._dir}' cannot delete step {step}: {lost}")
-        if _readers.delete_unless_read(self._dir, step, _commit.new_token()):
+        if _marks.delete_unless_read(self._dir, step, _commit.new_token()):
             return None
-        readers = _readers.live_readers(self._dir, step)
+        readers = _marks.live_readers(self._dir, step)
         who = ", ".join(_lease.describe_owner(r) for r in readers) or "another process"
         return CheckpointError(f"Step {step} in '{self._dir}' is being restored by {who}; delete it afterwards")
 
@@ -1090,7 +1082,7 @@ class _Deleter:
 
     def _delete(self, step: int) -> None:
         try:
-            if not _readers.delete_unless_read(self._dir, step, _commit.new_token()):
+            if not _marks.delete_unless_read(self._dir, step, _commit.new_token()):
                 _log.info("jaxckpt: step %d in '%s' is being restored elsewhere; deleting it later", step, self._dir)
                 with self._lock:
                     self._deferred.add(step)
@@ -1154,7 +1146,7 @@ def writer_lease(directory: _location.Location) -> tuple[dict[str, Any] | None, 
     True)`` when no writer holds the directory. A holder whose liveness cannot be told
     yet (another host, recently renewed, or an unreadable lease) counts as alive.
     """
-    holder = _lease._parse(_storage.read_blob(directory, _lease.LEASE_FILE))
+    holder = _lease._parse(_kvstore.read_blob(directory, _lease.LEASE_FILE))
     if holder is None:
         return None, True
     return holder, _lease._judge(holder, _lease.lease_period(holder, _lease.LEASE_S)) == "gone"

@@ -29,8 +29,10 @@ import stat
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from . import _commit, _location, _storage
-from ._location import Location
+from .. import _commit
+from .._storage import kvstore as _kvstore
+from .._storage import location as _location
+from .._storage.location import Location
 
 HISTORY_FILE = "history.jsonl"
 HISTORY_DIR = ".history"  # object stores: one blob per step
@@ -196,7 +198,7 @@ def append(directory: Location, step: int, info: Mapping[str, Any]) -> None:
     """Record a committed step (the writing manager, process 0, right after the commit)."""
     line = json.dumps(entry(step, info), separators=(",", ":"), allow_nan=True).encode() + b"\n"
     if directory.local is None:
-        _storage.write_blob(directory.child(HISTORY_DIR), f"{_commit.step_name(step)}.json", line)
+        _kvstore.write_blob(directory.child(HISTORY_DIR), f"{_commit.step_name(step)}.json", line)
         return
     _append_line(os.path.join(directory.local, HISTORY_FILE), line)
 
@@ -216,7 +218,7 @@ def _append_line(path: str, line: bytes) -> None:
     finally:
         os.close(fd)
     if not st.st_size:
-        _storage.fsync_dir(os.path.dirname(path))  # the file is new: make its name durable
+        _kvstore.fsync_dir(os.path.dirname(path))  # the file is new: make its name durable
 
 
 # --- reading -------------------------------------------------------------------------
@@ -268,14 +270,14 @@ def _read_lines(path: str) -> list[tuple[str, bytes]]:
 def _read_blobs(root: Location) -> list[tuple[str, bytes]]:
     """Object stores: the per-step blobs, the newest ``MAX_BLOBS`` by step, read in parallel."""
     named = {}
-    for name in _storage.list_children(root):
+    for name in _kvstore.list_children(root):
         stem = name[:-5] if name.endswith(".json") else ""
         step = _commit.parse_step_name(stem) if stem.isascii() and len(stem) <= 40 else None
         if step is not None:
             named[step] = name
     names = [named[s] for s in sorted(named)[-MAX_BLOBS:]]
     with concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="jaxckpt-history") as pool:
-        blobs = list(pool.map(lambda n: _storage.read_blob(root, n), names))
+        blobs = list(pool.map(lambda n: _kvstore.read_blob(root, n), names))
     return [(n, b) for n, b in zip(names, blobs) if b is not None]
 
 

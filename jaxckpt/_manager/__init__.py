@@ -1,0 +1,1 @@
+"""The manager's wing: ``CheckpointManager`` and its policies."""
