@@ -8,9 +8,7 @@ commits.
 from . import convert as convert
 from ._checkpoint import CheckpointInfo as CheckpointInfo
 from ._checkpoint import LeafInfo as LeafInfo
-from ._checkpoint import MissingKeysWarning as MissingKeysWarning
 from ._checkpoint import metadata as metadata
-from ._checkpoint import restore as restore
 from ._checkpoint import save as save
 from ._errors import CheckpointError as CheckpointError
 from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
@@ -23,6 +21,8 @@ from ._manager.history import HistoryRecord as HistoryRecord
 from ._manager.history import history as history
 from ._manager.manager import CheckpointManager as CheckpointManager
 from ._plot import plot_history as plot_history
+from ._restore import MissingKeysWarning as MissingKeysWarning
+from ._restore import restore as restore
 from ._verify import DiffReport as DiffReport
 from ._verify import LeafStats as LeafStats
 from ._verify import VerifyReport as VerifyReport

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _checkpoint, _dtypes, _formats, _layout, _tasks, _tree
+from . import _dtypes, _formats, _layout, _restore, _tasks, _tree
 from ._errors import CheckpointError, TreeMismatchError
 from ._formats import safetensors as _safetensors
 from ._formats import stream as _stream
@@ -557,7 +557,7 @@ class _Names:
         else:
             slashed = _slashed(name)
             self.used.update(k for k in self.key_map if k == "" or slashed == k or slashed.startswith(k + "/"))
-            new = _checkpoint._map_key(self.key_map, slashed)  # restore's reading of key_map, exactly
+            new = _restore.map_key(self.key_map, slashed)  # restore's reading of key_map, exactly
         if new is not None and not _safetensors.name_of(new).strip("."):
             raise CheckpointError(f"key_map renames '{name}' (leaf '{rec.path}') to an empty name")
         return None if new is None else _safetensors.name_of(new)

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _dtypes, _formats, _html, _layout, _reader, _tree, _verify
+from . import _dtypes, _formats, _html, _layout, _reader, _restore, _tree, _verify
 from ._manifest import LeafRecord, Manifest
 from ._storage import location as _location
 from ._verify import LeafStats
@@ -60,7 +60,7 @@ class LazyArray:
     @property
     def dtype(self) -> Any:
         """A numpy dtype; for a typed PRNG key, jax's key dtype (``key<fry>``)."""
-        return _key_dtype(self._rec.impl) if self._is_key else _dtypes.DTYPES[self._rec.dtype]
+        return _restore.key_dtype(self._rec.impl) if self._is_key else _dtypes.DTYPES[self._rec.dtype]
 
     @property
     def ndim(self) -> int:
@@ -124,11 +124,6 @@ class LazyArray:
     def __repr__(self) -> str:
         data = ".key_data" if self._rec.kind == "prng_key" and not self._is_key else ""
         return f"LazyArray('{self.path}'{data}, shape={self.shape}, dtype={self.dtype.name})"
-
-
-def _key_dtype(impl: str | None) -> Any:
-    """jax's dtype of a typed key of ``impl`` (``key<fry>``), as ``metadata`` reports it."""
-    return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
 
 
 def _bounding_box(index: Any, shape: tuple[int, ...]) -> tuple[_layout.Index, list[Any]]:
@@ -254,7 +249,7 @@ class CheckpointView:
             where = "host" if sharding is None else (
                 f"{sharding.spec} on {sharding.mesh_shape}" if sharding.type == "named" else sharding.type)
             if rec.kind == "prng_key":  # the key array, as ``LazyArray`` and ``jaxckpt show`` describe it
-                kind, shape, dtype = f"key<{rec.impl}>", rec.shape[: rec.key_ndim], str(_key_dtype(rec.impl))
+                kind, shape, dtype = f"key<{rec.impl}>", rec.shape[: rec.key_ndim], str(_restore.key_dtype(rec.impl))
             else:
                 kind, shape, dtype = rec.kind, rec.shape, rec.dtype
             rows.append({"path": path, "kind": kind, "shape": shape, "dtype": dtype, "bytes": rec.nbytes,

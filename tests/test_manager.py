@@ -227,16 +227,16 @@ def test_latest_is_kept_even_if_worst(tmp_path):
 def test_retention_spares_a_step_being_restored(tmp_path, monkeypatch):
     mgr = jaxckpt.CheckpointManager(tmp_path, max_to_keep=1, async_save=False)
     mgr.save(1, {"x": np.ones(2)})
-    real_restore = jaxckpt._checkpoint.restore
+    real_restore = jaxckpt._restore.restore
 
     def restore_while_saving(path, *a, **kw):
         mgr.save(2, {"x": np.zeros(2)})  # retention runs while step 1 is being read
         assert (tmp_path / "1").exists()
         return real_restore(path, *a, **kw)
 
-    monkeypatch.setattr(jaxckpt._checkpoint, "restore", restore_while_saving)
+    monkeypatch.setattr(jaxckpt._restore, "restore", restore_while_saving)
     assert_bit_equal(mgr.restore(1)["x"], np.ones(2))
-    monkeypatch.setattr(jaxckpt._checkpoint, "restore", real_restore)
+    monkeypatch.setattr(jaxckpt._restore, "restore", real_restore)
     assert mgr.all_steps() == [1, 2]
     mgr.save(3, {"x": np.zeros(2)})  # now step 1 (deferred) and 2 go
     assert mgr.all_steps() == [3]
@@ -585,7 +585,7 @@ def test_delete_is_refused_read_only_and_while_restoring(tmp_path, monkeypatch):
     reader = jaxckpt.CheckpointManager(tmp_path, read_only=True)
     with pytest.raises(jaxckpt.CheckpointError, match=r"read-only: delete\(\) is not allowed"):
         reader.delete(1)
-    real_restore = jaxckpt._checkpoint.restore
+    real_restore = jaxckpt._restore.restore
     refused = []
 
     def delete_while_restoring(path, *a, **kw):
@@ -594,10 +594,10 @@ def test_delete_is_refused_read_only_and_while_restoring(tmp_path, monkeypatch):
         refused.append(True)
         return real_restore(path, *a, **kw)
 
-    monkeypatch.setattr(jaxckpt._checkpoint, "restore", delete_while_restoring)
+    monkeypatch.setattr(jaxckpt._restore, "restore", delete_while_restoring)
     assert_bit_equal(mgr.restore(1)["x"], np.ones(2))
     assert refused == [True]
-    monkeypatch.setattr(jaxckpt._checkpoint, "restore", real_restore)
+    monkeypatch.setattr(jaxckpt._restore, "restore", real_restore)
     mgr.delete(1)
     assert mgr.all_steps() == [2] and reader.all_steps() == [1, 2]
     reader.reload()

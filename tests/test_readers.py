@@ -24,13 +24,13 @@ READER = """
     import sys
     import numpy as np
     import jaxckpt
-    from jaxckpt import _checkpoint
-    real = _checkpoint.restore
+    from jaxckpt import _restore
+    real = _restore.restore
     def held(where, **kw):  # the read starts, then waits for the test's go
         print("READING", flush=True)
         sys.stdin.readline()
         return real(where, **kw)
-    _checkpoint.restore = held
+    _restore.restore = held
     with jaxckpt.CheckpointManager({path!r}, read_only=True) as mgr:
         back = mgr.restore({step})
     ok = back["w"].tobytes() == np.full((512, 1024), {step}, np.float32).tobytes()

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _checkpoint
+from jaxckpt import _restore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "mp_place_worker.py")
@@ -116,17 +116,17 @@ def test_without_a_mesh_a_single_process_keeps_the_default_device(state):
 
 
 def test_without_a_mesh_a_multi_process_job_is_told_what_to_pass(monkeypatch):
-    monkeypatch.setattr(_checkpoint._distributed, "process_count", lambda: 2)
+    monkeypatch.setattr(_restore._distributed, "process_count", lambda: 2)
     leaves = [f"opt/{i}/count" for i in range(7)]
     with pytest.raises(jaxckpt.CheckpointError) as e:
-        _checkpoint._unsharded_placement([], leaves, "/ckpt")
+        _restore._unsharded_placement([], leaves, "/ckpt")
     msg = str(e.value)
     assert msg.startswith("Checkpoint '/ckpt': 7 target leaves have no sharding "
                           "(opt/0/count, opt/1/count, opt/2/count, opt/3/count, opt/4/count and 2 more)")
     assert "pass shardings= for them, or restore inside `with jax.set_mesh(mesh):`" in msg
     # a target whose sharded leaves share one mesh needs neither
     m = mesh((4,), ("x",))
-    got = _checkpoint._unsharded_placement([NamedSharding(m, P("x"))], leaves, "/ckpt")
+    got = _restore._unsharded_placement([NamedSharding(m, P("x"))], leaves, "/ckpt")
     assert got == NamedSharding(m, P())
 
 

@@ -39,7 +39,7 @@ def test_integer_narrowing_only_when_every_value_fits(ckpt, monkeypatch):
     s = NamedSharding(mesh((2,), ("x",)), P("x"))
     with pytest.raises(jaxckpt.TreeMismatchError, match=r"leaf 'big': saved int64 values in \[-1, 300\]"):
         _restore_one(ckpt, "big", jax.ShapeDtypeStruct((2,), jnp.int8, sharding=s))
-    monkeypatch.setattr(jaxckpt._checkpoint, "WHOLE_LEAF_BYTES", 0)  # as for a big leaf
+    monkeypatch.setattr(jaxckpt._restore, "WHOLE_LEAF_BYTES", 0)  # as for a big leaf
     with pytest.raises(jaxckpt.TreeMismatchError, match=r"leaf 'big': saved int64 values in \[300, 300\]"):
         _restore_one(ckpt, "big", jax.ShapeDtypeStruct((2,), jnp.int8, sharding=s))
     monkeypatch.undo()

@@ -71,9 +71,9 @@ def _restore_counting(path, target=None, **kw):
 @pytest.mark.parametrize("whole", [False, True])
 def test_restore_onto_2x2_mesh_is_bit_exact_and_reads_each_quarter_once(st_file, monkeypatch, whole):
     """Per device slice (big leaves), or, for small leaves a process holds entirely, the
-    whole tensor in one read and one placement (``_checkpoint.WHOLE_LEAF_BYTES``)."""
+    whole tensor in one read and one placement (``_restore.WHOLE_LEAF_BYTES``)."""
     path, tensors = st_file
-    monkeypatch.setattr(jaxckpt._checkpoint, "WHOLE_LEAF_BYTES", (1 << 20) if whole else 0)
+    monkeypatch.setattr(jaxckpt._restore, "WHOLE_LEAF_BYTES", (1 << 20) if whole else 0)
     sharding = NamedSharding(mesh((2, 2), ("a", "b")), P("a", "b"))
     target = _tree(tensors, lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding))
     out, stats = _restore_counting(path, target)
@@ -99,7 +99,7 @@ def _tree_get(tree, name):
 
 def test_column_sharded_restore_reads_each_distinct_slice_once(st_file, monkeypatch):
     path, tensors = st_file
-    monkeypatch.setattr(jaxckpt._checkpoint, "WHOLE_LEAF_BYTES", 0)  # per slice, as for a big leaf
+    monkeypatch.setattr(jaxckpt._restore, "WHOLE_LEAF_BYTES", 0)  # per slice, as for a big leaf
     x = tensors["params.dense.kernel"]
     sharding = NamedSharding(mesh((2, 2), ("a", "b")), P(None, "b"))
     target = {"params": {"dense": {"kernel": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)}}}
@@ -127,7 +127,7 @@ def test_replicated_and_numpy_restores_read_each_tensor_in_one_read(st_file):
 
 
 def test_close_runs_share_one_read_through_a_scratch_gap(tmp_path, monkeypatch):
-    monkeypatch.setattr(jaxckpt._checkpoint, "WHOLE_LEAF_BYTES", 0)  # per slice, as for a big leaf
+    monkeypatch.setattr(jaxckpt._restore, "WHOLE_LEAF_BYTES", 0)  # per slice, as for a big leaf
     x = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
     path = tmp_path / "small.safetensors"
     st_numpy.save_file({"w": x}, str(path))

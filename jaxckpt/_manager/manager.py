@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _checkpoint, _commit, _distributed, _html, _snapshot, _tasks, _verify
+from .. import _checkpoint, _commit, _distributed, _html, _restore, _snapshot, _tasks, _verify
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._manifest import Manifest
 from .._storage import kvstore as _kvstore
@@ -715,7 +715,7 @@ class CheckpointManager:
           >>> state = mgr.restore(100, target=abstract_state)  # step 100
         """
         step = self._step_to_restore(step)
-        read = functools.partial(_checkpoint.restore, target=target, shardings=shardings, partial=partial,
+        read = functools.partial(_restore.restore, target=target, shardings=shardings, partial=partial,
                                  allow_narrowing=allow_narrowing, key_map=key_map, missing=missing)
         held = step is not None and step in self._steps
         if held:  # the settling below may run retention: it must not take the step asked for
