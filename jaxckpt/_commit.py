@@ -36,36 +36,24 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import json
 import logging
 import os
-import re
-import socket
-import stat
 import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import _manifest, _storage, _tasks
+from . import _claims, _manifest, _owner, _storage, _tasks, _untrusted
+from ._claims import OLD_MARK, TMP_MARK
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ._manager import lease as _lease
 from ._storage import kvstore as _kvstore
 from ._storage import location as _location
 from ._storage.location import Location
 
-TMP_MARK = ".jaxckpt-tmp-"
-DATA_DIRS = {"arrays", "packed"}  # a checkpoint's data when it has no data prefix (format 1)
+DATA_DIRS = _manifest.DATA_DIRS  # a checkpoint's data when it has no data prefix (format 1)
 DATA_PREFIX_DIR = _manifest.DATA_PREFIX_DIR  # object stores: <checkpoint>/d/<token>/ per attempt
-OLD_MARK = ".jaxckpt-old-"
-CLAIM_MARK = ".jaxckpt-claim-"  # beside a local attempt: who writes it (see make_staging)
-CLAIM_SUFFIX = ".claim"  # object stores: d/<token>.claim beside the attempt's data prefix
-# A plain save (no writer lease) removes another attempt's data prefix only when that
-# attempt started longer ago than this (by the time in its name): it may still be writing.
-ATTEMPT_GRACE_S = 24 * 3600.0
 CLEAN_THREADS = 8  # steps looked at at once by a manager cleaning dead data at its start
-_TIMED_TOKEN = re.compile(r"^([0-9]{1,12})-[0-9a-f]{12}$")
 # A local overwrite swaps the old and the new directory atomically where the file system
 # can (False: always two renames; tests set it to reach ``commit:between-renames``).
 RENAME_EXCHANGE = True
@@ -147,68 +135,20 @@ def prepare(final: Location, token: str, overwrite: bool) -> Location:
 def make_staging(final: Location, token: str) -> Location:
     """Create the staging location of attempt ``token`` at ``final``. Locally it is a
     hidden directory, claimed first by a sibling file that says who writes it
-    (``claim_name``), so that a writer taking the manager directory over never removes
+    (``_claims.write_claim``), so that a writer taking the manager directory over never removes
     the attempt of a live process that holds no lease there (a plain ``jaxckpt.save`` of
     a step, a save on another thread). The claim goes once the attempt is committed or
     aborted."""
     staging = staging_location(final, token)
-    if staging.local is not None:
-        parent, name = os.path.split(final.local)
-        try:
-            os.makedirs(parent, exist_ok=True)
-            with open(os.path.join(parent, claim_name(name, token)), "w") as f:
-                json.dump(_claim(final), f)
-            os.makedirs(staging.local, exist_ok=True)
-        except OSError as e:  # permission denied, a read-only file system, a full disk
-            raise CheckpointError(f"Cannot create the staging directory of '{final}': {e}") from e
-    else:  # an object store: the claim sits beside the attempt's data prefix
-        _kvstore.write_blob(final, f"{DATA_PREFIX_DIR}/{token}{CLAIM_SUFFIX}", json.dumps(_claim(final)).encode())
-    return staging
-
-
-def _claim(final: Location) -> dict[str, Any]:
-    """Who writes an attempt at ``final``: this process, and the lease it holds on the
-    manager directory above ``final``, if any."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), **_lease.identity(os.getpid()),
-            "started": time.time(), "lease": _lease.held_token_above(final)}
-
-
-def claim_alive(owner: dict[str, Any], lease_token: str | None) -> bool:
-    """Whether the writer of a claimed attempt may still be writing it, judged by a
-    writer holding the directory's lease ``lease_token``: an attempt made under a lease
-    lives while that lease is the one held; one made without (a plain save) while its
-    process does (on another host, where that cannot be told: ``ATTEMPT_GRACE_S``). An
-    unreadable claim is being written: alive."""
-    if not owner:
-        return True
-    if owner.get("lease") is not None:
-        return owner.get("lease") == lease_token
-    verdict = _lease._judge(owner, float("inf"))
-    started = owner.get("started")
-    if verdict == "unknown" and isinstance(started, (int, float)) and time.time() - started > ATTEMPT_GRACE_S:
-        return False
-    return verdict != "gone"
-
-
-def claim_name(name: str, token: str) -> str:
-    """The file beside a local attempt ``.<name><TMP_MARK><token>`` that says who writes it."""
-    return f".{name}{CLAIM_MARK}{token}.json"
-
-
-def _drop_claim(final: Location, token: str | None) -> None:
-    if token is None:
-        return
-    if final.local is None:
-        try:
-            _kvstore.delete_blob(final, f"{DATA_PREFIX_DIR}/{token}{CLAIM_SUFFIX}")
-        except Exception as e:  # noqa: BLE001 - a claim left behind is removed by a later writer
-            _log.info("jaxckpt: removing the claim of attempt %s at '%s' failed: %s", token, final, e)
-        return
-    parent, name = os.path.split(final.local)
+    if staging.local is None:  # an object store: the claim sits beside the attempt's data prefix
+        _claims.write_claim(final, token)
+        return staging
     try:
-        os.remove(os.path.join(parent, claim_name(name, token)))
-    except OSError:
-        pass  # never made, or gone: a claim whose attempt is gone is removed by a later writer
+        _claims.write_claim(final, token)
+        os.makedirs(staging.local, exist_ok=True)
+    except OSError as e:  # permission denied, a read-only file system, a full disk
+        raise CheckpointError(f"Cannot create the staging directory of '{final}': {e}") from e
+    return staging
 
 
 def commit(final: Location, staging: Location, manifest_bytes: bytes, token: str) -> None:
@@ -245,7 +185,7 @@ def _commit_local(final: Location, staging: Location, manifest_bytes: bytes, tok
         except BaseException:
             os.rename(replaced, final.local)  # not committed: the old copy goes back
             raise
-    _drop_claim(final, token)
+    _claims.drop_claim(final, token)
     try:  # committed: nothing raises from here on
         _kvstore.fsync_dir(parent)
         _storage.fault("commit:after-rename", where)
@@ -297,13 +237,13 @@ def _commit_object_store(final: Location, manifest_bytes: bytes, token: str) -> 
     where = str(final)
     _storage.fault("commit:before-manifest", where)
     _kvstore.write_blob(final, _manifest.MANIFEST, manifest_bytes)
-    _drop_claim(final, token)
+    _claims.drop_claim(final, token)
     try:
         _storage.fault("commit:after-manifest", where)
         if replaced is not None and replaced != ours:
             _delete_data(final, replaced)
         _storage.fault("commit:after-old-delete", where)
-        remove_dead_data(final, ours, ATTEMPT_GRACE_S)
+        _claims.remove_dead_data(final, ours, _claims.ATTEMPT_GRACE_S)
     except Exception as e:  # noqa: BLE001 - committed; what is left is removed by a later writer
         _log.warning("jaxckpt: '%s' is committed, but removing the data it replaced failed: %s", final, e)
 
@@ -311,12 +251,10 @@ def _commit_object_store(final: Location, manifest_bytes: bytes, token: str) -> 
 def named_data(loc: Location) -> str | None:
     """The data prefix the manifest at ``loc`` names (``""``: data at the root, format 1),
     or ``None`` when there is no manifest or it does not validate."""
-    data = _read_manifest_bytes(loc)  # a storage error raises
-    if data is None:
-        return None
     try:
-        return _manifest.parse(data, str(loc)).data
-    except CorruptCheckpointError:
+        data = _read_manifest_bytes(loc)  # a storage error raises
+        return None if data is None else _manifest.parse(data, str(loc)).data
+    except CorruptCheckpointError:  # too big is as invalid in the read as in parse()
         return None
 
 
@@ -326,65 +264,6 @@ def _delete_data(loc: Location, key: str) -> None:
         return
     for name in sorted(DATA_DIRS):
         _kvstore.delete_tree(loc.child(name))
-
-
-def _attempt_age(name: str, now: float) -> float | None:
-    """Seconds since attempt ``name`` (a timed token) started; ``None`` when unknown."""
-    m = _TIMED_TOKEN.match(name)
-    return None if m is None else now - int(m.group(1))
-
-
-def remove_dead_data(loc: Location, keep: str | None, grace_s: float | None, *, dry_run: bool = False,
-                     lease_token: str | None = None, live: list[str] | None = None) -> list[str]:
-    """Remove the data under checkpoint ``loc`` (an object store) that ``keep`` (the data
-    prefix its manifest names; ``""``: the root; ``None``: no manifest) does not name.
-
-    A prefix whose claim (``d/<token>.claim``, see ``make_staging``) says its writer may
-    still be writing it (``claim_alive``, judged with the lease ``lease_token``) is kept,
-    and added to ``live`` when given.
-
-    ``grace_s=None`` (a writer holding the lease: every other writer is gone) removes
-    all of it; otherwise only prefixes whose timed token is older than ``grace_s``, plus
-    format-1 data dirs at the root when ``keep`` is a prefix (their writers cleared a
-    checkpoint before writing; none can be in the middle of a commit). Returns the keys
-    removed.
-    """
-    children = set(_kvstore.list_children(loc))
-    removed = []
-    if keep != "":
-        removed += sorted(children & DATA_DIRS)
-    claims: dict[str, str] = {}  # attempt token -> its claim's name
-    orphans: list[str] = []  # claims whose attempt wrote nothing, their writer gone
-    if DATA_PREFIX_DIR in children:
-        now = time.time()
-        names = _kvstore.list_children(loc.child(DATA_PREFIX_DIR))
-        claims = {n[:-len(CLAIM_SUFFIX)]: n for n in names if n.endswith(CLAIM_SUFFIX)}
-        for name in names:
-            key = f"{DATA_PREFIX_DIR}/{name}"
-            age = _attempt_age(name, now)
-            if name.endswith(CLAIM_SUFFIX) or key == keep:
-                continue
-            if name in claims and claim_alive(_read_claim(loc, claims[name]), lease_token):
-                if live is not None:
-                    live.append(key)
-                continue  # a live writer's attempt (a plain save holds no lease)
-            if grace_s is None or (age is not None and age > grace_s):
-                removed.append(key)
-        orphans = [c for t, c in claims.items() if t not in names and t + "/" not in names
-                   and not claim_alive(_read_claim(loc, c), lease_token)]
-    for key in () if dry_run else removed:
-        _kvstore.delete_tree(loc.child(key))
-        token = key.split("/", 1)[1] if key.startswith(f"{DATA_PREFIX_DIR}/") else None
-        if token in claims:
-            _kvstore.delete_blob(loc, f"{DATA_PREFIX_DIR}/{claims[token]}")
-    for name in () if dry_run or grace_s is not None else orphans:  # a writer's clean-up: claims of the gone
-        _kvstore.delete_blob(loc, f"{DATA_PREFIX_DIR}/{name}")
-    return removed
-
-
-def _read_claim(loc: Location, name: str) -> dict[str, Any]:
-    owner = _lease._parse(_kvstore.read_blob(loc, f"{DATA_PREFIX_DIR}/{name}"))
-    return {} if owner is None else owner
 
 
 def abort(final: Location, staging: Location, token: str | None = None) -> None:
@@ -401,15 +280,15 @@ def abort(final: Location, staging: Location, token: str | None = None) -> None:
         except Exception as e:  # noqa: BLE001 - best effort: the save's own error is what matters
             _log.warning("jaxckpt: cleaning up after a failed save to '%s' failed: %s", final, e)
         else:
-            hidden = _split_hidden(os.path.basename(staging.local))
-            _drop_claim(final, hidden[2] if hidden is not None else token)
+            hidden = _claims.split_hidden(os.path.basename(staging.local))
+            _claims.drop_claim(final, hidden[2] if hidden is not None else token)
         return
     if final.local is None and token is not None:
         key = data_key(final, token)
         try:
             if named_data(final) != key:
                 _kvstore.delete_tree(final.child(key))
-                _drop_claim(final, token)
+                _claims.drop_claim(final, token)
         except Exception as e:  # noqa: BLE001 - best effort: the save's own error is what matters
             _log.warning("jaxckpt: removing the data of a failed save to '%s' failed: %s", final, e)
 
@@ -429,7 +308,7 @@ def _manager_hint(loc: Location) -> str:
     a user passes first where a step is expected (``restore``, ``open``, ``jaxckpt show``)."""
     try:
         names = _kvstore.list_children(loc)
-        steps = sorted(s for s in map(_step_of, names) if s is not None)
+        steps = sorted(s for s in map(step_of, names) if s is not None)
         committed = _committed_steps(loc, steps)
     except (OSError, CheckpointError):  # only a hint: the not-found error is the answer
         return ""
@@ -440,7 +319,7 @@ def _manager_hint(loc: Location) -> str:
                 f"{_list_steps(committed, len(steps) if unchecked else None)}. Open one by its step "
                 f"directory, e.g. jaxckpt.restore('{latest}') (or `jaxckpt show {latest}`), or the "
                 f"latest with jaxckpt.CheckpointManager('{loc}').restore()")
-    if _lease.LEASE_FILE in names:
+    if _owner.LEASE_FILE in names:
         return (f"; '{loc}' is a CheckpointManager directory with no committed step yet (a writer "
                 "holds or held its lease)")
     return ""
@@ -490,29 +369,19 @@ def _interrupted_hint(loc: Location) -> str:
 
 
 def _read_manifest_bytes(loc: Location) -> bytes | None:
-    """The manifest's bytes (``None`` when there is none), never more than the cap.
+    """The manifest's bytes (``None`` when there is none), never more than the cap,
+    read as ``_untrusted.read_small`` reads any small untrusted file."""
+    return _untrusted.read_small(loc, _manifest.MANIFEST, _manifest.MAX_MANIFEST_BYTES,
+                                 lambda why, detail: _manifest_refused(loc, why, detail))
 
-    A local manifest is checked before it is read: a hostile checkpoint could hold a
-    huge (or sparse) file, or a FIFO that would block ``open`` forever.
-    """
-    if loc.local is None:
-        return _kvstore.read_blob(loc, _manifest.MANIFEST)  # parse() checks the size
-    path = os.path.join(loc.local, _manifest.MANIFEST)
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except IsADirectoryError:
-        raise CorruptCheckpointError(f"Checkpoint '{loc}': {_manifest.MANIFEST} is not a file") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpointError(f"Checkpoint '{loc}': {_manifest.MANIFEST} is not a regular file")
-        if st.st_size > _manifest.MAX_MANIFEST_BYTES:
-            raise CorruptCheckpointError(
-                f"Checkpoint '{loc}': invalid manifest: {st.st_size} bytes is more than the "
-                f"{_manifest.MAX_MANIFEST_BYTES} a manifest may have")
-        return f.read(_manifest.MAX_MANIFEST_BYTES + 1)  # it may grow after the fstat
+
+def _manifest_refused(loc: Location, why: str, detail: Any) -> BaseException | None:
+    if why in (_untrusted.ABSENT, _untrusted.CANNOT_OPEN):
+        return None  # no manifest; or permission denied...: the OSError itself
+    if why == _untrusted.TOO_BIG:  # the words parse() uses for the same bytes
+        return CorruptCheckpointError(f"Checkpoint '{loc}': invalid manifest: {detail} bytes is more than the "
+                                      f"{_manifest.MAX_MANIFEST_BYTES} a manifest may have")
+    return CorruptCheckpointError(f"Checkpoint '{loc}': {_manifest.MANIFEST} is {why}")
 
 
 # --- step directories (the manager's layout) -----------------------------------------
@@ -547,13 +416,13 @@ def discover(directory: Location) -> tuple[dict[int, _manifest.Manifest], dict[i
     skipped: dict[int, str] = {}
     names = _kvstore.list_children(directory)
     for name, (old, _) in interrupted_overwrites(names).items():
-        step = _step_of(name)
+        step = step_of(name)
         if step is not None:  # not gone: a writer puts it back (``recover``)
             skipped[step] = (f"an overwrite of it is between its two renames, or stopped there; the "
                              f"committed copy it replaces is whole at '{old}' (a writer's start puts it back)")
             _log.warning("Skipping step %d in '%s': %s", step, directory, skipped[step])
     for name in names:
-        step = _step_of(name)
+        step = step_of(name)
         if step is None:
             continue
         loc = directory.child(name)
@@ -570,7 +439,9 @@ def discover(directory: Location) -> tuple[dict[int, _manifest.Manifest], dict[i
     return found, skipped
 
 
-def _step_of(name: str) -> int | None:
+def step_of(name: str) -> int | None:
+    """The step of a directory entry named like one, or ``None``: ``parse_step_name``
+    made safe for any name a listing returns."""
     # str.isdigit() accepts '²' and int() refuses it, or a name of 5,000 digits: a
     # hostile directory name must not stop discovery.
     if not name.isascii() or len(name) > 40:
@@ -594,76 +465,6 @@ def stale_attempts(directory: Location) -> list[str]:
     return out
 
 
-def attempt_owner(directory: Location, name: str) -> dict[str, Any] | None:
-    """Who writes local attempt ``name`` (its claim), or ``None`` when it does not say (a
-    step being deleted, an attempt of an older version). An unreadable claim (being
-    written) is ``{}``."""
-    hidden = _split_hidden(name)
-    if directory.local is None or hidden is None or hidden[1] != TMP_MARK:
-        return None
-    try:
-        with open(os.path.join(directory.local, claim_name(hidden[0], hidden[2])), "rb") as f:
-            return _lease._parse(f.read())
-    except OSError:
-        return None
-
-
-def remove_attempt(directory: Location, name: str) -> None:
-    """Remove a dead local attempt (or a step being deleted) and its claim."""
-    _kvstore.delete_tree(directory.child(name))
-    hidden = _split_hidden(name)
-    if directory.local is not None and hidden is not None and hidden[1] == TMP_MARK:
-        try:
-            os.remove(os.path.join(directory.local, claim_name(hidden[0], hidden[2])))
-        except OSError:
-            pass  # an older version's attempt: no claim
-
-
-def remove_dead_claims(directory: Location) -> list[str]:
-    """Claims left without their attempt (a crash between a commit and the claim's
-    removal) whose writer is gone. Returns the names removed."""
-    if directory.local is None:
-        return []
-    names = set(_kvstore.list_children(directory))
-    removed = []
-    for name in sorted(names):
-        if CLAIM_MARK not in name or not name.startswith(".") or not name.endswith(".json"):
-            continue
-        target, _, token = name[1:-len(".json")].partition(CLAIM_MARK)
-        if f".{target}{TMP_MARK}{token}" in names:
-            continue
-        owner = attempt_owner(directory, f".{target}{TMP_MARK}{token}")
-        if owner is not None and owner and _lease._judge(owner, float("inf")) != "gone":
-            continue  # its attempt is about to be created
-        try:
-            os.remove(os.path.join(directory.local, name))
-            removed.append(name)
-        except OSError:
-            pass
-    return removed
-
-
-def attempt_alive(directory: Location, name: str, lease_token: str | None) -> bool:
-    """Whether attempt ``name`` may still be written by a live process, judged by a writer
-    that holds the directory's lease ``lease_token``: an attempt made under another lease
-    of this directory is dead (that lease's holder is gone: we hold it now); one made
-    without a lease (a plain save) lives while its process does (on another host: while
-    that cannot be told); one without a claim (an older version's, a step being deleted)
-    is dead."""
-    owner = attempt_owner(directory, name)
-    return owner is not None and claim_alive(owner, lease_token)
-
-
-def _split_hidden(name: str) -> tuple[str, str, str] | None:
-    """``.<target><mark><token>`` -> ``(target, mark, token)``; ``None`` for other names."""
-    if name.startswith("."):
-        for mark in (TMP_MARK, OLD_MARK):
-            target, found, token = name[1:].rpartition(mark)
-            if found and target and token:
-                return target, mark, token
-    return None
-
-
 def interrupted_overwrites(names: Iterable[str]) -> dict[str, tuple[str, str]]:
     """The local overwrites stopped between their two renames, from the listing of one
     directory: ``{<name>: (old, staging)}`` for each ``<name>`` that is missing while
@@ -673,7 +474,7 @@ def interrupted_overwrites(names: Iterable[str]) -> dict[str, tuple[str, str]]:
     names = set(names)
     out: dict[str, tuple[str, str]] = {}
     for name in sorted(names):
-        parts = _split_hidden(name)
+        parts = _claims.split_hidden(name)
         if parts is None or parts[1] != OLD_MARK:
             continue
         target, _, token = parts
@@ -708,7 +509,7 @@ def _recover_local(parent: str, name: str | None) -> list[str]:
         _kvstore.fsync_dir(parent)
         _log.warning("jaxckpt: an overwrite of '%s' stopped between its renames; the checkpoint it "
                      "replaced is back in place", os.path.join(parent, target))
-        remove_attempt(_location.resolve(parent), staging)
+        _claims.remove_attempt(_location.resolve(parent), staging)
         done.append(target)
     return done
 
@@ -763,7 +564,7 @@ def remove_dead_step_data(directory: Location, *, dry_run: bool = False, lease_t
             recover(directory)
         return []
     removed: list[str] = []
-    names = [n for n in _kvstore.list_children(directory) if _step_of(n) is not None]
+    names = [n for n in _kvstore.list_children(directory) if step_of(n) is not None]
     _tasks.run_tasks([lambda n=n: removed.extend(_remove_dead_in_step(directory, n, dry_run, lease_token, live))
                       for n in names], CLEAN_THREADS)
     return sorted(removed)
@@ -782,7 +583,7 @@ def _remove_dead_in_step(directory: Location, name: str, dry_run: bool = False,
     if keep is None and _manifest.MANIFEST in children:
         return []  # a manifest that does not validate: not ours to judge
     kept: list[str] = []
-    dead = remove_dead_data(loc, keep, None, dry_run=dry_run, lease_token=lease_token, live=kept)
+    dead = _claims.remove_dead_data(loc, keep, None, dry_run=dry_run, lease_token=lease_token, live=kept)
     if live is not None:
         live.extend(f"{name}/{key}" for key in kept)
     return [f"{name}/{key}" for key in dead]

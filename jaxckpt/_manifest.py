@@ -23,9 +23,10 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _dtypes, _layout, _tree
+from . import _dtypes, _layout, _tree, _untrusted
 from ._errors import CorruptCheckpointError
 from ._storage import location as _location
+from ._untrusted import MAX_INT_DIGITS
 
 MANIFEST = "manifest.json"
 FORMAT = "jaxckpt"
@@ -40,6 +41,7 @@ FORMAT_VERSION = 1
 DATA_PREFIX_VERSION = 2
 SUPPORTED_VERSIONS = (1, 2)
 DATA_PREFIX_DIR = "d"  # data prefixes are d/<name>: one component below d/
+DATA_DIRS = {"arrays", "packed"}  # a checkpoint's data when it has no data prefix (format 1)
 _DATA_KEY = re.compile(r"^d/[A-Za-z0-9_.-]{1,64}$")
 
 KINDS = ("array", "prng_key", "value")
@@ -73,9 +75,8 @@ _MAX_DEVICES = 1 << 24  # devices of a saved mesh
 
 # Limits on untrusted input (docs/format.md, "Limits on untrusted input").
 MAX_MANIFEST_BYTES = 256 << 20
-# int() is quadratic in the digit count; no field we write needs more than 40 digits
-# (uint128 has 39), so longer integers are refused by the reader and at save.
-MAX_INT_DIGITS = 40
+# Integers longer than ``_untrusted.MAX_INT_DIGITS`` are refused by the reader (int() is
+# quadratic in the digit count) and so at save too.
 _INT_BOUND = 10**MAX_INT_DIGITS
 # Containers in ``structure`` (the tree) and in ``metadata``/extra fields nest at most
 # this deep: the reader and restore walk them recursively, and json's decoder itself
@@ -230,42 +231,6 @@ def parse(data: bytes, where: str) -> Manifest:
         raise bad(f"{type(e).__name__}: {e}") from e
 
 
-class _Refused(ValueError):
-    """Raised by the JSON decoder hooks for input the manifest never holds."""
-
-
-def _parse_int(text: str) -> int:
-    if len(text) - text.startswith("-") > MAX_INT_DIGITS:  # refuse before the quadratic int()
-        raise _Refused(f"an integer of {len(text)} characters (at most {MAX_INT_DIGITS} digits)")
-    return int(text)
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # json keeps the last of repeated keys silently; two readers could then disagree.
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise _Refused(f"key {dup[:100]!r} appears twice in one object")
-    return obj
-
-
-# Saved with allow_nan (metadata and inline floats may be NaN or ±inf); no other constant exists.
-_CONSTANTS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-
-
-def _load_json(data: bytes, bad) -> Any:
-    try:
-        return json.loads(data, parse_int=_parse_int, parse_constant=_CONSTANTS.__getitem__,
-                          object_pairs_hook=_unique_keys)
-    except _Refused as e:
-        raise bad(str(e)) from None
-    except RecursionError:
-        raise bad(f"JSON nested too deeply (containers may nest {MAX_DEPTH} levels)") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad(f"not JSON ({e})") from None
-
-
 def nesting_exceeds(value: Any, limit: int) -> bool:
     """Whether JSON-like ``value`` has containers nested more than ``limit`` deep.
 
@@ -323,7 +288,7 @@ def _unsaveable(value: Any, where: str, depth: int) -> str | None:
 
 
 def _parse_document(data_bytes: bytes, bad) -> Manifest:
-    doc = _load_json(data_bytes, bad)
+    doc = _untrusted.load_json(data_bytes, bad)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise bad("not a jaxckpt manifest (field 'format' is missing or wrong)")
     version = doc.get("format_version")

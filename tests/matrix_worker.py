@@ -19,7 +19,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import numpy as np
 
 import jaxckpt
-from jaxckpt import _storage
+from jaxckpt import _owner, _storage, _untrusted
 from jaxckpt._manager import lease as _lease
 
 
@@ -109,12 +109,12 @@ def restart():
     path = os.path.join(directory, _lease.LEASE_FILE)
     try:
         with open(path, "rb") as f:
-            holder = _lease._parse(f.read())
+            holder = _untrusted.load_record(f.read())
     except FileNotFoundError:
         holder = None
     if holder is None:
-        me = _lease.identity(os.getpid())
-        crashed = {"host": _lease._host(), "pid": os.getpid(), "token": "crashed", "started": time.time() - 60,
+        me = _owner.identity(os.getpid())
+        crashed = {"host": _owner.host(), "pid": os.getpid(), "token": "crashed", "started": time.time() - 60,
                    "renewed": time.time() - 1, "count": 7, "lease_s": _lease.LEASE_S, **me}
         if "start_ticks" in crashed:
             crashed["start_ticks"] -= 1

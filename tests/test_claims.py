@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _commit, _storage
+from jaxckpt import _claims, _commit, _storage
 from jaxckpt._storage import location as _location
 
 
@@ -72,23 +72,23 @@ def test_a_writer_taking_over_keeps_a_live_plain_saves_attempt(tmp_path, s3_serv
     assert held.error is None, held.error
     check(directory, [1, 2, 40])
     if store == "local":  # no claim is left once the attempts are committed
-        assert [n for n in os.listdir(directory) if _commit.CLAIM_MARK in n] == []
+        assert [n for n in os.listdir(directory) if _claims.CLAIM_MARK in n] == []
 
 
 def test_the_attempt_of_a_plain_save_whose_process_is_gone_is_removed(tmp_path, s3_server):
     """A claim of a process that no longer runs (a child that exited): the next writer
     removes its attempt and the claim, locally and on the object store."""
     local, remote = str(tmp_path / "run"), s3_server("claims/b")
-    code = ("import json, os, sys; from jaxckpt import _commit, _location\n"
+    code = ("import json, os, sys; from jaxckpt import _commit; from jaxckpt._storage import location as _location\n"
             "for d in json.loads(sys.argv[1]):\n"
             "    _commit.prepare(_location.resolve(d).child('40'), _commit.new_token(_location.resolve(d).child('40')),"
             " False)\n")
     out = subprocess.run([sys.executable, "-c", code, json.dumps([local, remote])], capture_output=True, text=True,
                          timeout=120, env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__))))
     assert out.returncode == 0, out.stderr
-    assert [n for n in os.listdir(local) if _commit.CLAIM_MARK in n]
+    assert [n for n in os.listdir(local) if _claims.CLAIM_MARK in n]
     rloc = _location.resolve(remote)
-    assert any(n.endswith(_commit.CLAIM_SUFFIX) for n in _storage_children(rloc.child("40").child("d")))
+    assert any(n.endswith(_claims.CLAIM_SUFFIX) for n in _storage_children(rloc.child("40").child("d")))
     for directory in (local, remote):
         with jaxckpt.CheckpointManager(directory) as mgr:
             mgr.save(1, state(1))

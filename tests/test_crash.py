@@ -30,7 +30,7 @@ import pytest
 from crash_worker import same, state
 
 import jaxckpt
-from jaxckpt import _commit, _storage
+from jaxckpt import _claims, _commit, _storage
 from jaxckpt._storage import kvstore as _kvstore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,7 +63,7 @@ def finish(proc, timeout=60):
 def hidden(path, mark=""):
     """Hidden attempts (not the lease, not the claims that say who writes an attempt)."""
     return sorted(n for n in os.listdir(path)
-                  if n.startswith(".") and mark in n and n != LEASE and _commit.CLAIM_MARK not in n)
+                  if n.startswith(".") and mark in n and n != LEASE and _claims.CLAIM_MARK not in n)
 
 
 def only(names):

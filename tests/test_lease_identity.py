@@ -15,7 +15,7 @@ import pytest
 from conftest import run_workers
 
 import jaxckpt
-from jaxckpt import _storage
+from jaxckpt import _owner, _storage
 from jaxckpt._manager import lease as _lease
 from jaxckpt._manager import marks as _marks
 from jaxckpt._storage import location as _location
@@ -56,10 +56,10 @@ def lease_on_disk(directory):
 def test_identity_is_the_start_time_and_boot_id_of_the_pid():
     with open("/proc/sys/kernel/random/boot_id") as f:
         boot_id = f.read().strip()
-    assert _lease.identity(os.getpid()) == {"boot_id": boot_id, "start_ticks": proc_stat_start_ticks(os.getpid())}
+    assert _owner.identity(os.getpid()) == {"boot_id": boot_id, "start_ticks": proc_stat_start_ticks(os.getpid())}
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:  # another process: its own start time, the same boot
-        assert _lease.identity(child.pid) == {"boot_id": boot_id, "start_ticks": proc_stat_start_ticks(child.pid)}
+        assert _owner.identity(child.pid) == {"boot_id": boot_id, "start_ticks": proc_stat_start_ticks(child.pid)}
     finally:
         child.kill()
         child.wait(10)

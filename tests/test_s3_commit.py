@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _commit, _manifest, _storage, convert
+from jaxckpt import _claims, _commit, _manifest, _storage, convert
 from jaxckpt._storage import location as _location
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
@@ -43,7 +43,7 @@ def prefixes(s3, prefix):
     """The data prefixes (``d/<token>``) under checkpoint ``prefix`` (not the claims beside
     them, ``d/<token>.claim``)."""
     return sorted({k[len(prefix):].split("/")[1] for k in keys(s3, prefix)
-                   if k[len(prefix):].startswith("d/") and not k.endswith(_commit.CLAIM_SUFFIX)})
+                   if k[len(prefix):].startswith("d/") and not k.endswith(_claims.CLAIM_SUFFIX)})
 
 
 def named(spec):
@@ -223,11 +223,11 @@ def test_overwrite_killed_at_each_phase_restores_old_or_new_and_the_next_save_cl
         jaxckpt.save(spec, tree(3), overwrite=True)
         assert_is(jaxckpt.restore(spec), 3)
         assert set(prefixes(s3_server, prefix)) == {named(spec), *dead}, point
-        monkeypatch.setattr(_commit, "ATTEMPT_GRACE_S", -1.0)
+        monkeypatch.setattr(_claims, "ATTEMPT_GRACE_S", -1.0)
         jaxckpt.save(spec, tree(4), overwrite=True)
         monkeypatch.undo()
         assert prefixes(s3_server, prefix) == [named(spec)], point
-        assert [k for k in keys(s3_server, prefix) if k.endswith(_commit.CLAIM_SUFFIX)] == [], point
+        assert [k for k in keys(s3_server, prefix) if k.endswith(_claims.CLAIM_SUFFIX)] == [], point
         assert_is(jaxckpt.restore(spec), 4)
 
 
@@ -304,7 +304,7 @@ def test_concurrent_overwrites_restore_exactly_one_writers_values(s3_server, ord
         assert winner == 6
     assert old not in prefixes(s3_server, prefix)  # the replaced data went, after a commit
     assert jaxckpt.verify(spec).ok
-    monkeypatch.setattr(_commit, "ATTEMPT_GRACE_S", -1.0)
+    monkeypatch.setattr(_claims, "ATTEMPT_GRACE_S", -1.0)
     jaxckpt.save(spec, tree(7), overwrite=True)  # the loser's prefix is a dead attempt
     assert prefixes(s3_server, prefix) == [named(spec)]
 

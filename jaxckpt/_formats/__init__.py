@@ -70,7 +70,7 @@ def read_manifest(loc: Location) -> Manifest:
       CorruptCheckpointError: it does not validate, or it records another step.
     """
     man = _commit.read_manifest(loc)
-    step = _commit._step_of(loc.kvstore.get("path", "").rstrip("/").rsplit("/", 1)[-1])
+    step = _commit.step_of(loc.kvstore.get("path", "").rstrip("/").rsplit("/", 1)[-1])
     if step is not None:
         _manifest.check_step(man, step, str(loc))
     return man

@@ -48,15 +48,13 @@ import base64
 import binascii
 import functools
 import math
-import os
-import stat
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 import tensorstore as ts
 
-from .. import _dtypes, _formats, _layout, _manifest, _tasks, _tree
+from .. import _dtypes, _formats, _layout, _manifest, _tasks, _tree, _untrusted
 from .._errors import CheckpointError, CorruptCheckpointError
 from .._manifest import LeafRecord, Manifest
 from .._storage import chunkfiles as _chunkfiles
@@ -96,29 +94,17 @@ def _bad(where: str, msg: str) -> CorruptCheckpointError:
 def _read_small(loc: Location, key: str, where: str) -> bytes | None:
     """A metadata file's bytes (``None`` when absent), never more than ``MAX_JSON_BYTES``.
 
-    A local file is checked first: a hostile checkpoint could hold a huge file, a
-    directory or a FIFO (``open`` would block forever) under the name.
+    A local file is checked first (``_untrusted.read_small``): a hostile checkpoint could
+    hold a huge file, a directory or a FIFO (``open`` would block forever) under the name.
     """
-    if loc.local is None:
-        data = _kvstore.read_blob(loc, key)
-        if data is not None and len(data) > MAX_JSON_BYTES:
-            raise _bad(where, f"{key} has more than {MAX_JSON_BYTES} bytes")
-        return data
-    path = os.path.join(loc.local, key)
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except IsADirectoryError:
-        raise _bad(where, f"{key} is not a file") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise _bad(where, f"{key} is not a regular file")
-        data = f.read(MAX_JSON_BYTES + 1)
-    if len(data) > MAX_JSON_BYTES:
-        raise _bad(where, f"{key} has more than {MAX_JSON_BYTES} bytes")
-    return data
+
+    def refuse(why: str, detail: Any) -> CorruptCheckpointError | None:
+        if why in (_untrusted.ABSENT, _untrusted.CANNOT_OPEN):
+            return None  # absent: None; another OSError of open propagates
+        return _bad(where, f"{key} has more than {MAX_JSON_BYTES} bytes" if why == _untrusted.TOO_BIG
+                    else f"{key} is {why}")
+
+    return _untrusted.read_small(loc, key, MAX_JSON_BYTES, refuse)
 
 
 def _load(data: bytes, where: str, name: str) -> Any:
@@ -127,7 +113,7 @@ def _load(data: bytes, where: str, name: str) -> Any:
     def bad(msg: str) -> CorruptCheckpointError:
         return _bad(where, f"{name}: {msg}")
 
-    doc = _manifest._load_json(data, bad)
+    doc = _untrusted.load_json(data, bad)
     if _manifest.nesting_exceeds(doc, _manifest.MAX_DEPTH + 4):
         raise bad(f"nested deeper than {_manifest.MAX_DEPTH} levels")
     return doc

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import _dtypes, _layout, _manifest, _storage, _tasks, _tree
+from .. import _dtypes, _layout, _storage, _tasks, _tree, _untrusted
 from .._errors import CheckpointError, CorruptCheckpointError
 from .._manifest import LeafRecord, Manifest
 from .._storage import chunkfiles as _chunkfiles
@@ -146,19 +146,24 @@ def _open_regular(path: str, bad: Callable[[str], CorruptCheckpointError]) -> It
 
 
 def _read_capped(path: str, limit: int, bad: Callable[[str], CorruptCheckpointError]) -> bytes:
-    """A small metadata file's bytes; refused before reading when it is not a regular
-    file (a FIFO would block) or larger than ``limit``."""
-    with _open_regular(path, bad) as (f, st):
-        if st.st_size > limit:
-            raise bad(f"{st.st_size} bytes is more than the {limit} it may have")
-        return f.read(limit + 1)
+    """A small metadata file's bytes (``_untrusted.read_file``); refused before reading
+    when it is not a regular file (a FIFO would block) or larger than ``limit``."""
+
+    def refuse(why: str, detail: Any) -> CorruptCheckpointError:
+        if why == _untrusted.TOO_BIG:
+            return bad(f"{detail} bytes is more than the {limit} it may have")
+        return bad("is not a regular file" if why == _untrusted.NOT_REGULAR else f"cannot be opened: {detail}")
+
+    data = _untrusted.read_file(path, limit, refuse)
+    assert data is not None  # refuse raises for an absent file too
+    return data
 
 
 def _read_index(index: str, directory: str) -> dict[str, str]:
     """The index's weight map (tensor name -> file name), every file a plain name of an
     existing file in ``directory``."""
     bad = _bad(index)
-    doc = _manifest._load_json(_read_capped(index, MAX_INDEX_BYTES, bad), bad)
+    doc = _untrusted.load_json(_read_capped(index, MAX_INDEX_BYTES, bad), bad)
     if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
         raise bad("has no 'weight_map' object")
     if not isinstance(doc.get("metadata", {}), dict):
@@ -218,7 +223,7 @@ def _read_header(path: str) -> tuple[list[_Tensor], dict[str, str]]:
 def _parse_header(data: bytes, start: int, size: int, path: str) -> tuple[list[_Tensor], dict[str, str]]:
     """Tensors of a header whose data section is ``size`` bytes from ``start``."""
     bad = _bad(path)
-    doc = _manifest._load_json(data, bad)
+    doc = _untrusted.load_json(data, bad)
     if not isinstance(doc, dict):
         raise bad("the header is not a JSON object")
     meta = doc.pop("__metadata__", None)

@@ -18,8 +18,9 @@ The holder keeps its lease through failed renewals (a storage hiccup) and counts
 lost only when another writer holds the file or no renewal succeeded for a whole lease
 period, after which a newcomer on its host may take it over. A live holder is refused
 with an error that names it. Readers (``CheckpointManager(..., read_only=True)``) take
-no lease and never write or delete; their marks (``_readers``) are judged by the same
-rules.
+no lease and never write or delete; their marks (``marks``) are judged by the same
+rules. The identity a lease records, the judging of its holder and the leases this
+process holds live in the core (``_owner``): a save's claim reads them too.
 """
 
 from __future__ import annotations
@@ -27,76 +28,21 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
 from typing import Any
 
-from .. import _storage
+from .. import _owner, _storage, _untrusted
 from .._errors import CheckpointError
+from .._owner import LEASE_FILE
 from .._storage import kvstore as _kvstore
 from .._storage.location import Location
 
 _log = logging.getLogger("jaxckpt")
 
-LEASE_FILE = ".jaxckpt-writer.json"
 LEASE_S = 15.0  # a lease not renewed for this long has expired
 RENEW_S = 3.0
-_SKEW_S = 60.0  # a lease whose own timestamp is this much older than LEASE_S is expired at once
-_BOOT_ID = "/proc/sys/kernel/random/boot_id"
-
-
-def _host() -> str:
-    return socket.gethostname()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _boot_id() -> str | None:
-    try:
-        with open(_BOOT_ID) as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
-
-
-def _start_ticks(pid: int) -> int | None:
-    """When process ``pid`` started, in clock ticks since boot (field 22 of
-    ``/proc/<pid>/stat``); ``None`` where ``/proc`` does not tell."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # field 2, the command name, is in parentheses and may hold spaces and ')': fields
-    # 3 onwards follow the last ')'
-    fields = stat[stat.rfind(b")") + 1:].split()
-    try:
-        return int(fields[22 - 3])
-    except (IndexError, ValueError):
-        return None
-
-
-def identity(pid: int) -> dict[str, Any]:
-    """What tells process ``pid`` apart from a later process given the same pid on this
-    host: ``boot_id`` (a reboot) and ``start_ticks`` (a restart), each only where
-    ``/proc`` tells it. Recorded in leases and reader marks."""
-    found: dict[str, Any] = {}
-    boot, ticks = _boot_id(), _start_ticks(pid)
-    if boot is not None:
-        found["boot_id"] = boot
-    if ticks is not None:
-        found["start_ticks"] = ticks
-    return found
 
 
 def lease_period(holder: dict[str, Any], default: float) -> float:
@@ -114,16 +60,6 @@ def describe_owner(owner: dict[str, Any]) -> str:
     return f"pid {owner.get('pid')} on host {owner.get('host')!r} (since {when})"
 
 
-def _parse(data: bytes | None) -> dict[str, Any] | None:
-    if data is None:
-        return None
-    try:
-        owner = json.loads(data)
-    except (ValueError, RecursionError):
-        return {}
-    return owner if isinstance(owner, dict) else {}
-
-
 class Lease:
     """A held lease. ``release()`` gives it up; ``lost`` tells why it is no longer ours."""
 
@@ -138,8 +74,7 @@ class Lease:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew_loop, name="jaxckpt-lease", daemon=True)
         self._thread.start()
-        with _held_lock:
-            _held[_key(directory)] = owner["token"]
+        _owner.hold(directory, owner["token"])
 
     @classmethod
     def acquire(cls, directory: Location, lease_s: float | None = None) -> Lease:
@@ -149,19 +84,19 @@ class Lease:
         """
         lease_s = LEASE_S if lease_s is None else lease_s
         token = uuid.uuid4().hex
-        owner = {"host": _host(), "pid": os.getpid(), **identity(os.getpid()), "token": token,
+        owner = {"host": _owner.host(), "pid": os.getpid(), **_owner.identity(os.getpid()), "token": token,
                  "started": time.time(), "renewed": time.time(), "count": 0, "lease_s": lease_s}
         watched: tuple[bytes | None, float] | None = None
         known: dict[str, Any] = {}  # the last readable lease (one read may catch a rewrite)
         while True:
             data = _kvstore.read_blob(directory, LEASE_FILE)
-            holder = _parse(data)
+            holder = _untrusted.load_record(data)
             known = holder or known
             if holder is None:
                 if _create(directory, owner):
                     return cls(directory, owner)
                 continue  # someone else created it just now: look at theirs
-            verdict = _judge(holder, lease_period(holder, lease_s))
+            verdict = _owner.judge(holder, lease_period(holder, lease_s))
             if verdict == "unknown" and watched is not None and watched[0] != data:
                 verdict = "alive"  # renewed while we watched
             if verdict == "alive":
@@ -213,7 +148,7 @@ class Lease:
     def renew(self) -> None:
         began, now = time.monotonic(), time.time()
         _storage.fault("renew", LEASE_FILE)
-        holder = _parse(_kvstore.read_blob(self.directory, LEASE_FILE))
+        holder = _untrusted.load_record(_kvstore.read_blob(self.directory, LEASE_FILE))
         if not holder or holder.get("token") != self.owner["token"]:
             who = describe_owner(holder) if holder else "nobody (the lease file is gone)"
             self._lost = f"the writer lease of '{self.directory}' was taken over by {who}"
@@ -229,70 +164,12 @@ class Lease:
         self._stop.set()
         if threading.current_thread() is not self._thread:
             self._thread.join()
-        with _held_lock:
-            if _held.get(_key(self.directory)) == self.owner["token"]:
-                del _held[_key(self.directory)]
+        _owner.unhold(self.directory, self.owner["token"])
         if self.lost is None:
-            holder = _parse(_kvstore.read_blob(self.directory, LEASE_FILE))
+            holder = _untrusted.load_record(_kvstore.read_blob(self.directory, LEASE_FILE))
             if holder and holder.get("token") == self.owner["token"]:
                 _kvstore.delete_blob(self.directory, LEASE_FILE)
         self._lost = self._lost or "released"
-
-
-# The leases this process holds, by directory: an attempt started under one records its
-# token, so a later writer knows the attempt's writer was the lease holder it replaced.
-_held: dict[str, str] = {}
-_held_lock = threading.Lock()
-
-
-def _key(directory: Location) -> str:
-    return os.path.realpath(directory.local) if directory.local is not None else str(directory)
-
-
-def held_token(directory: Location) -> str | None:
-    """The token of the lease this process holds on ``directory``, if any."""
-    with _held_lock:
-        return _held.get(_key(directory))
-
-
-def held_token_above(target: Location) -> str | None:
-    """The token of the lease this process holds on the directory that holds ``target``
-    (a step of a manager directory), if any."""
-    if target.local is not None:
-        key = os.path.realpath(os.path.dirname(target.local.rstrip(os.sep)))
-    else:
-        key = str(target).rstrip("/").rsplit("/", 1)[0]
-    with _held_lock:
-        return next((t for k, t in _held.items() if k.rstrip("/") == key.rstrip("/")), None)
-
-
-def _judge(holder: dict[str, Any], lease_s: float) -> str:
-    """``alive``, ``gone`` or ``unknown`` (watch it for a lease period)."""
-    if not holder:
-        return "unknown"  # unreadable: being rewritten, or garbage; expires like any other
-    pid, host, renewed = holder.get("pid"), holder.get("host"), holder.get("renewed")
-    if not isinstance(renewed, (int, float)) or isinstance(renewed, bool):
-        renewed = None
-    if host == _host() and isinstance(pid, int) and not isinstance(pid, bool) and pid > 0:
-        return _judge_on_this_host(holder, pid, renewed, lease_s)
-    if renewed is not None and time.time() - renewed > lease_s + _SKEW_S:
-        return "gone"
-    return "unknown"
-
-
-def _judge_on_this_host(holder: dict[str, Any], pid: int, renewed: float | None, lease_s: float) -> str:
-    """A holder on this host is alive while its pid runs, is still the process that
-    wrote the lease, and renews it."""
-    if not _pid_alive(pid):
-        return "gone"
-    now = identity(pid)
-    # A restarted container (same hostname, same pid) or a reboot: another process now.
-    # Leases of older versions, or without /proc, lack these fields: pid and age decide.
-    if any(key in holder and key in now and holder[key] != now[key] for key in ("boot_id", "start_ticks")):
-        return "gone"
-    if renewed is not None and time.time() - renewed > lease_s:
-        return "gone"  # one host, one clock: not renewed for a lease period, which its holder gives up
-    return "alive"
 
 
 def _remove_if_unchanged(directory: Location, data: bytes | None) -> None:
@@ -323,7 +200,7 @@ def _create(directory: Location, owner: dict[str, Any]) -> bool:
     if directory.local is None:
         # Object stores here have no create-if-absent: write, then read back who won.
         _kvstore.write_blob(directory, LEASE_FILE, data)
-        return _parse(_kvstore.read_blob(directory, LEASE_FILE)) == owner
+        return _untrusted.load_record(_kvstore.read_blob(directory, LEASE_FILE)) == owner
     path = os.path.join(directory.local, LEASE_FILE)
     tmp = f"{path}.{owner['token']}"
     with open(tmp, "wb") as f:
