@@ -10,6 +10,9 @@ from ._checkpoint import CheckpointInfo as CheckpointInfo
 from ._checkpoint import LeafInfo as LeafInfo
 from ._checkpoint import metadata as metadata
 from ._checkpoint import save as save
+from ._diff import DiffReport as DiffReport
+from ._diff import LeafStats as LeafStats
+from ._diff import diff as diff
 from ._errors import CheckpointError as CheckpointError
 from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ._errors import CorruptCheckpointError as CorruptCheckpointError
@@ -23,10 +26,7 @@ from ._manager.manager import CheckpointManager as CheckpointManager
 from ._plot import plot_history as plot_history
 from ._restore import MissingKeysWarning as MissingKeysWarning
 from ._restore import restore as restore
-from ._verify import DiffReport as DiffReport
-from ._verify import LeafStats as LeafStats
 from ._verify import VerifyReport as VerifyReport
-from ._verify import diff as diff
 from ._verify import verify as verify
 from ._version import __version__ as __version__
 from .inspect import CheckpointView as CheckpointView

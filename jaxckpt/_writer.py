@@ -145,7 +145,7 @@ def execute(writes: list[_Write], staging: Location) -> None:
         ((w.data.nbytes, start(w), _wait) for w in writes if w.path is None), WRITE_BUDGET_BYTES)
     _tasks.run_tasks([functools.partial(_chunkfiles.write_chunk_file, w.path, w.data, w.key) for w in direct],
                      WRITE_THREADS)
-    for d in _parents_up_to(set(dirs), staging.local):
+    for d in parents_up_to(set(dirs), staging.local):
         _kvstore.fsync_dir(d)
 
 
@@ -171,7 +171,7 @@ def _open_all(writes: list[_Write]) -> dict[int, Any]:
     return stores
 
 
-def _parents_up_to(dirs: set[str], root: str | None) -> list[str]:
+def parents_up_to(dirs: set[str], root: str | None) -> list[str]:
     """``dirs`` and every directory between them and ``root`` (exclusive), deepest first."""
     out: set[str] = set()
     for d in dirs:

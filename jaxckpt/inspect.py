@@ -27,10 +27,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _dtypes, _formats, _html, _layout, _reader, _restore, _tree, _verify
+from . import _diff, _dtypes, _formats, _html, _layout, _reader, _restore, _tree
+from ._diff import LeafStats
 from ._manifest import LeafRecord, Manifest
 from ._storage import location as _location
-from ._verify import LeafStats
 
 
 class LazyArray:
@@ -309,12 +309,12 @@ class CheckpointView:
         full = self._prefix + key.strip("/") if key and key.strip("/") else None
         rec = self._by_path.get(full) if full is not None else None
         if rec is not None:
-            return _verify.leaf_stats(self._reader_factory(), [rec], progress)[rec.path]
+            return _diff.leaf_stats(self._reader_factory(), [rec], progress)[rec.path]
         prefix = self._prefix if full is None else full + "/"
         recs = [self._by_path[p] for p in sorted(self._by_path) if p.startswith(prefix)]
         if not recs:
             raise KeyError(f"'{key}' is not a key path in checkpoint '{self._loc}'")
-        out = _verify.leaf_stats(self._reader_factory(), recs, progress)
+        out = _diff.leaf_stats(self._reader_factory(), recs, progress)
         return {r.path[len(self._prefix):]: out[r.path] for r in recs}
 
     def _reader_factory(self) -> Callable[[], Any]:

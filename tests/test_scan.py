@@ -1,4 +1,4 @@
-"""verify, diff and stats (jaxckpt/_verify.py): every chunk streamed, bounded memory."""
+"""verify, diff and stats (jaxckpt/_verify.py, _diff.py): every chunk streamed, bounded memory."""
 
 import json
 import os
@@ -14,7 +14,7 @@ import pytest
 from conftest import sharded
 
 import jaxckpt
-from jaxckpt import _reader, _verify
+from jaxckpt import _diff, _reader
 from jaxckpt._storage import location as _location
 from jaxckpt._storage import zarr as _zarr
 
@@ -339,11 +339,11 @@ def test_diff_blocks_fold_like_one_pass(monkeypatch):
     x = np.arange(10, dtype=np.float32)
     y = x.copy()
     y[[2, 9]] = [5, 4.5]
-    monkeypatch.setattr(_verify, "FOLD_BLOCK", 3)
-    assert _verify._diff_block(x, y) == (2, 4.5, 0.6)
-    m = _verify._Moments()
-    for block in _verify._blocks(x):
-        m.merge(_verify._block_moments(x[block]))
+    monkeypatch.setattr(_diff, "FOLD_BLOCK", 3)
+    assert _diff._diff_block(x, y) == (2, 4.5, 0.6)
+    m = _diff._Moments()
+    for block in _diff._blocks(x):
+        m.merge(_diff._block_moments(x[block]))
     assert (m.n, m.lo, m.hi, m.mean) == (10, 0.0, 9.0, 4.5)
     assert m.m2 / m.n == pytest.approx(x.astype(np.float64).var(), rel=1e-15)
 
@@ -353,7 +353,7 @@ def test_diff_blocks_fold_like_one_pass(monkeypatch):
 _PEAK_SCRIPT = textwrap.dedent("""
     import gc, json, sys
     import jaxckpt
-    from jaxckpt import _scan
+    from jaxckpt import _verify
 
     def mem():
         out = {}

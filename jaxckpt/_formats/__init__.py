@@ -53,7 +53,7 @@ def open_source(path: Any) -> Source:
     try:
         man = read_manifest(loc)
     except CheckpointNotFoundError as not_ours:
-        for module in _foreign_formats():
+        for module in foreign_formats():
             source = module.open_source(loc)
             if source is not None:
                 return source
@@ -76,7 +76,9 @@ def read_manifest(loc: Location) -> Manifest:
     return man
 
 
-def _foreign_formats() -> list[Any]:
+def foreign_formats() -> list[Any]:
+    """The foreign formats' modules in the order they are tried, each with an
+    ``open_source(loc)`` that returns ``None`` for a location not in its format."""
     from . import orbax as _orbax
     from . import safetensors as _safetensors
 

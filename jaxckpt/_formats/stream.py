@@ -240,7 +240,7 @@ def _write_file_leaf(staging: Location, rec: LeafRecord, data: Callable[[_layout
     threads = _writer.WRITE_THREADS if held else max(1, min(_writer.WRITE_THREADS, STREAM_BUDGET_BYTES // chunk_bytes))
     _tasks.run_tasks([functools.partial(_write_chunk, staging, rec, store, data, cell, region, direct)
                       for cell, region in cells], threads)
-    for d in _writer._parents_up_to(dirs, staging.local):
+    for d in _writer.parents_up_to(dirs, staging.local):
         _kvstore.fsync_dir(d)
 
 

@@ -6,10 +6,12 @@ Object-store I/O fails, never hangs: ``JAXCKPT_IO_TIMEOUT_S`` (default 60) bound
 long a wait for the store may go without an answer, and sizes tensorstore's retries
 (``s3_request_retries`` / ``gcs_request_retries``, in the store's context) to give up
 well within it (docs/storage.md, "Failing, never hanging"). Nothing here writes the
-environment: curl's timeouts are process-wide in tensorstore (see ``http_timeouts``).
+environment: curl's timeouts are process-wide in tensorstore (see ``bounds.http_timeouts``).
 
-Array data goes through ``_zarr`` (tensorstore) and ``_chunkfiles`` (direct local chunk
-files); locations are resolved by ``_location``; I/O is counted by ``_iostats``.
+On S3, listing one level and deleting a tree go through boto3 when it is installed
+(``s3``, this wing's side channel; tensorstore otherwise). Array data goes through
+``zarr`` (tensorstore) and ``chunkfiles`` (direct local chunk files); locations are
+resolved by ``location``; I/O is counted by the wing's ``__init__`` (``_storage``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import tensorstore as ts
 from .. import _storage
 from .._errors import CheckpointError
 from .._manifest import MANIFEST
-from .bounds import DEFAULT_IO_TIMEOUT_S, IO_TIMEOUT_ENV, io_timeout_s, request_retries
+from .bounds import IO_TIMEOUT_ENV, io_timeout_s, request_retries
 from .location import Location
 
 # One tensorstore context per store (a bucket on an endpoint, the local file system, the
@@ -52,7 +54,7 @@ def _store_identity(root: Location) -> str:
     return json.dumps([spec, root.context_spec, bound], sort_keys=True, default=str)
 
 
-def _cached(cache: collections.OrderedDict, key: str, make: Any, limit: int,
+def cached(cache: collections.OrderedDict, key: str, make: Any, limit: int,
             keep: Any = lambda key: False) -> Any:
     # Made under the lock, so two threads never open two handles for one key. (Opening
     # sends no request to the store; an RLock, since a KvStore open takes its context.)
@@ -68,7 +70,7 @@ def _cached(cache: collections.OrderedDict, key: str, make: Any, limit: int,
 
 def context(root: Location) -> ts.Context:
     """The tensorstore context of ``root``'s store, shared by every location there."""
-    return _cached(_contexts, _store_identity(root), lambda: _new_context(root), _MAX_CONTEXTS,
+    return cached(_contexts, _store_identity(root), lambda: _new_context(root), _MAX_CONTEXTS,
                    keep=lambda key: json.loads(key)[0].get("driver") == "memory")
 
 
@@ -85,7 +87,7 @@ def _new_context(root: Location) -> ts.Context:
 
 def _kvstore(root: Location) -> ts.KvStore:
     key = json.dumps([root.kvstore, _store_identity(root)], sort_keys=True, default=str)
-    return _cached(_kvstores, key,
+    return cached(_kvstores, key,
                    lambda: wait(ts.KvStore.open(root.kvstore, context=context(root)), root, "opening", ""),
                    _MAX_KVSTORES)
 
@@ -105,7 +107,7 @@ _last_answer = time.monotonic()
 _silent_since: float | None = None  # ``_last_answer`` when a wait last gave up
 # A big request gets this much more time per byte (1 s per 8 MiB): a whole-shard chunk
 # of GiBs may take minutes on a slow link. A stalled one is dropped sooner by curl's
-# low-speed limit, where set (see ``http_timeouts``), and retried within tensorstore's budget.
+# low-speed limit, where set (see ``bounds.http_timeouts``), and retried within tensorstore's budget.
 SECONDS_PER_BYTE = 1 / (8 << 20)
 
 
@@ -281,7 +283,9 @@ def list_children(root: Location) -> list[str]:
         except FileNotFoundError:
             return []
     if root.kvstore["driver"] == "s3":
-        names = _s3_children(root)
+        from . import s3 as _s3  # boto3's side channel: only for an S3 location
+
+        names = _s3.children(root)
         if names is not None:
             return names
     kv = _kvstore(root)
@@ -290,94 +294,6 @@ def list_children(root: Location) -> list[str]:
         k = key.decode() if isinstance(key, bytes) else key
         names.add(k.split("/", 1)[0])
     return sorted(names)
-
-
-def _s3_children(root: Location) -> list[str] | None:
-    """One level below ``root`` on S3 through boto3 (``Delimiter="/"``), or ``None`` when
-    boto3 is missing or has no credentials (the caller falls back to tensorstore). The
-    client uses the location's endpoint, region and credentials, within the I/O bound."""
-    try:
-        import botocore.exceptions
-    except ImportError:
-        return None
-    spec = root.kvstore
-    prefix = spec.get("path", "")
-    names: set[str] = set()
-    try:
-        client = _s3_client(root)
-        if client is None:
-            return None
-        pages = client.get_paginator("list_objects_v2").paginate(
-            Bucket=spec["bucket"], Prefix=prefix, Delimiter="/")
-        for page in pages:
-            names.update(p["Prefix"][len(prefix):].rstrip("/") for p in page.get("CommonPrefixes", []))
-            names.update(o["Key"][len(prefix):] for o in page.get("Contents", []))
-    except botocore.exceptions.ClientError as e:
-        err = e.response.get("Error", {})
-        cause = f"{err.get('Code', '?')}: {err.get('Message', '')}".rstrip(": ")
-        raise CheckpointError(f"Listing '{root.url}' failed: {cause}") from None
-    except (botocore.exceptions.NoCredentialsError, botocore.exceptions.NoRegionError,
-            botocore.exceptions.ProfileNotFound):
-        return None
-    except botocore.exceptions.BotoCoreError as e:  # unreachable, timed out, ...
-        raise CheckpointError(f"Listing '{root.url}' failed: {e}") from None
-    return sorted(n for n in names if n)
-
-
-_S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
-           "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE")
-_s3_clients: collections.OrderedDict[str, Any] = collections.OrderedDict()
-
-
-def _s3_client(root: Location) -> Any:
-    """A boto3 S3 client for ``root``'s store, made once per store and settings (making
-    one costs ~0.1 s: discovery and cleaning list many prefixes) and shared by threads."""
-    spec = root.kvstore
-    spec.pop("path", None)
-    key = json.dumps([spec, root.context_spec, io_timeout_s(), [os.environ.get(v) for v in _S3_ENV]],
-                     sort_keys=True, default=str)
-    return _cached(_s3_clients, key, lambda: _new_s3_client(root), _MAX_KVSTORES)
-
-
-def _new_s3_client(root: Location) -> Any:
-    """A boto3 S3 client for ``root``: the endpoint, region and credentials tensorstore
-    uses there (``None`` without boto3), with timeouts and retries within the bound."""
-    try:
-        import boto3
-        import botocore
-        import botocore.config
-        import botocore.session
-    except ImportError:
-        return None
-    spec = root.kvstore
-    bound = io_timeout_s() or DEFAULT_IO_TIMEOUT_S
-    step = max(1.0, bound / 6)  # 3 attempts, each timing out once: about half the bound
-    options: dict[str, Any] = {"connect_timeout": step, "read_timeout": step,
-                               "retries": {"total_max_attempts": 3, "mode": "standard"}}
-    given = spec.get("context") if isinstance(spec.get("context"), dict) else {}
-    credentials = spec.get("aws_credentials") or given.get("aws_credentials") \
-        or root.context_spec.get("aws_credentials") or {}
-    kind = credentials.get("type") if isinstance(credentials, dict) else None
-    kwargs: dict[str, Any] = {}
-    session = botocore.session.Session()
-    if kind == "anonymous":
-        options["signature_version"] = botocore.UNSIGNED
-    elif kind == "environment":
-        kwargs.update(aws_access_key_id=os.environ.get("AWS_ACCESS_KEY_ID"),
-                      aws_secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY"),
-                      aws_session_token=os.environ.get("AWS_SESSION_TOKEN") or None)
-    elif kind in ("profile", "default"):
-        for name, value in (("profile", credentials.get("profile")),
-                            ("credentials_file", credentials.get("credentials_file")),
-                            ("config_file", credentials.get("config_file"))):
-            if value and not (name == "profile" and value == "default"):
-                session.set_config_variable(name, value)
-    if spec.get("endpoint"):
-        kwargs["endpoint_url"] = spec["endpoint"]
-    if spec.get("aws_region"):
-        kwargs["region_name"] = spec["aws_region"]
-    config = botocore.config.Config(**options)
-    return boto3.session.Session(botocore_session=session).client("s3", config=config, **kwargs)
 
 
 def delete_tree(root: Location) -> None:
@@ -398,41 +314,13 @@ def delete_tree(root: Location) -> None:
                 _storage.fault("delete:middle", root.local)
         shutil.rmtree(root.local, ignore_errors=True)
         return
-    if root.kvstore["driver"] == "s3" and _s3_delete_batched(root):
-        return
+    if root.kvstore["driver"] == "s3":
+        from . import s3 as _s3  # boto3's side channel: only for an S3 location
+
+        if _s3.delete_batched(root):
+            return
     kv = _kvstore(root)
     wait(track(kv.delete_range(ts.KvStore.KeyRange())), root, "deleting", "")
-
-
-def _s3_delete_batched(root: Location) -> bool:
-    """Delete everything under ``root`` on S3 with DeleteObjects, 1,000 keys a request
-    (tensorstore deletes object by object). ``False`` when boto3 is not there."""
-    try:
-        import botocore.exceptions
-    except ImportError:
-        return False
-    spec = root.kvstore
-    try:
-        client = _s3_client(root)
-        if client is None:
-            return False
-        pages = client.get_paginator("list_objects_v2").paginate(Bucket=spec["bucket"], Prefix=spec.get("path", ""))
-        for page in pages:
-            batch = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-            if batch:  # a page holds at most 1,000 keys: one request each
-                out = client.delete_objects(Bucket=spec["bucket"], Delete={"Objects": batch, "Quiet": True})
-                if out.get("Errors"):
-                    err = out["Errors"][0]
-                    raise CheckpointError(f"Deleting '{root.url}' failed: {err.get('Code')}: {err.get('Message')}")
-    except (botocore.exceptions.NoCredentialsError, botocore.exceptions.NoRegionError,
-            botocore.exceptions.ProfileNotFound):
-        return False
-    except botocore.exceptions.ClientError as e:
-        err = e.response.get("Error", {})
-        raise CheckpointError(f"Deleting '{root.url}' failed: {err.get('Code', '?')}: {err.get('Message', '')}") from None
-    except botocore.exceptions.BotoCoreError as e:
-        raise CheckpointError(f"Deleting '{root.url}' failed: {e}") from None
-    return True
 
 
 def fsync_dir(path: str) -> None:
