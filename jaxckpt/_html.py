@@ -1,9 +1,11 @@
-"""HTML for notebooks: a checkpoint as a collapsible tree (``CheckpointView._repr_html_``).
+"""HTML for notebooks: a checkpoint as a collapsible tree (``CheckpointView._repr_html_``),
+and a manager's steps as a table (``CheckpointManager._repr_html_``).
 
-Pure HTML and one ``<style>`` block scoped to ``.jaxckpt-view``: no JavaScript, no
-external resources. Colours come from JupyterLab's CSS variables with neutral
-fallbacks, so the tree reads in light and dark themes alike. Everything that comes
-from the checkpoint (key names, values, metadata, the path) is escaped.
+Pure HTML (the tree: one ``<style>`` block scoped to ``.jaxckpt-view``; the manager's
+table: inline styles): no JavaScript, no external resources. Colours come from
+JupyterLab's CSS variables with neutral fallbacks, so both read in light and dark
+themes alike. Everything that comes from the checkpoint (key names, values, metadata,
+metrics, the path) is escaped.
 
 The markup is compact (tables with implied end tags, a one-leaf subtree drawn as its
 leaf's row, no per-row titles past ``TITLE_LEAVES``) and built as one list joined once:
@@ -14,7 +16,8 @@ from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Mapping
 from html import escape
 from typing import Any
 
@@ -273,3 +276,94 @@ def render_view(view: Any, expand: Iterable[str] = ()) -> str:
     _render_children(out, root, "", expand, root.count <= TITLE_LEAVES)
     out.append("</div></div>")
     return "".join(out)
+
+
+# --- the manager's view (``CheckpointManager._repr_html_``) ------------------------------
+
+_MANAGER_ROWS = 200  # newest steps shown
+_MANAGER_METRICS = 12  # metric columns shown
+_TD = "padding:1px 8px"
+_TR = "border-bottom:1px solid var(--jp-border-color2, #ccc)"
+_TH = "padding:1px 8px;border-bottom:1px solid var(--jp-border-color1, #999)"
+
+
+def render_manager(directory: str, mode: str, infos: Mapping[int, Mapping[str, Any]], now: float,
+                 advice: Any) -> str:
+    """The manager as HTML that reads in light and dark JupyterLab themes (no fixed colours):
+    its committed steps (``infos``: step -> manifest info), totals and the last
+    ``CadenceAdvice`` (``None``: how to get one)."""
+    esc = escape
+    steps = sorted(infos, reverse=True)
+    shown = steps[:_MANAGER_ROWS]
+    names = list(dict.fromkeys(k for s in shown for k in _info_metrics(infos[s])))
+    columns = ["step", "committed", "age", "size", "blocking s", "total s", *names[:_MANAGER_METRICS]]
+    head = "".join(f"<th style='{_TH}'>{esc(c)}</th>" for c in columns)
+    if len(names) > _MANAGER_METRICS:
+        head += f"<th style='{_TH}'>… {len(names) - _MANAGER_METRICS} more metrics</th>"
+    rows = "".join(_html_row(s, infos[s], names[:_MANAGER_METRICS], now) for s in shown)
+    if len(steps) > len(shown):
+        rows += (f"<tr><td colspan='{len(columns)}' style='{_TD};text-align:left'>… {len(steps) - len(shown)} "
+                 "more (older steps not shown)</td></tr>")
+    total_bytes = sum(_num(i.get("bytes")) or 0 for i in infos.values())
+    blocking = sum(_num(i.get("blocking_seconds")) or 0.0 for i in infos.values())
+    total_s = sum(_num(i.get("total_seconds")) or 0.0 for i in infos.values())
+    summary = (f"{len(steps)} committed step{'s' if len(steps) != 1 else ''}, {human_bytes(total_bytes)}; "
+               f"saves blocked {blocking:.3g} s in all, {total_s:.3g} s from save to commit in all")
+    table = (f"<table style='border-collapse:collapse;color:inherit;text-align:right'><thead><tr>{head}</tr></thead>"
+             f"<tbody>{rows}</tbody></table>") if steps else "<div>no committed step yet</div>"
+    return (
+        "<div style='font-family:var(--jp-ui-font-family, inherit);color:var(--jp-ui-font-color1, inherit)'>"
+        f"<div><b>CheckpointManager</b> <code>{esc(directory)}</code> ({esc(mode)})</div>"
+        f"<div>{esc(summary)}</div>{table}<div style='margin-top:4px'>{_html_advice(advice)}</div></div>"
+    )
+
+
+def _html_row(step: int, info: Mapping[str, Any], names: list[str], now: float) -> str:
+    esc = escape
+    when = _num(info.get("commit_time"))
+    when = _num(info.get("created_unix")) if when is None else when
+    committed = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if when is not None else "?"
+    age = _human_age(now - when) if when is not None else "?"
+    size = _num(info.get("bytes"))
+    metrics = _info_metrics(info)
+    cells = [str(step), committed, age, human_bytes(size) if size is not None else "?",
+             _fmt(info.get("blocking_seconds")), _fmt(info.get("total_seconds")),
+             *(_fmt(metrics.get(n)) for n in names)]
+    return f"<tr style='{_TR}'>" + "".join(f"<td style='{_TD}'>{esc(c)}</td>" for c in cells) + "</tr>"
+
+
+def _html_advice(advice: Any) -> str:
+    esc = escape
+    if advice is None:
+        return ("Cadence advice: call <code>mgr.advise_interval(mtbf_s=...)</code> with the job's mean "
+                "time between failures.")
+    text = (f"Cadence (MTBF {_human_age(advice.mtbf_s)}, save cost {advice.save_cost_s:.3g} s, "
+            f"{advice.samples} recent saves): save every {advice.interval_steps} steps "
+            f"(~{_human_age(advice.interval_s)}); now every {advice.current_interval_steps} steps "
+            f"(~{_human_age(advice.current_interval_s)}). Expected time lost: "
+            f"{advice.lost_fraction_now:.2%} now, {advice.lost_fraction_advised:.2%} advised.")
+    return esc(text)
+
+
+def _info_metrics(info: Mapping[str, Any]) -> dict[str, Any]:
+    metrics = info.get("metrics")
+    return metrics if isinstance(metrics, dict) else {}
+
+
+def _num(v: Any) -> float | None:
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def _human_age(seconds: float) -> str:
+    for limit, unit, div in ((120, "s", 1), (7200, "min", 60), (172800, "h", 3600)):
+        if abs(seconds) < limit:
+            return f"{seconds / div:.0f} {unit}" if unit == "s" else f"{seconds / div:.1f} {unit}"
+    return f"{seconds / 86400:.1f} d"

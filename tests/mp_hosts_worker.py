@@ -60,7 +60,7 @@ def main():
     sharded = args.get("sharded", False)
     out = {"pid": pid}
     with jaxckpt.CheckpointManager(local, timeout_s=20) as mgr:
-        out["groups"] = [list(g) for g in mgr._groups]
+        out["groups"] = [list(g) for g in mgr._groups.groups]
         out["steps_at_start"] = mgr.all_steps()
         out["on_disk_at_start"] = listing(local)
         if args.get("steal") == pid:  # another writer takes this host's directory over

@@ -373,7 +373,7 @@ def run_two_tiers(mesh, spec, path, args):
                 persistent_max_to_keep=2, timeout_s=20)
     out = {}
     with jaxckpt.CheckpointManager(local, **opts) as mgr:
-        out["groups"] = [list(g) for g in mgr._groups]
+        out["groups"] = [list(g) for g in mgr._groups.groups]
         out["tiers_at_start"] = {str(s): list(t) for s, t in mgr.step_tiers().items()}
         for i in args.get("save", []):
             mgr.save(i, tier_state(mesh, spec, i))

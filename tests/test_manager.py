@@ -473,13 +473,13 @@ def test_manager_directory_that_is_a_file(tmp_path):
 def test_close_racing_save_is_a_checkpoint_error(tmp_path, monkeypatch):
     mgr = jaxckpt.CheckpointManager(tmp_path)
     # close() wins the race right after save() checked that the manager is open
-    real_wait = mgr._wait_for_slot
+    real_wait = mgr._saves.wait_for_slot
 
     def close_then_wait():
         real_wait()
         mgr.close()
 
-    monkeypatch.setattr(mgr, "_wait_for_slot", close_then_wait)
+    monkeypatch.setattr(mgr._saves, "wait_for_slot", close_then_wait)
     with pytest.raises(jaxckpt.CheckpointError, match=f"CheckpointManager for '{tmp_path}' was closed during save\\(1\\)"):
         mgr.save(1, {"x": np.ones(2)})
 
@@ -530,9 +530,9 @@ def test_html_lists_steps_metrics_totals_and_escapes(tmp_path):
 
 
 def test_html_caps_rows(tmp_path, monkeypatch):
-    from jaxckpt._manager import manager as _manager
+    from jaxckpt import _html
 
-    monkeypatch.setattr(_manager, "_HTML_ROWS", 3)
+    monkeypatch.setattr(_html, "_MANAGER_ROWS", 3)
     with jaxckpt.CheckpointManager(tmp_path, async_save=False) as mgr:
         for s in range(5):
             mgr.save(s, {"x": s})

@@ -170,7 +170,7 @@ def test_unwatched_handler_lets_sigterm_terminate():
     # forwards SIGTERM to the default action, so the process still dies of it
     code = (
         "import os, signal, threading\n"
-        "from jaxckpt import _preemption\n"
+        "from jaxckpt._manager import preemption as _preemption\n"
         "w = _preemption.PreemptionWatch()\n"
         "assert w.reached(1) is False\n"
         "t = threading.Thread(target=w.close); t.start(); t.join()\n"

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
 
 from .._errors import CheckpointError
 
@@ -133,3 +133,17 @@ def advise(saves: Sequence[SaveSample], mtbf_s: float, *, window: int = WINDOW) 
         mtbf_s=float(mtbf_s),
         samples=len(recent),
     )
+
+
+def advise_history(records: Iterable[Any], mtbf_s: float, *, window: int, where: Any) -> CadenceAdvice:
+    """``advise`` over a manager's history records (those with timings); a refusal names
+    the manager's directory ``where``."""
+    saves = [
+        SaveSample(r.step, r.commit_time, r.blocking_seconds, r.total_seconds)
+        for r in records
+        if None not in (r.commit_time, r.blocking_seconds, r.total_seconds)
+    ]
+    try:
+        return advise(saves, mtbf_s, window=window)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e} (in '{where}')") from None

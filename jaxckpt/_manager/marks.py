@@ -1,8 +1,9 @@
-"""Restores in other processes hold a step against the writer's retention.
+"""Restores hold a step against the writer's retention: in other processes by a reader
+mark on disk (``ReaderMark``), in the manager's own process by a count (``StepPins``).
 
 A manager's ``restore`` (a read-only evaluator, a notebook, another job) marks the step
 while it reads: ``<directory>/.jaxckpt-readers/<step>-<token>.json`` with its host, its
-pid and what identifies that process beyond its pid (``_lease.identity``), and a
+pid and what identifies that process beyond its pid (``_owner.identity``), and a
 renewal time, rewritten every ``RENEW_S`` while the read lasts and removed after.
 Before the writer deletes a step it makes the step invisible (no new reader can find
 it), then looks for marks of that step: a live one puts the step back and defers the
@@ -16,6 +17,7 @@ reader and a delete never both proceed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -23,9 +25,10 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
-from .. import _commit, _storage
+from .. import _commit, _owner, _storage, _untrusted
 from .._storage import kvstore as _kvstore
 from .._storage.location import Location
 from . import lease as _lease
@@ -44,7 +47,7 @@ class ReaderMark:
         self.directory = directory.child(READERS_DIR)
         self.key = f"{step}-{uuid.uuid4().hex[:12]}.json"
         now = time.time()
-        self.owner = {"host": socket.gethostname(), "pid": os.getpid(), **_lease.identity(os.getpid()),
+        self.owner = {"host": socket.gethostname(), "pid": os.getpid(), **_owner.identity(os.getpid()),
                       "started": now, "renewed": now, "lease_s": LEASE_S}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -86,10 +89,10 @@ def live_readers(directory: Location, step: int) -> list[dict[str, Any]]:
         return []
     live = []
     for name in names:
-        owner = _lease._parse(_kvstore.read_blob(where, name))
+        owner = _untrusted.load_record(_kvstore.read_blob(where, name))
         if owner is None:
             continue  # removed as we looked
-        if owner and _lease._judge(owner, _lease.lease_period(owner, LEASE_S)) == "gone":
+        if owner and _owner.judge(owner, _lease.lease_period(owner, LEASE_S)) == "gone":
             _kvstore.delete_blob(where, name)
             continue
         live.append(owner)
@@ -100,3 +103,31 @@ def delete_unless_read(directory: Location, step: int, token: str) -> bool:
     """Delete committed ``step`` unless a live reader marks it; ``True`` when it is gone
     (``_commit.delete_step`` hides it first, then asks)."""
     return _commit.delete_step(directory, step, token, held=lambda: bool(live_readers(directory, step)))
+
+
+class StepPins:
+    """The steps this manager's own process is reading (a restore, a copy to the
+    persistent tier): a count per step, under the manager's lock, that its retention and
+    ``delete`` respect. ``hold`` is the one way to take and give back a pin."""
+
+    def __init__(self, lock: Any):
+        self._lock = lock  # the manager's: a step is chosen and pinned under one lock
+        self._count: dict[int, int] = {}
+
+    @contextlib.contextmanager
+    def hold(self, step: int | None) -> Iterator[None]:
+        """Pin ``step`` while the block runs (``None``: nothing to pin)."""
+        if step is None:
+            yield
+            return
+        with self._lock:
+            self._count[step] = self._count.get(step, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._count[step] -= 1
+
+    def held(self, step: int) -> bool:
+        with self._lock:
+            return bool(self._count.get(step))

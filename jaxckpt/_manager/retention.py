@@ -27,6 +27,13 @@ class StepInfo(NamedTuple):
     metrics: Mapping[str, Any] | None = None
 
 
+def step_infos(infos: Mapping[int, Mapping[str, Any]]) -> list[StepInfo]:
+    """One ``StepInfo`` per step from its manifest's info: its commit time (its creation
+    time in a manifest that has none) and its metrics."""
+    return [StepInfo(s, float(i.get("commit_time", i.get("created_unix", 0.0))), i.get("metrics"))
+            for s, i in infos.items()]
+
+
 class RetentionPolicy(NamedTuple):
     max_to_keep: int | None = None
     keep_period: int | None = None

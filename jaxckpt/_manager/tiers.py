@@ -27,13 +27,14 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .. import _commit, _distributed, _layout, _manifest, _storage, _tasks, _verify
-from .._errors import CheckpointError
+from .._errors import CheckpointError, CheckpointNotFoundError
 from .._manifest import Manifest
 from .._storage import kvstore as _kvstore
+from .._storage import location as _location
 from .._storage.location import Location
 from . import retention as _retention
 
@@ -121,16 +122,12 @@ class _Copy:
         return listings
 
     def _coordinate(self, op: _distributed.Operation) -> Manifest:
-        staging = None
-        try:
+        def stage() -> tuple[str, Location]:
             self.check_lease()
             token = _commit.new_token(self.dest)
-            staging = _commit.prepare(self.dest, token, overwrite=True)
-        except BaseException as e:  # noqa: BLE001 - reported to every process, then re-raised
-            op.broadcast("staged", e)
-        op.broadcast("staged", token.encode())
-        committed = False
-        try:
+            return token, _commit.prepare(self.dest, token, overwrite=True)
+
+        def work(token: str) -> tuple[bytes, Manifest]:
             listings = self._copy_mine(op, token)
             held = set().union(*listings.values()) if listings else set()
             missing = sorted(set(_verify.expected_files(self.man)) - held)
@@ -142,16 +139,11 @@ class _Copy:
             new = self._persistent_manifest(token)
             data = new.to_bytes()
             self.check_lease()
-            op.claim_commit(f"copy of step {self.step} to '{self.dest}'")
-            _commit.commit(self.dest, staging, data, token)
-            committed = True
-        except BaseException as e:
-            if not committed:
-                _commit.abort(self.dest, staging, token)
-            op.post("outcome", e)
-            raise
-        op.post("outcome", data)
-        return new
+            return data, new
+
+        return op.lead_commit(f"copy of step {self.step} to '{self.dest}'", stage, work,
+                              lambda staging, data, token: _commit.commit(self.dest, staging, data, token),
+                              lambda staging, token: _commit.abort(self.dest, staging, token))
 
     def _persistent_manifest(self, token: str) -> Manifest:
         key = _commit.data_key(self.dest, token)
@@ -227,3 +219,109 @@ class PersistentTier:
         with self._lock:
             errors, self.errors = self.errors, []
         return errors
+
+    def first_failure(self) -> CheckpointError | None:
+        """Until every submitted copy ran: the first that failed, as the manager raises it."""
+        first = None
+        for step, error in self.wait():
+            first = first or CheckpointError(f"Copying step {step} to the persistent tier '{self.dir}' failed: {error}")
+        return first
+
+
+def make_persistent(directory: Any, interval: int | None, max_to_keep: int | None, timeout_s: float | None,
+                    read_only: bool) -> PersistentTier | None:
+    """The manager's persistent tier from its ``persistent_*`` options (``None``: none)."""
+    if directory is None:
+        if interval is not None or max_to_keep is not None:
+            raise CheckpointError("persistent_interval_steps/persistent_max_to_keep need persistent_directory")
+        return None
+    if interval is None and read_only:
+        interval = 1  # a reader only lists and restores
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+        raise CheckpointError(f"persistent_interval_steps must be a positive int, got {interval!r}")
+    return PersistentTier(_location.resolve(directory), interval, max_to_keep, timeout_s)
+
+
+# --- routing: which tier a step is read from -------------------------------------------
+
+def step_tiers(local: Iterable[int], durable: Iterable[int]) -> dict[int, tuple[str, ...]]:
+    """Which tiers hold each step: ``("local",)``, ``("persistent",)`` or both."""
+    local, durable = set(local), set(durable)
+    return {s: tuple(t for t, held in (("local", s in local), ("persistent", s in durable)) if held)
+            for s in sorted(local | durable)}
+
+
+def locate(step: int | None, local: Mapping[int, Any], durable: Mapping[int, Any], local_dir: Location,
+           durable_dir: Location | None) -> tuple[Location, int]:
+    """Where to read ``step`` (default: the newest of either tier): the local copy when
+    there is one."""
+    known = set(local) | set(durable)
+    if step is None:
+        if not known:
+            raise CheckpointNotFoundError(f"No committed step in '{local_dir}'")
+        step = max(known)
+    elif step not in known:
+        raise CheckpointNotFoundError(f"No committed step {step} in '{local_dir}' (committed: {sorted(known)})")
+    return (local_dir if step in local else durable_dir).child(_commit.step_name(step)), step
+
+
+class Listing:
+    """The committed steps a manager lists, by tier: ``local`` (its directory's; with
+    per-host directories, those every host held at start) and the persistent tier's.
+    Shares the manager's lock: a step is looked up and pinned under one lock."""
+
+    def __init__(self, lock: Any, directory: Location, local: dict[int, Manifest],
+                 persistent: PersistentTier | None):
+        self._lock, self.dir, self.persistent = lock, directory, persistent
+        self.local = local
+        self._scanning: set[int] | None = None  # steps committed while reload() scans
+
+    def durable(self) -> dict[int, Manifest]:
+        return dict(self.persistent.steps) if self.persistent is not None else {}
+
+    def all(self) -> list[int]:
+        with self._lock:
+            return sorted(set(self.local) | set(self.durable()))
+
+    def tiers(self) -> dict[int, tuple[str, ...]]:
+        with self._lock:
+            return step_tiers(self.local, self.durable())
+
+    def manifest(self, step: int) -> Manifest:
+        with self._lock:
+            man = self.local.get(step) or self.durable().get(step)
+        if man is None:
+            raise CheckpointNotFoundError(f"No committed step {step} in '{self.dir}'")
+        return man
+
+    def locate(self, step: int | None) -> tuple[Location, int]:
+        """Where to read ``step`` (see ``locate``); call it under the lock."""
+        return locate(step, self.local, self.durable(), self.dir, self.persistent and self.persistent.dir)
+
+    def add(self, step: int, man: Manifest) -> None:
+        """List ``step``, committed by this manager (a ``reload`` scanning now keeps it)."""
+        with self._lock:
+            self.local[step] = man
+            if self._scanning is not None:
+                self._scanning.add(step)
+
+    def reload(self) -> None:
+        """Rescan both tiers."""
+        with self._lock:
+            self._scanning = set()
+        try:
+            found = _commit.discover_steps(self.dir)
+        finally:
+            with self._lock:
+                ours, self._scanning = self._scanning, None
+        if self.persistent is not None:
+            durable = _commit.discover_steps(self.persistent.dir)
+            with self._lock:
+                self.persistent.steps = dict(durable)
+        with self._lock:
+            # a step this manager committed while the scan ran may be missing from it
+            for s in ours or ():
+                if s in self.local and s not in found:
+                    found[s] = self.local[s]
+            self.local.clear()
+            self.local.update(found)

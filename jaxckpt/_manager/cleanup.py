@@ -1,0 +1,321 @@
+"""A writing manager's hold on its directory: taking it over (the writer lease, the dead
+attempts and step data a gone writer left), deleting steps (retention applied and its
+background deleter, ``delete``, a step that fails ``verify_before_delete``) and listing
+the attempts left behind, with their sizes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from typing import Any, NamedTuple
+
+from .. import _claims, _commit, _distributed, _owner, _tasks, _untrusted, _verify
+from .._errors import CheckpointError, CheckpointNotFoundError
+from .._manifest import Manifest
+from .._storage import kvstore as _kvstore
+from .._storage import location as _location
+from . import hosts as _hosts
+from . import lease as _lease
+from . import marks as _marks
+from . import retention as _retention
+from . import tiers as _tiers
+
+_log = logging.getLogger("jaxckpt")
+
+
+def check_directory(directory: _location.Location) -> None:
+    local = directory.local
+    if local is not None and os.path.exists(local) and not os.path.isdir(local):
+        raise CheckpointError(f"CheckpointManager directory '{directory}' is a file, not a directory")
+
+
+class Writer(NamedTuple):
+    """What a writing manager learns as it starts: its host groups, its directory's lease
+    (held by the first process of its group), the committed steps it lists."""
+
+    groups: _hosts.HostGroups
+    lease: _lease.Lease | None
+    steps: dict[int, Manifest]
+
+
+def start_writer(directory: _location.Location, persistent: Any, timeout_s: float | None,
+                 partial: _hosts.PartialSteps, owner: object) -> Writer:
+    """The first process of each directory's group takes the lease and cleans dead
+    attempts; every process learns every outcome, and the steps every group holds.
+    Process 0 also takes the lease of the ``persistent`` tier (if any); the leases are
+    released when ``owner`` (the manager) is dropped unclosed."""
+    name = f"manager{_distributed.next_id()}"
+    with _distributed.Operation(name, str(directory), timeout_s) as op:
+        groups = _hosts.find_groups(op, directory)
+        lease = None
+        error: BaseException | None = None
+        try:
+            if groups.leads:
+                lease = take_directory(directory, owner)
+            if persistent is not None and _distributed.process_index() == 0:
+                # the copies commit and retention deletes there: a writer like any other
+                persistent.lease = take_directory(persistent.dir, owner)
+        except BaseException as e:  # noqa: BLE001 - reported to every process
+            error = e
+        if error is not None:
+            release_leases(lease, persistent)
+        op.post("started", error if error is not None else b"")
+        if error is not None:
+            raise error
+        try:
+            op.wait_for("started", _hosts.others())
+        except BaseException:
+            release_leases(lease, persistent)
+            raise
+        return Writer(groups, lease, _hosts.agreed_steps(op, directory, groups, partial))
+
+
+def release_leases(lease: _lease.Lease | None, persistent: Any) -> None:
+    """Release the directory's lease and the persistent tier's (those held)."""
+    for held in (lease, persistent.lease if persistent is not None else None):
+        if held is not None:
+            held.release()
+
+
+def take_directory(where: _location.Location, owner: object) -> _lease.Lease:
+    """Create ``where``, take its writer lease, clean what a gone writer left there."""
+    if where.local is not None:
+        try:
+            os.makedirs(where.local, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"Cannot create manager directory '{where}': {e}") from e
+    lease = _lease.Lease.acquire(where)
+    weakref.finalize(owner, lease.release)  # a manager dropped unclosed
+    try:
+        # Every attempt left here belongs to a writer that is gone: ours to clean.
+        for attempt in _commit.stale_attempts(where):
+            if _claims.attempt_alive(where, attempt, lease.owner["token"]):
+                _log.info("jaxckpt: keeping attempt %s in '%s': its writer (%s) is alive", attempt, where,
+                          _lease.describe_owner(_claims.attempt_owner(where, attempt) or {}))
+                continue
+            _log.info("jaxckpt: removing attempt %s left by a writer that is gone", attempt)
+            _claims.remove_attempt(where, attempt)
+        _claims.remove_dead_claims(where)
+        # On an object store: data prefixes inside steps that no manifest names.
+        for key in _commit.remove_dead_step_data(where, lease_token=lease.owner["token"]):
+            _log.info("jaxckpt: removed data %s left by a writer that is gone", key)
+    except BaseException:
+        lease.release()
+        raise
+    return lease
+
+
+class Deleter:
+    """Retention's deletes, on a thread of their own: a slow delete (an object store
+    deletes object by object) never holds up the next save. Each step is made
+    invisible first; a step that a restore in another process is reading (see
+    ``marks``) is put back and tried again after the next save. A failure is logged
+    and the step, still committed on disk, is found again by the next ``reload``/start."""
+
+    def __init__(self, directory: Any):
+        self._dir = directory
+        self._worker = _tasks.Worker("jaxckpt-delete", self._delete)
+        self._lock = threading.Lock()
+        self._deferred: set[int] = set()  # being read elsewhere when we tried
+
+    def submit(self, steps: list[int]) -> None:
+        with self._lock:
+            retry, self._deferred = self._deferred - set(steps), set()
+        for step in sorted(set(steps) | retry):
+            self._worker.submit(step)
+
+    def _delete(self, step: int) -> None:
+        try:
+            if not _marks.delete_unless_read(self._dir, step, _commit.new_token()):
+                _log.info("jaxckpt: step %d in '%s' is being restored elsewhere; deleting it later", step, self._dir)
+                with self._lock:
+                    self._deferred.add(step)
+        except Exception as e:  # noqa: BLE001 - logged; the step is still committed on disk
+            _log.warning("jaxckpt: deleting step %d in '%s' failed: %s", step, self._dir, e)
+
+    def wait(self) -> None:
+        """Until every submitted delete has run."""
+        self._worker.wait()
+
+    close = wait
+
+
+class Retainer:
+    """Retention applied to a manager's listed local steps: the steps its policy drops
+    are unlisted at once and deleted in the background by the first process of each
+    directory. A step pinned by a read in this process (``marks.StepPins``) is kept, and
+    dropped after the next save or once its copy to the persistent tier is done."""
+
+    def __init__(self, policy: _retention.RetentionPolicy, listing: _tiers.Listing, pins: _marks.StepPins,
+                 deleter: Deleter, leads: bool, lock: Any):
+        self.policy, self._listing, self._pins, self._deleter = policy, listing, pins, deleter
+        self._leads, self._lock = leads, lock  # the manager's lock
+        self._deferred: set[int] = set()  # dropped by the policy while pinned
+
+    def infos(self) -> list[_retention.StepInfo]:
+        with self._lock:
+            return _retention.step_infos({s: m.info for s, m in self._listing.local.items()})
+
+    def apply(self) -> None:
+        doomed = _retention.steps_to_delete(self.infos(), self.policy)
+        with self._lock:
+            doomed = set(doomed) | {s for s in self._deferred if s in self._listing.local}
+            busy = {s for s in doomed if self._pins.held(s)}
+            self._deferred = busy
+            doomed -= busy
+            for s in doomed:
+                self._listing.local.pop(s, None)
+        if self._leads and doomed:  # each directory's first process deletes there
+            self._deleter.submit(sorted(doomed))
+
+    def run(self, when: str) -> None:
+        """``apply``, after a commit: a failure is logged (the step is committed; a failed
+        delete is retried next time)."""
+        try:
+            self.apply()
+        except Exception as e:  # noqa: BLE001 - the step is committed; a failed delete is retried next time
+            _log.warning("jaxckpt: retention in '%s' %s failed: %s", self._listing.dir, when, e)
+
+    def copied(self, step: int) -> None:
+        """The copy of ``step`` to the persistent tier is done and its pin given back."""
+        with self._lock:
+            deferred = not self._pins.held(step) and step in self._deferred
+        if deferred:  # retention wanted it gone while it was being copied
+            self.run(f"after copying step {step}")
+
+    def unlist(self, step: int) -> CheckpointError | None:
+        """``delete``: stop listing ``step`` at once; the refusal instead when it is not
+        listed or a restore here holds it."""
+        with self._lock:
+            if step not in self._listing.local:
+                return CheckpointNotFoundError(
+                    f"No committed step {step} in '{self._listing.dir}' (committed: {sorted(self._listing.local)})")
+            if self._pins.held(step):
+                return CheckpointError(f"Step {step} in '{self._listing.dir}' is being restored; delete it afterwards")
+            del self._listing.local[step]
+            self._deferred.discard(step)
+        return None
+
+
+def verify_or_delete(directory: _location.Location, step: int, op_id: int, timeout_s: float | None,
+                     leads: bool) -> None:
+    """``verify_before_delete``: the first process of each directory reads its copy
+    back; every process learns every verdict. A step that fails is deleted. The
+    reading happens inside the agreement, so the peers judge a long verify by its
+    progress (the stall bound), not by ``timeout_s``."""
+    final = directory.child(_commit.step_name(step))
+    error: BaseException | None = None
+    with _distributed.Operation(f"verify{op_id}", str(final), timeout_s) as op:
+        if leads:
+            try:
+                report = _verify.verify(final)
+                if not report.ok:  # one entry per damaged file, with the leaves it costs
+                    shown = "; ".join(_damage(d) for d in report.damaged[:3])
+                    more = f" (and {len(report.damaged) - 3} more)" if len(report.damaged) > 3 else ""
+                    error = CheckpointError(f"step {step} failed verification after its commit: {shown}{more}")
+            except CheckpointError as e:
+                error = e
+        error = _hosts.share_verdict(op, "verified", error)
+    if error is None:
+        return
+    _log.error("jaxckpt: %s; deleting it", error)
+    if leads:
+        _commit.delete_step(directory, step, _commit.new_token())
+    raise error
+
+
+def _damage(entry: dict[str, Any]) -> str:
+    """One damaged file of a verify report: its problem and the leaves it costs."""
+    leaves = entry.get("leaves") or []
+    named = ", ".join(repr(p) for p in leaves[:3]) + (f" and {len(leaves) - 3} more" if len(leaves) > 3 else "")
+    message = entry["message"] if entry["message"].startswith(entry["file"]) else f"{entry['file']}: {entry['message']}"
+    return f"{message} (leaves {named})" if leaves else message
+
+
+def delete_agreed(directory: _location.Location, step: int, op_id: int, timeout_s: float | None,
+                  lease: _lease.Lease | None, error: BaseException | None) -> BaseException | None:
+    """``delete``: the lease holder deletes ``step`` (unless ``error``, this process's
+    refusal, or its own); every process learns every verdict. Only the lease holder knows
+    whether its lease is lost, only the first process of a directory sees its reader
+    marks. Returns the first refusal of any process."""
+    if error is None and lease is not None:
+        try:
+            error = _delete_as_leader(directory, step, lease)
+        except Exception as e:  # noqa: BLE001 - reported to every process, then raised
+            error = e
+    with _distributed.Operation(f"delete{op_id}", str(directory), timeout_s) as op:
+        return _hosts.share_verdict(op, "deleted", error)
+
+
+def _delete_as_leader(directory: _location.Location, step: int, lease: _lease.Lease) -> CheckpointError | None:
+    """Delete ``step`` in this process's directory; the error refusing it, if any."""
+    if lease.lost:
+        return CheckpointError(f"CheckpointManager for '{directory}' cannot delete step {step}: {lease.lost}")
+    if _marks.delete_unless_read(directory, step, _commit.new_token()):
+        return None
+    readers = _marks.live_readers(directory, step)
+    who = ", ".join(_lease.describe_owner(r) for r in readers) or "another process"
+    return CheckpointError(f"Step {step} in '{directory}' is being restored by {who}; delete it afterwards")
+
+
+def attempts(directory: _location.Location) -> list[dict[str, Any]]:
+    """The hidden, uncommitted attempts in ``directory``, one dict each, by name (see
+    ``CheckpointManager.attempts``)."""
+    writer, gone = writer_lease(directory)
+    token = None if gone or writer is None else writer.get("token")
+    out = []
+    for name in sorted(_commit.stale_attempts(directory)):
+        stem = name[1:].split(_claims.TMP_MARK)[0].split(_claims.OLD_MARK)[0]
+        size, mtime = _local_size_and_mtime(directory.child(name).local)
+        owner = _claims.attempt_owner(directory, name)
+        if owner is not None and owner.get("lease") is None:  # a plain save: judged by its own process
+            who, alive = owner, _claims.attempt_alive(directory, name, token)
+        elif owner is not None:  # a writer's: alive while the lease it was made under is held
+            who, alive = writer, _claims.attempt_alive(directory, name, token)
+        else:
+            who, alive = writer, not gone or _claims.attempt_alive(directory, name, token)
+        out.append({
+            "step": _commit.parse_step_name(stem), "name": name,
+            "kind": "tmp" if _claims.TMP_MARK in name else "old",
+            "bytes": size, "mtime": mtime, "writer": who, "writer_alive": alive,
+        })
+    live: list[str] = []  # object stores: data prefixes of attempts (claimed) in progress
+    dead = _commit.remove_dead_step_data(directory, dry_run=True, lease_token=token, live=live)
+    for key, alive in sorted([(k, False) for k in dead] + [(k, True) for k in live]):
+        out.append({"step": _commit.parse_step_name(key.split("/", 1)[0]), "name": key, "kind": "data",
+                    "bytes": None, "mtime": None, "writer": writer, "writer_alive": alive})
+    return out
+
+
+def writer_lease(directory: _location.Location) -> tuple[dict[str, Any] | None, bool]:
+    """Who holds the directory's writer lease, and whether that holder is provably gone.
+
+    Reads ``.jaxckpt-writer.json`` and nothing else (no waiting, no writing). ``(None,
+    True)`` when no writer holds the directory. A holder whose liveness cannot be told
+    yet (another host, recently renewed, or an unreadable lease) counts as alive.
+    """
+    holder = _untrusted.load_record(_kvstore.read_blob(directory, _owner.LEASE_FILE))
+    if holder is None:
+        return None, True
+    return holder, _owner.judge(holder, _lease.lease_period(holder, _lease.LEASE_S)) == "gone"
+
+
+def _local_size_and_mtime(path: str | None) -> tuple[int | None, float | None]:
+    """Bytes under a local directory (links not followed) and its mtime; ``None`` elsewhere."""
+    if path is None:
+        return None, None
+    try:
+        mtime = os.lstat(path).st_mtime
+    except OSError:
+        return None, None
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass  # deleted while we walked
+    return total, mtime
