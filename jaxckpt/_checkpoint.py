@@ -18,6 +18,7 @@ how long a wait may last, never which bytes.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import os
@@ -127,60 +128,44 @@ def save_snapshot(path: Any, snap: Snapshot, *, metadata: Any = None, overwrite:
 
 def _save_as_coordinator(op: _distributed.Operation, final: Location, snap: Snapshot, metadata: Any,
                          overwrite: bool, info: Callable[[], dict[str, Any]] | None) -> Manifest:
-    staging = None
-    try:
+    def stage() -> tuple[str, Location]:
         token = _commit.new_token(final)
-        staging = _prepare_host_copy(final, token) if _per_host(snap) else _commit.prepare(final, token, overwrite)
-    except BaseException as e:  # noqa: BLE001 - reported to every process, then re-raised
-        op.broadcast("staged", e)
-    op.broadcast("staged", token.encode())
-    committed = False
-    try:
+        return token, _prepare_host_copy(final, token) if _per_host(snap) else _commit.prepare(final, token, overwrite)
+
+    def work(token: str) -> tuple[bytes, Manifest]:
         t0 = time.perf_counter()
         write_data(_commit.data_location(final, token), snap)
         write_seconds = time.perf_counter() - t0
         op.wait_for("written", list(range(1, _distributed.process_count())))
         extra = {"write_seconds": round(write_seconds, 6), **(info() if info is not None else {})}
         manifest = build_manifest(snap, metadata, extra, _commit.data_key(final, token))
-        data = manifest.to_bytes()
-        op.claim_commit(f"save of '{final}'")
-        _commit.commit(final, staging, data, token)
-        committed = True
-    except BaseException as e:
-        if not committed:
-            _commit.abort(final, staging, token)
-        op.post("outcome", e)
-        raise
-    op.post("outcome", data)
-    return manifest
+        return manifest.to_bytes(), manifest
+
+    return op.lead_commit(f"save of '{final}'", stage, work, functools.partial(_commit.commit, final),
+                          functools.partial(_commit.abort, final))
 
 
 def _save_as_follower(op: _distributed.Operation, final: Location, snap: Snapshot,
                       check: Callable[[], None] | None = None) -> Manifest:
-    staging = token = None
     # per-host directories: the first process of each group commits its host's copy
     leader = _per_host(snap) and snap.group[0] == _distributed.process_index()
-    try:
-        token = op.broadcast("staged", None).decode()
+    attempt: dict[str, Any] = {}  # the token, and this host's staging directory once made
+
+    def work(token: str) -> None:
+        attempt["token"] = token
         if _per_host(snap):
-            staging = _prepare_host_copy(final, token)
+            attempt["staging"] = _prepare_host_copy(final, token)
         write_data(_commit.data_location(final, token), snap)
         if check is not None:
             check()
-    except BaseException as e:  # process 0 must hear of any failure, not wait it out
-        op.post("written", e)
-        if leader and staging is not None:
-            _commit.abort(final, staging, token)
-        raise
-    op.post("written")
-    try:
-        data = op.wait_for_outcome(str(final))
-    except BaseException:
-        if leader:
-            _commit.abort(final, staging, token)
-        raise
+
+    def undo() -> None:
+        if leader and "staging" in attempt:
+            _commit.abort(final, attempt["staging"], attempt["token"])
+
+    data = op.follow_commit(str(final), "written", work, undo)
     if leader:
-        _commit_host_copy(final, staging, data, token)
+        _commit_host_copy(final, attempt["staging"], data, attempt["token"])
     return _manifest.parse(data, str(final))
 
 

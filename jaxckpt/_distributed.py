@@ -56,12 +56,15 @@ import itertools
 import os
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 
 from . import _storage
 from ._errors import CheckpointError
+
+T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 30.0  # waiting for a peer that has not started the operation
 HEARTBEAT_S = 1.0  # how often a process inside an operation proves it is alive
@@ -417,6 +420,56 @@ class Operation:
         if self.decide("verdict", "commit") != "commit":
             raise CheckpointError(f"{what}: a process gave up waiting for this save's outcome before its "
                                   "commit (see its error); not committed")
+
+    def lead_commit(self, what: str, stage: Callable[[], tuple[str, Any]],
+                    work: Callable[[str], tuple[bytes, T]], commit: Callable[[Any, bytes, str], None],
+                    abort: Callable[[Any, str], None]) -> T:
+        """Process 0's side of an attempt the whole job commits as one (a save, a step's
+        copy to the persistent tier); the others run ``follow_commit``.
+
+        ``stage()`` makes the attempt (its token and staging location) and the token, or
+        the error, is broadcast (``staged``); ``work(token)`` does process 0's part, waits
+        for the others' and returns the manifest bytes and what to return; the commit is
+        claimed (``claim_commit``) and made: ``commit(staging, data, token)``. The outcome
+        (those bytes, or the error) is posted to every process; an attempt that failed
+        before its commit is aborted first: ``abort(staging, token)``.
+        """
+        try:
+            token, staging = stage()
+        except BaseException as e:  # noqa: BLE001 - reported to every process, then re-raised
+            self.broadcast("staged", e)
+        self.broadcast("staged", token.encode())
+        committed = False
+        try:
+            data, result = work(token)
+            self.claim_commit(what)
+            commit(staging, data, token)
+            committed = True
+        except BaseException as e:
+            if not committed:
+                abort(staging, token)
+            self.post("outcome", e)
+            raise
+        self.post("outcome", data)
+        return result
+
+    def follow_commit(self, what: str, phase: str, work: Callable[[str], None],
+                      undo: Callable[[], None]) -> bytes:
+        """The others' side of ``lead_commit``: process 0's token, ``work(token)`` (this
+        process's part), posted as ``phase`` (ok, or the error), then process 0's outcome:
+        the manifest bytes (``wait_for_outcome``). ``undo()`` runs when either fails."""
+        try:
+            work(self.broadcast("staged", None).decode())
+        except BaseException as e:  # process 0 must hear of any failure, not wait it out
+            self.post(phase, e)
+            undo()
+            raise
+        self.post(phase)
+        try:
+            return self.wait_for_outcome(what)
+        except BaseException:
+            undo()
+            raise
 
     def wait_for_outcome(self, what: str) -> bytes:
         """The others: process 0's ``outcome``. A process that gives up on process 0 (dead,
