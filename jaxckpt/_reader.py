@@ -43,7 +43,10 @@ from ._storage import kvstore as _kvstore
 from ._storage import zarr as _zarr
 from ._storage.location import Location
 
-READ_BUDGET_BYTES = 256 << 20  # bytes of reads in flight (bounds transient buffers)
+# Bytes of tensorstore reads in flight (their regions; tensorstore also decodes each whole
+# chunk they touch). It bounds those reads only: the slices a restore returns and the packed
+# ranges are allocated when planned, and direct reads hold at most one temporary chunk per thread.
+READ_BUDGET_BYTES = 256 << 20
 DIRECT_READ_THREADS = 4
 # Whole chunks of big leaves on a local disk are read without tensorstore (see
 # _chunkfiles.read_chunk_file); False forces every read through tensorstore.
