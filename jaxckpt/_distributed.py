@@ -95,10 +95,11 @@ def process_count() -> int:
 
 
 def next_id() -> int:
-    """A number that is the same in every process for the n-th collective operation.
-
-    Collective operations (saves, manager starts) must be issued in the same order by
-    every process, as with any SPMD program.
+    """This process's n-th number for its n-th collective operation: the same in every
+    process only because collective operations (saves, manager starts, read-once
+    restores) must be issued in the same order by every process, as with any SPMD
+    program. (The manager takes a save's number on the caller's thread, in program
+    order, before the save goes to its own thread.)
     """
     with _seq_lock:
         return next(_seq)
