@@ -6,6 +6,7 @@ the attempts left behind, with their sizes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -24,6 +25,14 @@ from . import retention as _retention
 from . import tiers as _tiers
 
 _log = logging.getLogger("jaxckpt")
+
+
+def check_lease(lease: _lease.Lease | None, directory: _location.Location) -> None:
+    """Every process, before it reports its part of a save written: a lost lease (known
+    to its holder) fails the save in every process (its agreement), at the same call."""
+    lost = lease.lost if lease is not None else None
+    if lost:
+        raise CheckpointError(f"CheckpointManager for '{directory}' cannot commit: {lost}")
 
 
 def check_directory(directory: _location.Location) -> None:
@@ -179,8 +188,10 @@ class Retainer:
         except Exception as e:  # noqa: BLE001 - the step is committed; a failed delete is retried next time
             _log.warning("jaxckpt: retention in '%s' %s failed: %s", self._listing.dir, when, e)
 
-    def copied(self, step: int) -> None:
-        """The copy of ``step`` to the persistent tier is done and its pin given back."""
+    def copied(self, step: int, pin: contextlib.ExitStack) -> None:
+        """The copy of ``step`` to the persistent tier is done (its thread): give back the
+        pin that kept the local copy."""
+        pin.close()
         with self._lock:
             deferred = not self._pins.held(step) and step in self._deferred
         if deferred:  # retention wanted it gone while it was being copied

@@ -203,6 +203,15 @@ def append(directory: Location, step: int, info: Mapping[str, Any]) -> None:
     _append_line(os.path.join(directory.local, HISTORY_FILE), line)
 
 
+def record(directory: Location, step: int, info: Mapping[str, Any]) -> None:
+    """``append``, where a failure is logged instead: the step is committed; the log is
+    a convenience."""
+    try:
+        append(directory, step, info)
+    except Exception as e:  # noqa: BLE001 - the step is committed; the log is a convenience
+        _log.warning("jaxckpt: recording step %d in the history of '%s' failed: %s", step, directory, e)
+
+
 def _append_line(path: str, line: bytes) -> None:
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_NONBLOCK", 0), 0o644)
     try:

@@ -169,31 +169,33 @@ class PartialSteps:
 
 @dataclasses.dataclass(frozen=True)
 class Sources:
-    """What a per-host restore may read: the manager's directory, its host groups and
-    whether it only reads, the persistent tier's steps and directory (if any)."""
+    """What a per-host restore reads from and updates: the manager's directory, its host
+    groups and whether it only reads, its listing of both tiers (``tiers.Listing``), its
+    partial steps and its pins (``marks.StepPins``)."""
 
     directory: Location
     groups: HostGroups
     timeout_s: float | None
     read_only: bool
-    durable: Mapping[int, Manifest]
-    durable_dir: Location | None
+    listing: Any
+    partial: PartialSteps
+    pins: Any
 
 
-def restore_agreed(sources: Sources, step: int | None, read: Callable[[Location, int], Any],
-                   adopt: Callable[[int, Manifest], None]) -> Any:
+def restore_agreed(sources: Sources, step: int | None, read: Callable[[Location], Any]) -> Any:
     """Per-host directories: the newest step (or ``step``) that every host holds
     locally or the persistent tier holds. Read locally only when every process read
     its part there; otherwise every process reads the persistent copy. A step that
     some hosts lack and the persistent tier does not hold is first copied to them
-    from a host that holds all of it (``hostcopy``; ``adopt`` lists it); when none does,
-    it is skipped (the latest) or named with the hosts that lack it (a step asked for).
-    ``read(where, step)`` reads one copy."""
+    from a host that holds all of it (``hostcopy``); when none does, it is skipped (the
+    latest) or named with the hosts that lack it (a step asked for). ``read(where)``
+    reads one copy, its step pinned meanwhile."""
     me = _distributed.process_index()
     with _distributed.Operation(f"restore{_distributed.next_id()}", str(sources.directory), sources.timeout_s,
                                 lane="restore") as op:
         held = sorted(_commit.discover_steps(sources.directory))
-        view = [held, sorted(sources.durable), socket.gethostname()]
+        durable_dir = sources.listing.persistent and sources.listing.persistent.dir
+        view = [held, sorted(sources.listing.durable()), socket.gethostname()]
         op.post("held", json.dumps(view).encode())
         views = {p: json.loads(d) for p, d in op.wait_for("held", others()).items()}
         views[me] = view
@@ -203,14 +205,15 @@ def restore_agreed(sources: Sources, step: int | None, read: Callable[[Location,
         lacked: list[str] = []
         for s in [step] if step is not None else sorted(known, reverse=True):
             lacks = s not in everywhere and s not in durable and s in known
-            if lacks and _copy_to_lacking(op, sources, s, views, adopt):
+            if lacks and _copy_to_lacking(op, sources, s, views):
                 everywhere.add(s)
             if s in everywhere:
-                result = _read_local_agreed(op, sources.directory, s, read, s in durable)
+                result = _read_local_agreed(op, sources, s, read, s in durable)
                 if result is not _FALL_BACK:
                     return result
             if s in durable:
-                return read(sources.durable_dir.child(_commit.step_name(s)), s)
+                with sources.pins.hold(s):
+                    return read(durable_dir.child(_commit.step_name(s)))
             if s in known:
                 lacked.append(_lacking(s, views))
                 if step is None:
@@ -235,27 +238,28 @@ def _lacking(step: int, views: dict[int, list[Any]]) -> str:
             "tier does not hold it")
 
 
-def _copy_to_lacking(op: _distributed.Operation, sources: Sources, step: int, views: dict[int, list[Any]],
-                     adopt: Callable[[int, Manifest], None]) -> bool:
+def _copy_to_lacking(op: _distributed.Operation, sources: Sources, step: int, views: dict[int, list[Any]]) -> bool:
     """Copy ``step`` to the hosts that lack it from one that holds all of it; the same
-    answer in every process. The step is then listed like any other (``adopt``)."""
+    answer in every process. The step is then listed like any other."""
     holds = step in views[_distributed.process_index()][0]
     leads = sources.groups.leads
     man = _hostcopy.copy_from_holders(op, step, sources.directory, holds, leads, leads and not holds,
                                       sources.read_only)
     if man is None:
         return False
-    adopt(step, man)
+    sources.listing.add(step, man)
+    sources.partial.adopt(step)
     return True
 
 
-def _read_local_agreed(op: _distributed.Operation, directory: Location, step: int,
-                       read: Callable[[Location, int], Any], durable: bool) -> Any:
+def _read_local_agreed(op: _distributed.Operation, sources: Sources, step: int, read: Callable[[Location], Any],
+                       durable: bool) -> Any:
     """Read ``step`` from this host's directory; ``_FALL_BACK`` when some process
     could not (a host lost part of its copy) and the persistent tier has the step."""
     error: BaseException | None = None
     try:
-        result = read(directory.child(_commit.step_name(step)), step)
+        with sources.pins.hold(step):
+            result = read(sources.directory.child(_commit.step_name(step)))
     except CheckpointError as e:
         result, error = None, e
     op.post(f"local{step}", b"0" if error is not None else b"1")

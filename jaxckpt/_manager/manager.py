@@ -28,7 +28,6 @@ import numpy as np
 
 from .. import _checkpoint, _commit, _distributed, _html, _restore, _snapshot
 from .._errors import CheckpointError, CheckpointNotFoundError
-from .._manifest import Manifest
 from .._storage import location as _location
 from . import cadence as _cadence
 from . import cleanup as _cleanup
@@ -127,11 +126,10 @@ class CheckpointManager:
         self._saves = _Saves(self._lock, max_pending, self._dir)
         self._pins = _marks.StepPins(self._lock)  # steps read here (restores, copies): retention waits
         self._partial = _hosts.PartialSteps(self._dir)  # per-host: committed here, lacking on some host
-        self._closed = False
-        self._lease: Any = None  # the directory's writer lease, held by the first process of its group
-        self._advice: _cadence.CadenceAdvice | None = None  # the last advise_interval()
+        self._closed, self._advice = False, None  # the last advise_interval()
         self._preemption = _preemption.PreemptionWatch()  # installs nothing until used
-        self._groups = _hosts.HostGroups.everyone()  # the processes sharing each directory
+        # the processes sharing each directory; the writer lease (the first process of a group)
+        self._groups, self._lease = _hosts.HostGroups.everyone(), None
         _cleanup.check_directory(self._dir)
         self._persistent = _tiers.make_persistent(persistent_directory, persistent_interval_steps,
                                                   persistent_max_to_keep, timeout_s, read_only)
@@ -161,8 +159,7 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         """The newest committed step (of either tier), or ``None``."""
-        steps = self.all_steps()
-        return steps[-1] if steps else None
+        return max(self.all_steps(), default=None)
 
     def step_tiers(self) -> dict[int, tuple[str, ...]]:
         """Which tiers hold each committed step: ``("local",)``, ``("persistent",)`` or both."""
@@ -233,9 +230,7 @@ class CheckpointManager:
         """
         if self._read_only:
             self.reload()
-        with self._lock:
-            committed = {s: m.info for s, m in self._steps.local.items()}
-        return _history.load(self._dir, committed)
+        return _history.load(self._dir, self._steps.infos())
 
     def advise_interval(self, mtbf_s: float, *, window: int = _cadence.WINDOW) -> _cadence.CadenceAdvice:
         """How often to save, from this run's measured save cost and ``mtbf_s``.
@@ -291,13 +286,7 @@ class CheckpointManager:
         snap = _snapshot.snapshot(state, copy_host_arrays=self._async,
                                   group=self._groups.mine if self._groups.per_host else (), budget=self._staging)
         blocking = time.perf_counter() - t_start
-
-        def job() -> None:
-            try:
-                self._write(step, snap, metrics, t_start, blocking, op_id)
-            finally:
-                snap.close()
-
+        job = functools.partial(self._write, step, snap, metrics, t_start, blocking, op_id)
         self._saves.start(step, job, snap, self._executor if self._async else None)
         return True
 
@@ -309,25 +298,19 @@ class CheckpointManager:
         if self._read_only:
             raise CheckpointError(f"CheckpointManager for '{self._dir}' is read-only: save() is not allowed")
         # A lost writer lease is not checked here: only the process holding it knows, and
-        # raising in it alone would skip its operation counter. The commit refuses it
-        # instead (``_check_lease`` in ``_write``), and every process learns that outcome.
+        # raising in it alone would skip its operation counter. The commit refuses it instead
+        # (``cleanup.check_lease`` in ``_write``), and every process learns that outcome.
         with self._lock:
             return _new_step(step, force, self._dir, self._steps.local, self._saves.submitted)
-
-    def _check_lease(self) -> None:
-        """Every process, before it reports its part written: a lost lease fails the save
-        in every process (its agreement), at the same call."""
-        lost = self._lease.lost if self._lease is not None else None
-        if lost:
-            raise CheckpointError(f"CheckpointManager for '{self._dir}' cannot commit: {lost}")
 
     def _write(self, step: int, snap: _snapshot.Snapshot, metrics: dict | None, t_start: float,
                blocking: float, op_id: int) -> None:
         final = self._dir.child(_commit.step_name(step))
         metrics = _metrics_to_json(metrics)
+        check = functools.partial(_cleanup.check_lease, self._lease, self._dir)
 
         def info() -> dict[str, Any]:  # process 0, right before the commit
-            self._check_lease()
+            check()
             return {
                 "step": step,
                 "metrics": metrics,
@@ -337,29 +320,21 @@ class CheckpointManager:
                 "commit_time": self._clock(),
             }
 
-        manifest = _checkpoint.save_snapshot(final, snap, info=info, check=self._check_lease,
+        manifest = _checkpoint.save_snapshot(final, snap, info=info, check=check,
                                              timeout_s=self._timeout, op_id=op_id)
         if self._verify:
             _cleanup.verify_or_delete(self._dir, step, op_id, self._timeout, self._groups.leads)
         self._steps.add(step, manifest)
         if _distributed.process_index() == 0:
-            try:
-                _history.append(self._dir, step, manifest.info)
-            except Exception as e:  # noqa: BLE001 - the step is committed; the log is a convenience
-                _log.warning("jaxckpt: recording step %d in the history of '%s' failed: %s", step, self._dir, e)
+            _history.record(self._dir, step, manifest.info)
         if self._groups.per_host:
             self._partial.drop(step, set(self._steps.durable()), self._deleter if self._groups.leads else None)
         if self._persistent is not None and self._persistent.wants(step):
             pin = contextlib.ExitStack()  # retention keeps the local copy until the persistent one is done
             pin.enter_context(self._pins.hold(step))
             self._persistent.submit(step, final, manifest, self._groups.groups,
-                                    functools.partial(self._copied, step, pin))
+                                    functools.partial(self._retention.copied, step, pin))
         self._retention.run(f"after step {step}")
-
-    def _copied(self, step: int, pin: contextlib.ExitStack) -> None:
-        """A copy to the persistent tier is done (its thread): unpin the local copy."""
-        pin.close()
-        self._retention.copied(step)
 
     # --- restore ---------------------------------------------------------------------
 
@@ -388,10 +363,9 @@ class CheckpointManager:
             self._saves.settle_all()
             if not self._groups.per_host:
                 return self._restore_here(step, read)
-            sources = _hosts.Sources(self._dir, self._groups, self._timeout, self._read_only,
-                                     self._steps.durable(), self._persistent and self._persistent.dir)
-            return _hosts.restore_agreed(sources, step, functools.partial(self._read_held, read=read),
-                                         self._adopt)
+            sources = _hosts.Sources(self._dir, self._groups, self._timeout, self._read_only, self._steps,
+                                     self._partial, self._pins)
+            return _hosts.restore_agreed(sources, step, read)
 
     def _restore_here(self, step: int | None, read: Callable[[Any], Any]) -> Any:
         with contextlib.ExitStack() as pinned:
@@ -405,16 +379,6 @@ class CheckpointManager:
                 if not _commit.has_manifest(where):
                     raise CheckpointNotFoundError(f"Step {step} in '{self._dir}' was deleted")
                 return read(where)
-
-    def _read_held(self, where: Any, step: int, read: Callable[[Any], Any]) -> Any:
-        with self._pins.hold(step):
-            return read(where)
-
-    def _adopt(self, step: int, manifest: Manifest) -> None:
-        """``step`` was copied to the hosts that lacked it: listed like any other."""
-        with self._lock:
-            self._steps.local[step] = manifest
-        self._partial.adopt(step)
 
     # --- deleting and attempts ---------------------------------------------------------
 
@@ -443,16 +407,10 @@ class CheckpointManager:
         error: BaseException | None = self._retention.unlist(step)
         unlisted = error is None
         error = _cleanup.delete_agreed(self._dir, step, op_id, self._timeout, self._lease, error)
-        if error is None:
-            return
-        if unlisted:
-            try:
-                manifest = _commit.read_manifest(self._dir.child(_commit.step_name(step)))
-            except CheckpointError:  # deleted here, refused for another host's directory
-                raise error from None
-            with self._lock:
-                self._steps.local[step] = manifest
-        raise error
+        if error is not None and unlisted:  # listed again, unless deleted here (refused elsewhere)
+            self._steps.relist(step, error)
+        if error is not None:
+            raise error
 
     def attempts(self) -> list[dict[str, Any]]:
         """The hidden, uncommitted attempts in the directory (read-only managers too).
@@ -528,10 +486,8 @@ class CheckpointManager:
 
     def _repr_html_(self) -> str:
         """The notebook view: directory, mode, committed steps, totals, cadence advice."""
-        with self._lock:
-            infos = {s: m.info for s, m in self._steps.local.items()}
         mode = "read-only" if self._read_only else "writer"
-        return _html.render_manager(str(self._dir), mode, infos, self._clock(), self._advice)
+        return _html.render_manager(str(self._dir), mode, self._steps.infos(), self._clock(), self._advice)
 
 
 class _Pending:
@@ -562,8 +518,10 @@ class _Saves:
 
     def start(self, step: int, job: Callable[[], None], snap: _snapshot.Snapshot,
               executor: concurrent.futures.Executor | None) -> None:
-        """Run the save of ``step``: here (``executor=None``: a failure is raised now) or
-        in the background, its staging continued here in waves (``max_staging_bytes``)."""
+        """Run the save of ``step`` (``job``, which writes ``snap``; the snapshot is closed
+        after it): here (``executor=None``: a failure is raised now) or in the background,
+        its staging continued here in waves (``max_staging_bytes``)."""
+        job = functools.partial(_closing, job, snap)
         with self._lock:
             self.submitted.add(step)
         if executor is None:
@@ -621,6 +579,13 @@ class _Saves:
 
     def _failure(self, step: int, error: BaseException) -> CheckpointError:
         return CheckpointError(f"Saving step {step} to '{self._dir}' failed: {error}")
+
+
+def _closing(job: Callable[[], None], snap: _snapshot.Snapshot) -> None:
+    try:
+        job()
+    finally:
+        snap.close()
 
 
 def _new_step(step: Any, force: bool, directory: Any, committed: Mapping[int, Any], submitted: set[int]) -> int:

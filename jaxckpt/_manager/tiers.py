@@ -298,12 +298,27 @@ class Listing:
         """Where to read ``step`` (see ``locate``); call it under the lock."""
         return locate(step, self.local, self.durable(), self.dir, self.persistent and self.persistent.dir)
 
+    def infos(self) -> dict[int, dict[str, Any]]:
+        """The manifest info of each listed local step."""
+        with self._lock:
+            return {s: m.info for s, m in self.local.items()}
+
     def add(self, step: int, man: Manifest) -> None:
         """List ``step``, committed by this manager (a ``reload`` scanning now keeps it)."""
         with self._lock:
             self.local[step] = man
             if self._scanning is not None:
                 self._scanning.add(step)
+
+    def relist(self, step: int, error: BaseException) -> None:
+        """List ``step`` again, unlisted by a ``delete`` that was refused: from its manifest
+        on disk; ``error`` (the refusal) is raised instead when it is gone here."""
+        try:
+            man = _commit.read_manifest(self.dir.child(_commit.step_name(step)))
+        except CheckpointError:  # deleted here, refused for another host's directory
+            raise error from None
+        with self._lock:
+            self.local[step] = man
 
     def reload(self) -> None:
         """Rescan both tiers."""
