@@ -7,7 +7,9 @@ On an object store there is no rename: each attempt writes its data under a pref
 its own inside the checkpoint (``<name>/d/<token>/``), and the manifest, written last
 (one atomic PUT), names that prefix and is the commit. The data the replaced manifest
 named is deleted only after that PUT, so at every instant the old or the new checkpoint
-is restorable, and two attempts never share a chunk (docs/format.md, "Commit").
+is restorable, and two attempts never share a chunk (docs/format.md, "Commit"). Each
+attempt is claimed before it writes, by a record of who writes it (``_claims``), so
+that a writer cleaning a directory never removes the attempt of a live process.
 
 A local overwrite (``<name>`` exists) swaps the two directories in one atomic step
 where the file system can (Linux ``renameat2(RENAME_EXCHANGE)``: ext4, xfs, btrfs,
@@ -372,7 +374,7 @@ def _read_manifest_bytes(loc: Location) -> bytes | None:
     """The manifest's bytes (``None`` when there is none), never more than the cap,
     read as ``_untrusted.read_small`` reads any small untrusted file."""
     return _untrusted.read_small(loc, _manifest.MANIFEST, _manifest.MAX_MANIFEST_BYTES,
-                                 lambda why, detail: _manifest_refused(loc, why, detail))
+                                 lambda why, detail: _manifest_refused(loc, why, detail), _kvstore.read_blob)
 
 
 def _manifest_refused(loc: Location, why: str, detail: Any) -> BaseException | None:

@@ -72,14 +72,16 @@ def read_file(path: str, limit: int, refuse: Refuse) -> bytes | None:
     return _checked_size(data, limit, refuse)
 
 
-def read_small(loc: Location, key: str, limit: int, refuse: Refuse) -> bytes | None:
+def read_small(loc: Location, key: str, limit: int, refuse: Refuse,
+               read_blob: Callable[[Location, str], bytes | None]) -> bytes | None:
     """The bytes of ``key`` under ``loc`` (``None`` when absent), never more than
-    ``limit``: a local file through ``read_file``; on an object store the blob, refused
-    when bigger (a GET has no size to check first)."""
+    ``limit``: a local file through ``read_file``; on an object store the blob that
+    ``read_blob`` (``kvstore.read_blob``) returns, refused when bigger (a GET has no size
+    to check first). The reader is passed in: this module stays below storage, for the
+    manifest's validation to reach no storage I/O module."""
     if loc.local is not None:
         return read_file(os.path.join(loc.local, key), limit, refuse)
-    from ._storage import kvstore  # not at the top: kvstore imports _manifest, which imports this
-    data = kvstore.read_blob(loc, key)
+    data = read_blob(loc, key)
     return None if data is None else _checked_size(data, limit, refuse)
 
 

@@ -158,7 +158,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 import jax, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxckpt
-from jaxckpt import _iostats
+from jaxckpt import _storage
 args = json.loads(sys.argv[1])
 N = {n}
 def tree(v):

@@ -104,7 +104,7 @@ def _read_small(loc: Location, key: str, where: str) -> bytes | None:
         return _bad(where, f"{key} has more than {MAX_JSON_BYTES} bytes" if why == _untrusted.TOO_BIG
                     else f"{key} is {why}")
 
-    return _untrusted.read_small(loc, key, MAX_JSON_BYTES, refuse)
+    return _untrusted.read_small(loc, key, MAX_JSON_BYTES, refuse, _kvstore.read_blob)
 
 
 def _load(data: bytes, where: str, name: str) -> Any:
