@@ -181,7 +181,7 @@ def remove_dead_data(loc: Location, keep: str | None, grace_s: float | None, *, 
     """Remove the data under checkpoint ``loc`` (an object store) that ``keep`` (the data
     prefix its manifest names; ``""``: the root; ``None``: no manifest) does not name.
 
-    A prefix whose claim (``d/<token>.claim``, see ``make_staging``) says its writer may
+    A prefix whose claim (``d/<token>.claim``, see ``write_claim``) says its writer may
     still be writing it (``claim_alive``, judged with the lease ``lease_token``) is kept,
     and added to ``live`` when given.
 

@@ -83,7 +83,8 @@ def identity(pid: int) -> dict[str, Any]:
 
 
 def judge(holder: dict[str, Any], lease_s: float) -> str:
-    """``alive``, ``gone`` or ``unknown`` (watch it for a lease period)."""
+    """Whether the process that wrote record ``holder`` (a lease, a mark, a claim) is
+    ``alive``, ``gone`` or ``unknown`` (watch it for a lease period, ``lease_s``)."""
     if not holder:
         return "unknown"  # unreadable: being rewritten, or garbage; expires like any other
     pid, where, renewed = holder.get("pid"), holder.get("host"), holder.get("renewed")
@@ -98,7 +99,7 @@ def judge(holder: dict[str, Any], lease_s: float) -> str:
 
 def _judge_on_this_host(holder: dict[str, Any], pid: int, renewed: float | None, lease_s: float) -> str:
     """A holder on this host is alive while its pid runs, is still the process that
-    wrote the lease, and renews it."""
+    wrote the record, and renews it."""
     if not pid_alive(pid):
         return "gone"
     now = identity(pid)
