@@ -1,4 +1,4 @@
-# `make test` and `make demo` set up .venv on first use, then run.
+# `make test`, `make test-all` and `make demo` set up .venv on first use, then run.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -7,7 +7,7 @@ DOCS_STAMP := $(VENV)/.installed-docs
 PKG_STAMP := $(VENV)/.installed-package
 PKG_VENV := build/package-venv
 
-.PHONY: test demo bench-smoke lint docs package clean
+.PHONY: test test-all demo bench-smoke lint docs package clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,8 +23,15 @@ $(PKG_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e ".[package]"
 	touch $(PKG_STAMP)
 
+# The fast tier: every test not marked `slow` (a few minutes on 2 cores). It touches each
+# guarantee of docs/guarantees.md at least once; the full tier adds the rest.
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not slow" tests
+
+# Every test, as CI runs it: the long matrices, the fuzzing and the soak (JAXCKPT_SOAK_S
+# seconds, 120 unless set) included (about 13 minutes on 2 cores).
+test-all: $(STAMP)
+	JAXCKPT_SOAK_S=$${JAXCKPT_SOAK_S:-120} $(PY) -m pytest -q tests
 
 demo: $(STAMP)
 	$(PY) examples/flax_nnx.py

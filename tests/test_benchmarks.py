@@ -11,6 +11,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the full tier (`make test-all`); CI also runs `make bench-smoke`
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -329,7 +329,8 @@ MULTI = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(MULTI))
+@pytest.mark.parametrize("case", [c if c in ("p1-before-data", "p0-after-manifest") else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in sorted(MULTI)])
 def test_two_process_job_with_one_process_killed(tmp_path, case):
     killed, fault, steps = MULTI[case]
     path = str(tmp_path / "run")

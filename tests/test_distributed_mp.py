@@ -92,6 +92,7 @@ def test_a_heartbeat_carries_progress_and_what_each_operation_waits_for():
     assert _distributed._parse_heartbeat(None) is None
 
 
+@pytest.mark.slow
 def test_process_0_never_commits_a_save_a_peer_gave_up_on(tmp_path):
     # process 0 hangs alive in its own first chunk write for 12 s; process 1 has written
     # and reported its part and waits for the outcome. With a stall bound of 3 s it gives
@@ -110,6 +111,7 @@ def test_process_0_never_commits_a_save_a_peer_gave_up_on(tmp_path):
     assert not res[0]["committed"] and not res[1]["committed"]
 
 
+@pytest.mark.slow
 def test_a_peer_giving_up_after_process_0_decided_to_commit_says_the_step_may_be_committed(tmp_path):
     # process 0 hangs right after it claimed the verdict "commit" (in its commit, before
     # the manifest): process 1 gives up, cannot claim "abort", waits once more and then

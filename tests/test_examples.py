@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from conftest import assert_bit_equal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,6 +21,7 @@ def test_demo_restores_bit_exact_and_continues_identically():
     assert on8 == on2
 
 
+@pytest.mark.slow
 def test_notebook_executes_in_a_kernel_and_shows_its_results(tmp_path):
     """Run notebooks/explore.ipynb top to bottom in a real ipykernel (a copy, in a temp
     directory: the committed file and its outputs stay as they are)."""
@@ -67,6 +69,7 @@ def _within_tolerance(line):
     return m.group(2) == "True" and measured != [] and all(x <= float(m.group(1)) for x in measured)
 
 
+@pytest.mark.slow
 def test_flax_nnx_example_resumes_bit_for_bit_and_on_another_mesh(tmp_path):
     """The resume parity: preempted after step 5 of 10, resumed in a fresh process: every
     leaf of the train state (params, AdamW moments, counts, the schedule's count, the
@@ -118,6 +121,7 @@ def _part(name):
     raise AssertionError(name)
 
 
+@pytest.mark.slow
 def test_flax_linen_example_restores_a_train_state_and_resumes_bit_for_bit():
     out = _run_example("flax_linen.py")
     assert "restored step 3 as TrainState (apply_fn and tx from the target); params/Dense_0/kernel " \
@@ -125,6 +129,7 @@ def test_flax_linen_example_restores_a_train_state_and_resumes_bit_for_bit():
     assert out.strip().splitlines()[-1] == "state equal to the uninterrupted run's bit for bit: True; losses: True"
 
 
+@pytest.mark.slow
 def test_equinox_example_restores_through_partition_and_combine():
     out = _run_example("equinox.py")
     assert "saved step 3: params as 5 arrays and 7 None (the places of static fields)" in out
@@ -133,6 +138,7 @@ def test_equinox_example_restores_through_partition_and_combine():
     assert out.strip().splitlines()[-1] == "state equal to the uninterrupted run's bit for bit: True; losses: True"
 
 
+@pytest.mark.slow
 def test_grain_example_resumes_the_data_exactly_on_any_data_axis():
     out = _run_example("grain_pipeline.py")
     assert "preempted after step 4; the checkpoint holds the iterator state {'next_index': 4}" in out
@@ -143,6 +149,7 @@ def test_grain_example_resumes_the_data_exactly_on_any_data_axis():
     assert _within_tolerance(out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_multihost_example_saves_in_two_processes_and_resumes():
     out = _run_example("multihost.py", timeout=240)
     for pid in (0, 1):

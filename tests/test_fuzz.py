@@ -10,9 +10,10 @@ The inputs are random JSON, random bytes, and mutations of a real manifest (fiel
 dropped, replaced by other types, huge or negative numbers, 1 MB strings, ``1e400``,
 100,000-digit integers, deep nesting, repeated keys, truncation, flipped bytes).
 
-The properties (marked ``slow``; ``pytest -m slow`` runs only them) run a few hundred
-examples per parser property and a hundred end to end by default, derandomized, so CI
-tries the same inputs every time (a few seconds). For a longer search set
+The properties (marked ``slow``: ``make test-all`` and CI run them, ``make test`` does not;
+``pytest -m slow tests/test_fuzz.py`` runs only them) run a few hundred examples per
+parser property and a hundred end to end by default, derandomized, so CI tries the same
+inputs every time (a few seconds). For a longer search set
 ``JAXCKPT_FUZZ_EXAMPLES=N``: each parser property then runs N random examples and the
 end-to-end one N // 3, e.g. ``JAXCKPT_FUZZ_EXAMPLES=20000 pytest -m slow tests/test_fuzz.py``
 (a failure prints the ``@reproduce_failure`` decorator that replays it).

@@ -7,6 +7,7 @@ import os
 import shutil
 
 import numpy as np
+import pytest
 from conftest import run_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,6 +44,7 @@ def test_a_manager_start_never_deletes_steps_a_replaced_host_lacks(tmp_path):
     assert res[0]["on_disk"] == res[1]["on_disk"] == ["3", "4"]  # 1, 2: superseded by 4, deleted
 
 
+@pytest.mark.slow
 def test_a_step_no_host_holds_whole_is_named_with_the_host_that_lacks_it(tmp_path):
     """Sharded state: host 1's half exists nowhere else. Asked for, the step fails with a
     CheckpointError naming the step and the host; the latest restore does not fall back
@@ -90,6 +92,7 @@ def test_stream_and_sink_move_files_back_to_back(tmp_path):
         assert (tmp_path / "dst" / path).read_bytes() == (tmp_path / "src" / path).read_bytes(), path
 
 
+@pytest.mark.slow
 def test_a_lease_lost_on_another_host_fails_the_save_in_every_process(tmp_path):
     """Per-host directories: host 1's writer lease is taken over. Only host 1's first
     process knows; the save fails in both processes at the same call, and host 1's

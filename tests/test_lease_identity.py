@@ -254,7 +254,7 @@ def run_job(args, nproc=2, ndev=2, timeout=150):
     return run_workers(WORKER, nproc, lambda i, port: [port, nproc, i, ndev, json.dumps(args)], timeout)
 
 
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("async_save", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["sync", "async"])
 def test_a_lease_taken_over_fails_the_same_call_in_every_process(tmp_path, async_save):
     path, other = str(tmp_path / "steps"), str(tmp_path / "plain")
     res = run_job({"path": path, "other": other, "async": async_save})

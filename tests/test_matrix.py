@@ -72,6 +72,7 @@ EXPECTED = {
     ("rm", "verify"): (OK, OK),
 }
 PAIRS = list(itertools.combinations(ORDER, 2))
+FAST = ("save", "job2")  # the one pair of the fast tier (`make test`); `make test-all` runs all 45
 
 
 def state(i):
@@ -148,7 +149,8 @@ def check_directory(directory):
     return listed
 
 
-@pytest.mark.parametrize("a,b", PAIRS, ids=[f"{a}+{b}" for a, b in PAIRS])
+@pytest.mark.parametrize("a,b", [pytest.param(a, b, id=f"{a}+{b}", marks=() if (a, b) == FAST else pytest.mark.slow)
+                                 for a, b in PAIRS])
 def test_pair(tmp_path, a, b):
     directory, rundir = str(tmp_path / "run"), str(tmp_path / "ctl")
     os.makedirs(rundir)

@@ -60,7 +60,7 @@ MATRIX = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(MATRIX))
+@pytest.mark.parametrize("case", [c if c == "2->1" else pytest.param(c, marks=pytest.mark.slow) for c in sorted(MATRIX)])
 def test_save_in_n_processes_restore_in_m(tmp_path, case):
     (n, mesh_s, names_s, spec_s), (m, mesh_r, names_r, spec_r) = MATRIX[case]
     path = str(tmp_path / "ckpt")
@@ -103,6 +103,7 @@ def test_injected_write_failure_fails_every_process(tmp_path):
     assert os.listdir(tmp_path) == []  # the staging directory was removed
 
 
+@pytest.mark.slow
 def test_dead_process_fails_the_save_within_the_staleness_bound(tmp_path):
     # process 1 dies in the middle of its writes; the timeout for peers that have not
     # started (30 s) is far longer than the heartbeat staleness bound (STALE_S = 10 s)
@@ -116,6 +117,7 @@ def test_dead_process_fails_the_save_within_the_staleness_bound(tmp_path):
     assert not res[0]["committed"] and not os.path.exists(path)
 
 
+@pytest.mark.slow
 def test_slow_writer_is_waited_for_and_both_commit(tmp_path):
     # process 1 writes for 8 s, longer than the 3 s timeout: it is alive, so it is waited for
     path = str(tmp_path / "ckpt")
@@ -144,6 +146,7 @@ def test_one_sided_failure_is_raised_in_both_and_the_next_save_succeeds(tmp_path
     assert sorted(os.listdir(path)) == ["2", "3", "history.jsonl"]
 
 
+@pytest.mark.slow
 def test_replicated_state_is_written_by_all_processes_balanced(tmp_path):
     path = str(tmp_path / "ckpt")
     # 4 processes x 1 device, everything replicated: one 16 MiB leaf (split in 4 pieces),
@@ -186,6 +189,7 @@ def two_tier_job(tmp_path, durable, **args):
     return res
 
 
+@pytest.mark.slow
 def test_two_tiers_with_a_local_directory_per_host_and_a_lost_host(tmp_path, s3_server):
     """Each process has a local directory of its own (as each host has its own disk) and
     the local S3 server is the persistent tier. Each directory holds what its process's
@@ -247,7 +251,7 @@ def state_bytes():
     return sum(sizes.values())
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("nproc", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_read_once_reads_each_replicated_byte_once_per_job(tmp_path, nproc):
     """Fully replicated leaves, column blocks replicated over the processes, and column
     blocks of row-chunked data each held by one process: each saved byte is read from
@@ -268,6 +272,7 @@ def test_read_once_reads_each_replicated_byte_once_per_job(tmp_path, nproc):
     assert all(total <= each[p]["read"] <= total + 64 * 16 for p in range(nproc)), each
 
 
+@pytest.mark.slow
 def test_read_once_in_many_waves(tmp_path):
     # ~20 collectives; every slice copied out of its wave's buffer (none kept as a view)
     res = read_once_job(tmp_path, read_once="1", wave=64 << 10, view_share=2.0)
@@ -305,6 +310,7 @@ def test_a_failed_read_fails_the_restore_in_every_process(tmp_path):
     assert "injected read failure in process 1" in res[0]["error"]
 
 
+@pytest.mark.slow
 def test_a_reader_that_dies_fails_the_others_within_the_staleness_bound(tmp_path):
     res = read_once_job(tmp_path, read_once="1", bad=1, fault="die", stale=3)
     assert res[1].get("exit") == 3
@@ -312,11 +318,13 @@ def test_a_reader_that_dies_fails_the_others_within_the_staleness_bound(tmp_path
     assert res[0]["seconds"] < 10
 
 
+@pytest.mark.slow
 def test_a_late_process_is_waited_for(tmp_path):
     res = read_once_job(tmp_path, read_once="1", late=1, late_s=4)
     assert res[0]["same"] and res[1]["same"], res
 
 
+@pytest.mark.slow
 def test_a_process_too_late_fails_the_restore_in_both_without_a_hang(tmp_path):
     # process 0 gives up on process 1 after START_TIMEOUT_S (1 s here) having posted its
     # own read; process 1, arriving later, must not enter the all-gather alone

@@ -30,6 +30,7 @@ _spec = importlib.util.spec_from_file_location("flax_nnx_example", os.path.join(
 ex = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ex)
 
+
 @pytest.fixture(scope="module")
 def preempted(tmp_path_factory):
     """examples/flax_nnx.py's run, preempted: saved every step with a CheckpointManager
@@ -122,6 +123,7 @@ def test_data_position_restores_and_stays_valid_when_the_data_axis_changes(ckpt)
         assert_bit_equal(np.concatenate(shards2), np.concatenate(shards4))  # the same global batch
 
 
+@pytest.mark.slow
 def test_grain_iterator_state_round_trips(ckpt):
     ds = grain.MapDataset.range(40).shuffle(seed=4).map(lambda i: i * 10).batch(8).repeat(None)
     it = iter(ds.to_iter_dataset())

@@ -93,7 +93,7 @@ def test_single_process_sigterm_saves_the_next_step_and_exits_0(tmp_path):
     check_saved(path, 6)
 
 
-@pytest.mark.parametrize("target", [1, 0])
+@pytest.mark.parametrize("target", [1, pytest.param(0, marks=pytest.mark.slow)])
 def test_sigterm_to_one_of_two_processes_both_save_the_same_step(tmp_path, target):
     path, ready = str(tmp_path / "ckpts"), str(tmp_path / "ready")
     deadline = time.monotonic() + 90

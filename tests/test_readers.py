@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 from conftest import assert_bit_equal
 
 import jaxckpt
@@ -130,6 +131,7 @@ POLLER = """
 """
 
 
+@pytest.mark.slow
 def test_readers_in_another_process_never_see_a_partial_step(tmp_path):
     """A process polling the directory (list the latest, restore it) while the writer
     saves and prunes: every step it reads is whole and is the step it says."""

@@ -30,7 +30,7 @@ def run_place_job(path, read_once, nproc=2, ndev=2, timeout=150):
 EXACT_ON_MESH = {"type": "array", "shards": 2, "exact": True, "sharding": True}
 
 
-@pytest.mark.parametrize("read_once", ["0", "1"])
+@pytest.mark.parametrize("read_once", [pytest.param("0", marks=pytest.mark.slow), "1"])
 def test_every_process_gets_every_leaf_placed_on_the_mesh(tmp_path, read_once):
     res = run_place_job(tmp_path / "ckpt", read_once)
     for i in (0, 1):

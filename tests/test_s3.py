@@ -143,6 +143,7 @@ def test_discovery_lists_one_level_on_s3(s3_server, monkeypatch):
     assert calls == [("/", 0, 3)]
 
 
+@pytest.mark.slow
 def test_two_hundred_steps_are_discovered_with_one_listing(s3_server, monkeypatch):
     import botocore.client
 

@@ -198,6 +198,7 @@ PHASES = [("write", 3, 1, 1), ("commit:before-manifest", 1, 1, 1), ("commit:afte
           ("commit:after-old-delete", 1, 2, 0)]
 
 
+@pytest.mark.slow
 def test_overwrite_killed_at_each_phase_restores_old_or_new_and_the_next_save_cleans(s3_server, monkeypatch):
     specs = [s3_server(f"crash/{i}") for i in range(len(PHASES) + 1)]
     for spec in specs[:-1]:

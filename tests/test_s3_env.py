@@ -227,6 +227,7 @@ def timed(fn, *args, **kwargs):
     return time.monotonic() - t, str(e.value)
 
 
+@pytest.mark.slow
 def test_an_unreachable_endpoint_fails_within_the_bound(aws_env):
     aws_env.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     aws_env.setenv("JAXCKPT_IO_TIMEOUT_S", str(BOUND_S))
@@ -242,6 +243,7 @@ def test_an_unreachable_endpoint_fails_within_the_bound(aws_env):
     assert elapsed < BOUND_S + SLACK_S and "s3://jaxckpt-test/unreachable/run" in message
 
 
+@pytest.mark.slow
 def test_the_cli_fails_within_the_bound(aws_env):
     aws_env.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     aws_env.setenv("JAXCKPT_IO_TIMEOUT_S", str(BOUND_S))
@@ -255,6 +257,7 @@ def test_the_cli_fails_within_the_bound(aws_env):
         assert elapsed < BOUND_S + SLACK_S + 10  # + starting python and importing jax
 
 
+@pytest.mark.slow
 def test_a_server_that_stops_answering_fails_the_save_within_the_bound(moto_server, aws_env):
     aws_env.setenv("AWS_ENDPOINT_URL", moto_server.endpoint)
     aws_env.setenv("JAXCKPT_IO_TIMEOUT_S", str(BOUND_S))
@@ -283,6 +286,7 @@ def test_a_server_that_stops_answering_fails_the_save_within_the_bound(moto_serv
     assert "manifest.json" in message
 
 
+@pytest.mark.slow
 def test_a_server_that_stops_answering_fails_a_restore_within_the_bound(aws_env):
     server = MotoServer()
     try:

@@ -248,8 +248,6 @@ def test_a_budget_is_a_positive_int(bad):
     assert _snapshot.staging_budget(None) is None
 
 
-
-
 def test_manager_saves_in_waves(tmp_path, monkeypatch):
     tree = _mixed_state()
     expected = {k: v.copy() for k, v in enumerate(tree["host"])}
@@ -335,6 +333,7 @@ def test_processes_write_their_waves_then_commit_once(tmp_path):
     assert os.listdir(tmp_path) == ["c"]
 
 
+@pytest.mark.slow
 def test_a_process_failing_in_wave_two_fails_every_process(tmp_path):
     results = _run_processes("fail", tmp_path / "c")
     assert all(r["errors"] and "injected in wave two" in r["errors"][0] for r in results), results
