@@ -34,7 +34,6 @@ FOLD_BLOCK = 1 << 20
 # --- results ------------------------------------------------------------------------
 
 
-
 @dataclasses.dataclass
 class DiffReport:
     """What ``diff`` found between checkpoints ``a`` and ``b``.
@@ -163,7 +162,6 @@ class LeafStats:
     def to_json(self) -> dict[str, Any]:
         """The statistics as a JSON-able dict."""
         return json_value(dataclasses.asdict(self))
-
 
 
 # --- streaming regions through the reader (stats, diff) -------------------------------

@@ -59,7 +59,6 @@ def run_tasks(tasks: Sequence[Any], n_threads: int) -> None:
         raise errors[0]
 
 
-
 def run_bounded(jobs: Iterable[tuple[int, Callable[[], Any], Callable[[Any], None]]], budget: int) -> None:
     """Start ``jobs`` — ``(nbytes, start, finish)`` — keeping at most ``budget`` bytes in
     flight: ``start()`` returns a future, ``finish(future)`` waits for it and raises on

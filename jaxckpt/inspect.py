@@ -50,6 +50,7 @@ class LazyArray:
 
     @property
     def path(self) -> str:
+        """The leaf's key path in the checkpoint (``params/dense/kernel``)."""
         return self._rec.path
 
     @property
@@ -64,14 +65,17 @@ class LazyArray:
 
     @property
     def ndim(self) -> int:
+        """The number of dimensions."""
         return len(self.shape)
 
     @property
     def size(self) -> int:
+        """The number of elements."""
         return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
+        """The leaf's logical size in bytes (elements times item size)."""
         return self._rec.nbytes
 
     @property
@@ -175,6 +179,7 @@ class CheckpointView:
 
     @property
     def path(self) -> str:
+        """The checkpoint's location (path or URL)."""
         return str(self._loc)
 
     @property
@@ -189,6 +194,7 @@ class CheckpointView:
 
     @property
     def nbytes(self) -> int:
+        """The logical size in bytes of the leaves under this view."""
         return sum(r.nbytes for r in self._by_path.values())
 
     def keys(self) -> list[str]:

@@ -38,6 +38,7 @@ if multi:
     jax.distributed.initialize(f"127.0.0.1:{args['port']}", num_processes=args["nproc"], process_id=pid,
                                initialization_timeout=60)
 
+
 def reached(mgr, step):
     return mgr.reached_preemption(step)
 

@@ -119,8 +119,5 @@ def reset_io_stats() -> None:
             _stats[k] = 0
 
 
-
-
-
 # Named in docs/storage.md for users who set curl's process-wide timeouts themselves.
 from .bounds import http_timeouts as http_timeouts  # noqa: E402

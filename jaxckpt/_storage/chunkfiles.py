@@ -33,14 +33,12 @@ def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-
 def chunk_file(root: Location, key: str, cell: Sequence[int]) -> str | None:
     """The local file holding chunk ``cell`` of big leaf ``key`` (zarr3 default key
     encoding), or ``None`` when the checkpoint is not on a local file system."""
     if root.local is None:
         return None
     return os.path.join(root.local, "arrays", key, "c", *map(str, cell))
-
 
 
 def packed_chunk_files(root: Location, process: int, start: int, stop: int, chunk_bytes: int) -> list[str]:
@@ -114,7 +112,6 @@ def _check_size(st: os.stat_result, path: str, nbytes: int) -> None:
         raise ValueError(f"DATA_LOSS: chunk file {path} is not a regular file")
     if st.st_size != nbytes + 4:
         raise ValueError(f"DATA_LOSS: chunk file {path} has {st.st_size} bytes, expected {nbytes + 4}")
-
 
 
 def write_chunk_file(path: str, data: np.ndarray, key: str) -> None:

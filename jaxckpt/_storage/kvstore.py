@@ -83,8 +83,6 @@ def _new_context(root: Location) -> ts.Context:
     return ts.Context(resources)
 
 
-
-
 def _kvstore(root: Location) -> ts.KvStore:
     key = json.dumps([root.kvstore, _store_identity(root)], sort_keys=True, default=str)
     return cached(_kvstores, key,

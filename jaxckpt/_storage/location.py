@@ -24,11 +24,9 @@ from .._errors import CheckpointError
 _SAFE_KEY = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
 
 
-
 def is_safe_key(key: str) -> bool:
     """True when ``key`` is a relative path that stays inside the checkpoint."""
     return bool(_SAFE_KEY.match(key)) and not any(p in (".", "..") for p in key.split("/"))
-
 
 
 @dataclass(frozen=True)
@@ -80,7 +78,6 @@ class Location:
         return self.url
 
 
-
 def resolve(path: Any) -> Location:
     """A ``Location`` from a path, URL (``s3://b/p``, ``gs://b/p``, ``memory://p``,
     ``file://p``) or a tensorstore kvstore spec dict (e.g. an ``s3`` spec with an
@@ -109,8 +106,6 @@ def resolve(path: Any) -> Location:
         rest = rest.strip("/")
         return Location((("driver", "memory"), ("path", rest + "/" if rest else "")), None)
     raise CheckpointError(f"unsupported checkpoint location {text!r}")
-
-
 
 
 def _remote(spec: dict[str, Any]) -> Location:

@@ -47,18 +47,15 @@ def _zarr3(kvstore: dict[str, Any], shape: Sequence[int], chunk_shape: Sequence[
     }
 
 
-
 def array_spec(root: Location, key: str, shape: Sequence[int], chunk_shape: Sequence[int],
                storage_dtype: str) -> dict[str, Any]:
     """The zarr3 spec of a big leaf's own array, ``arrays/<key>/``."""
     return _zarr3(root.key_spec(f"arrays/{key}/"), shape, chunk_shape, storage_dtype)
 
 
-
 def packed_spec(root: Location, process: int, nbytes: int, chunk_bytes: int) -> dict[str, Any]:
     """The zarr3 spec of one process's byte array of small leaves, ``packed/p<k>/``."""
     return _zarr3(root.key_spec(f"packed/p{process}/"), [nbytes], [chunk_bytes], "uint8")
-
 
 
 def _fill_value(storage_dtype: str) -> Any:
@@ -67,7 +64,6 @@ def _fill_value(storage_dtype: str) -> Any:
     if storage_dtype.startswith("complex"):
         return [0.0, 0.0]
     return 0
-
 
 
 class _Opening:
@@ -88,7 +84,6 @@ class _Opening:
 
     def done(self) -> bool:
         return self._future.done()
-
 
 
 class _Pending:
@@ -117,7 +112,6 @@ class _Pending:
         self._future.add_done_callback(lambda _: callback(self))
 
 
-
 class _ArrayLocation:
     """The location of an array's kvstore (a ``ts.TensorStore`` or a kvstore spec),
     worked out only when an error names it."""
@@ -137,7 +131,6 @@ class _ArrayLocation:
         return self._resolved().url
 
 
-
 def open_array(spec: dict[str, Any], ctx: ts.Context, *, create: bool, check_metadata: bool = False) -> _Opening:
     """Start opening the array of ``spec``: creating it, or for reading. A read trusts
     the manifest's metadata in ``spec`` and never reads ``zarr.json``, unless
@@ -150,7 +143,6 @@ def open_array(spec: dict[str, Any], ctx: ts.Context, *, create: bool, check_met
     return _Opening(ts.open(spec, assume_metadata=True, context=ctx), spec["kvstore"])
 
 
-
 def write_region(store: ts.TensorStore, index: Sequence[tuple[int, int]], data: np.ndarray,
                  key: str) -> _Pending:
     """Start writing ``data`` (already in the storage dtype) to ``store[index]``."""
@@ -158,7 +150,6 @@ def write_region(store: ts.TensorStore, index: Sequence[tuple[int, int]], data: 
     _storage.count(bytes_written=data.nbytes, writes=1)
     future = store[_layout.index_to_slices(index)].write(data) if index else store.write(data)
     return _Pending(future, store, "writing", data.nbytes)
-
 
 
 def read_into(dest: np.ndarray, store: ts.TensorStore, index: Sequence[tuple[int, int]],
