@@ -92,7 +92,6 @@ def test_a_heartbeat_carries_progress_and_what_each_operation_waits_for():
     assert _distributed._parse_heartbeat(None) is None
 
 
-@pytest.mark.slow
 def test_process_0_never_commits_a_save_a_peer_gave_up_on(tmp_path):
     # process 0 hangs alive in its own first chunk write for 12 s; process 1 has written
     # and reported its part and waits for the outcome. With a stall bound of 3 s it gives

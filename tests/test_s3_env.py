@@ -257,7 +257,6 @@ def test_the_cli_fails_within_the_bound(aws_env):
         assert elapsed < BOUND_S + SLACK_S + 10  # + starting python and importing jax
 
 
-@pytest.mark.slow
 def test_a_server_that_stops_answering_fails_the_save_within_the_bound(moto_server, aws_env):
     aws_env.setenv("AWS_ENDPOINT_URL", moto_server.endpoint)
     aws_env.setenv("JAXCKPT_IO_TIMEOUT_S", str(BOUND_S))
