@@ -279,11 +279,13 @@ def s3_auth_server():
         server.close()
 
 
-def run_workers(worker, nproc, argv, timeout, label="the job", env=None):
+def run_workers(worker, nproc, argv, timeout, label="the job", env=None, exits_ok=False):
     """A real multi-process JAX job: ``nproc`` processes of the script ``worker``, each
     started with ``argv(i, port)`` (the arguments after the script); each one's last
     ``RESULT <json>`` line by process id. Every process is killed, and the test fails,
-    past ``timeout`` seconds; a process that crashed or printed no result fails it too."""
+    past ``timeout`` seconds; a process that crashed or printed no result fails it too,
+    unless ``exits_ok`` (a test that kills a process on purpose): then its result is
+    ``{"pid": i, "exit": <its exit code>, "stderr": <its last 2000 characters>}``."""
     import json
     import subprocess
     import sys
@@ -308,6 +310,9 @@ def run_workers(worker, nproc, argv, timeout, label="the job", env=None):
                 q.communicate(timeout=30)
             raise AssertionError(f"process {i} of {label} did not finish within {timeout}s") from None
         lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        if not lines and exits_ok:
+            results[i] = {"pid": i, "exit": p.returncode, "stderr": err[-2000:]}
+            continue
         assert lines, f"process {i} of {label} exited {p.returncode} without a result: {err[-3000:]}"
         results[i] = json.loads(lines[-1][7:])
         assert "crash" not in results[i], results[i]["crash"]

@@ -4,13 +4,10 @@ restore in M, agreement on commit, failing as one, the manager in a jitted loop.
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
+from conftest import run_workers
 
 import jaxckpt
 
@@ -18,37 +15,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "mp_worker.py")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_job(nproc, ndev, scenario, args, timeout=90):
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    procs = [
-        subprocess.Popen([sys.executable, WORKER, str(port), str(nproc), str(i), str(ndev), scenario, json.dumps(args)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        for i in range(nproc)
-    ]
-    results = {}
-    deadline = time.monotonic() + timeout
-    for i, p in enumerate(procs):
-        try:
-            out, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"process {i} of {scenario} timed out")
-        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-        if lines:
-            results[i] = json.loads(lines[-1][7:])
-            assert "crash" not in results[i], results[i]["crash"]
-        else:
-            results[i] = {"pid": i, "exit": p.returncode, "stderr": err[-2000:]}
-    return results
+    """``nproc`` processes of ``ndev`` devices each; each one's ``RESULT`` dict by process
+    id, or for one that printed none (killed on purpose) its exit code and stderr."""
+    return run_workers(WORKER, nproc, lambda i, port: [port, nproc, i, ndev, scenario, json.dumps(args)], timeout,
+                       scenario, exits_ok=True)
 
 
 # (saving processes, mesh, spec) -> (restoring processes, mesh, spec); 2 devices per process
