@@ -1,5 +1,7 @@
-"""What ``restore``, ``metadata`` and ``open`` read from: a jaxckpt checkpoint, or a
-foreign one (an orbax-checkpoint step, safetensors files) presented the same way.
+"""The formats wing: foreign checkpoints read as sources (``orbax``, ``safetensors``)
+and the leaf-by-leaf offline writer (``stream``). This module, the wing's face: what
+``restore``, ``metadata`` and ``open`` read from, a jaxckpt checkpoint or a foreign one
+(an orbax-checkpoint step, safetensors files) presented the same way.
 
 A ``Source`` is a ``Manifest`` (for foreign formats a synthetic one, built from their
 own metadata files: validated like ours, nothing unpickled) and a factory of readers

@@ -1,4 +1,9 @@
-"""What the storage layer counts and where tests can break it.
+"""The storage wing: where bytes live. ``location`` (paths, URLs and kvstore specs),
+``kvstore`` (contexts and kvstores, small blobs, listing and deleting, bounded waits),
+``s3`` (boto3's one-level listings and batched deletes), ``bounds`` (the I/O bound and the
+retries and timeouts that fit it), ``zarr`` (tensorstore array specs and handles) and
+``chunkfiles`` (direct local chunk files). This module, the wing's face: what the storage
+layer counts and where tests can break it.
 
 ``io_stats`` counts the array bytes and calls each process reads and writes (so tests
 check that a restore reads only what it needs); ``fault_hook``, when a test sets it, is
