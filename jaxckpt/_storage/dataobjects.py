@@ -1,0 +1,360 @@
+"""Format 3's data objects: each writing process's byte stream of entries, cut into
+segment objects ``p<k>.<n>``, written and read by byte range.
+
+An entry is a chunk's payload (C order, little endian, the storage dtype; the caller
+gives those bytes) followed by its crc32c (Castagnoli, 4 bytes little endian): the
+bytes of a zarr3 chunk file with codecs ``bytes`` + ``crc32c``. Stream bytes
+``[n * S, (n + 1) * S)`` are object ``p<k>.<n>`` (``S``: ``segment_bytes``); the last
+segment is shorter, and an entry may straddle two segments. Where entries go in the
+stream (runs, offsets, the 64-byte alignment) is decided by the caller; this module
+takes a stream offset and writes or reads the entry there.
+
+Every function takes ``root``: the ``Location`` of the data objects themselves
+(``<checkpoint>/data`` on a local disk, ``d/<token>/data`` under an object-store
+checkpoint), so the attempt prefixes of ``_commit`` stay the caller's business.
+
+* Local disk (``root.local``): ``StreamWriter`` creates every segment file at its
+  final size up front (``ftruncate``: the gaps between entries read as zeros), writes
+  each entry with one ``os.pwritev`` straight from the payload's buffer and the 4-byte
+  checksum (no concatenation copy), from any number of threads at once (distinct
+  entries), and ``close`` fsyncs every segment file and the directory. ``read_entry``
+  reads an entry with ``os.preadv`` (one call per segment it lies in) straight into
+  the caller's buffer and checks its crc32c (a hardware crc32c that releases the GIL).
+* Object stores and ``memory://``: ``read_entry`` issues one ranged read per segment
+  the entry lies in (tensorstore's ``KvStore.read(key, byte_range=...)``, concurrent),
+  copies the payload into the caller's buffer and checks the crc32c. Writing is not
+  yet what format 3 asks for: ``StreamWriter`` assembles each segment whole in host
+  memory and ``close`` uploads it with one PUT (``write_segment``, through
+  ``kvstore.write_blob``), one segment after the other. Uploads in parallel parts
+  (S3 multipart, GCS's equivalent) straight from the staged buffers, never assembling
+  a segment, are the object-store half of the aggregated-layout issue and not built.
+
+Counted (``_storage.io_stats``) per entry, like ``chunkfiles`` counts per chunk: the
+payload bytes (not the checksum) and one write or read. Fault points: ``write`` before
+each entry is written, ``read`` before each entry is read, both with key
+``p<k>@<offset>`` (process ``k``, the entry's stream offset).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from typing import Any
+
+import crc32c
+import numpy as np
+
+from .. import _storage
+from .._errors import CheckpointError, CorruptCheckpointError
+from . import kvstore as _kvstore
+from .location import Location
+
+CRC_BYTES = 4
+
+
+def segment_name(process: int, n: int) -> str:
+    """The name of segment ``n`` of process ``process``'s stream: ``p<k>.<n>``."""
+    return f"p{process}.{n}"
+
+
+def segment_sizes(length: int, segment_bytes: int) -> list[int]:
+    """The sizes of the segments of a stream of ``length`` bytes: ``segment_bytes`` each,
+    the last one shorter; none for an empty stream.
+
+    >>> segment_sizes(10, 4)
+    [4, 4, 2]
+    """
+    _check_segment_bytes(segment_bytes)
+    return [min(segment_bytes, length - start) for start in range(0, length, segment_bytes)]
+
+
+def pieces(offset: int, nbytes: int, segment_bytes: int) -> Iterator[tuple[int, int, int]]:
+    """``(segment, start in it, stop in it)`` for stream bytes ``[offset, offset + nbytes)``,
+    in stream order: one piece, or more where the range crosses segment boundaries.
+
+    >>> list(pieces(6, 4, 8))
+    [(0, 6, 8), (1, 0, 2)]
+    """
+    _check_segment_bytes(segment_bytes)
+    end = offset + nbytes
+    while offset < end:
+        n, start = divmod(offset, segment_bytes)
+        stop = min(segment_bytes, start + end - offset)
+        yield n, start, stop
+        offset += stop - start
+
+
+def _check_segment_bytes(segment_bytes: int) -> None:
+    if segment_bytes < 1:
+        raise ValueError(f"segment_bytes must be at least 1, got {segment_bytes}")
+
+
+def _bytes_of(array: np.ndarray, what: str) -> memoryview:
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous (its bytes are the entry's, in place)")
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+def _split(parts: list[memoryview], sizes: list[int]) -> list[list[memoryview]]:
+    """``parts`` (buffers in order) cut into consecutive groups of ``sizes`` bytes."""
+    out: list[list[memoryview]] = []
+    i, used = 0, 0
+    for size in sizes:
+        group: list[memoryview] = []
+        while size:
+            take = min(size, len(parts[i]) - used)
+            group.append(parts[i][used:used + take])
+            size -= take
+            used += take
+            if used == len(parts[i]):
+                i, used = i + 1, 0
+        out.append(group)
+    return out
+
+
+# --- writing ----------------------------------------------------------------------
+
+
+class StreamWriter:
+    """Writes one process's stream of entries into its segment objects ``p<k>.<n>``.
+
+    The stream's length is known up front (the layout is a pure function of the global
+    tree): locally every segment file is created at its final size when the writer is
+    made. ``write_entry`` may be called from several threads at once for distinct
+    entries; ``close`` makes everything durable (locally: fsync of every segment file
+    and of the directory; on an object store: the uploads). Leaving a ``with`` block by
+    an exception releases the files without syncing or uploading: the attempt is
+    abandoned.
+
+    Example::
+
+        with StreamWriter(root.child("data"), 0, length, 1 << 30) as w:
+            w.write_entry(0, chunk)
+            w.write_entry(round_up(chunk.nbytes + 4, 64), other)
+    """
+
+    def __init__(self, root: Location, process: int, length: int, segment_bytes: int):
+        self.root, self.process, self.length = root, process, length
+        self.segment_bytes = segment_bytes
+        self.sizes = segment_sizes(length, segment_bytes)
+        self._fds: list[int] = []
+        self._buffers: list[bytearray] = []
+        self._closed = False
+        if root.local is None:
+            self._buffers = [bytearray(size) for size in self.sizes]
+            return
+        os.makedirs(root.local, exist_ok=True)
+        try:
+            for n, size in enumerate(self.sizes):
+                path = os.path.join(root.local, segment_name(process, n))
+                self._fds.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+                os.ftruncate(self._fds[-1], size)
+        except BaseException:
+            self._release()
+            raise
+
+    def write_entry(self, offset: int, payload: np.ndarray) -> None:
+        """Write ``payload``'s bytes (C-contiguous; little endian is the caller's to give)
+        and their crc32c at stream offset ``offset``. Fault point ``write``, key
+        ``p<k>@<offset>``."""
+        view = _bytes_of(payload, "an entry's payload")
+        end = offset + len(view) + CRC_BYTES
+        if offset < 0 or end > self.length:
+            raise ValueError(f"entry [{offset}, {end}) lies outside stream p{self.process} "
+                             f"of {self.length} bytes")
+        if self._closed:
+            raise ValueError(f"stream p{self.process} is closed")
+        _storage.fault("write", f"p{self.process}@{offset}")
+        _storage.count(bytes_written=len(view), writes=1)
+        trailer = memoryview(crc32c.crc32c(view).to_bytes(CRC_BYTES, "little"))
+        spans = list(pieces(offset, len(view) + CRC_BYTES, self.segment_bytes))
+        groups = _split([view, trailer], [stop - start for _, start, stop in spans])
+        for (n, start, _), group in zip(spans, groups):
+            if self._fds:
+                _pwrite_all(self._fds[n], group, start)
+            else:
+                for part in group:
+                    self._buffers[n][start:start + len(part)] = part
+                    start += len(part)
+
+    def close(self) -> None:
+        """Make the stream durable: locally fsync every segment file and the directory,
+        on an object store upload every segment. Then release the files."""
+        if self._closed:
+            return
+        try:
+            if self._fds:
+                for fd in self._fds:
+                    os.fsync(fd)
+                _kvstore.fsync_dir(self.root.local)
+            for n, buffer in enumerate(self._buffers):
+                write_segment(self.root, self.process, n, buffer)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        self._closed = True
+        fds, self._fds, self._buffers = self._fds, [], []
+        for fd in fds:
+            os.close(fd)
+
+    def __enter__(self) -> StreamWriter:
+        return self
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self._release()
+
+
+def _pwrite_all(fd: int, parts: list[memoryview], position: int) -> None:
+    """Write ``parts`` (in order) at ``position``: one gathered ``pwritev`` per round,
+    again from where a short write stopped (Linux writes at most ~2 GiB per call)."""
+    parts = [p for p in parts if len(p)]
+    while parts:
+        if _pwritev is not None:
+            done = _pwritev(fd, parts, position)
+        else:
+            done = os.pwrite(fd, parts[0], position)
+        position += done
+        while parts and done >= len(parts[0]):
+            done -= len(parts[0])
+            parts.pop(0)
+        if parts and done:
+            parts[0] = parts[0][done:]
+
+
+_pwritev = getattr(os, "pwritev", None)
+_preadv = getattr(os, "preadv", None)
+
+
+def write_segment(root: Location, process: int, n: int, data: bytes | bytearray) -> None:
+    """Write segment ``n`` of process ``process``'s stream whole (one PUT on an object
+    store; locally write, fsync, rename). Not counted in ``io_stats``: its entries were."""
+    _kvstore.write_blob(root, segment_name(process, n), data)
+
+
+# --- reading ----------------------------------------------------------------------
+
+
+def read_entry(root: Location, process: int, offset: int, payload_nbytes: int, dest: np.ndarray,
+               segment_bytes: int) -> None:
+    """Read the entry at stream offset ``offset`` of process ``process``'s stream into
+    ``dest`` (preallocated, C-contiguous, ``payload_nbytes`` bytes) and check its crc32c.
+
+    Locally the payload is read straight into ``dest`` (``preadv``, no staging copy);
+    from an object store each segment's part arrives as one ranged read and is copied
+    in. Raises ``CorruptCheckpointError`` naming the data object(s), the byte range and
+    the stream offset for a missing object, one that ends early, or a checksum mismatch;
+    ``CheckpointError`` when the store fails; ``OSError`` when the file system refuses.
+    Fault point ``read``, key ``p<k>@<offset>``.
+    """
+    view = _bytes_of(dest, "dest")
+    if len(view) != payload_nbytes:
+        raise ValueError(f"dest holds {len(view)} bytes, the entry's payload {payload_nbytes}")
+    _storage.fault("read", f"p{process}@{offset}")
+    _storage.count(bytes_read=payload_nbytes, reads=1)
+    trailer = bytearray(CRC_BYTES)
+    spans = list(pieces(offset, payload_nbytes + CRC_BYTES, segment_bytes))
+    groups = _split([view, memoryview(trailer)], [stop - start for _, start, stop in spans])
+    where = _Where(root, process, offset, spans)
+    if root.local is not None:
+        for (n, start, stop), group in zip(spans, groups):
+            _pread_all(where, n, start, stop, group)
+    else:
+        _read_ranges(where, spans, groups)
+    stored = int.from_bytes(trailer, "little")
+    computed = crc32c.crc32c(view)
+    if stored != computed:
+        raise CorruptCheckpointError(f"DATA_LOSS: {where}: digest mismatch, stored digest is "
+                                     f"0x{stored:08x} but computed digest is 0x{computed:08x}")
+
+
+class _Where:
+    """An entry's place, for error messages: its stream offset and the byte ranges of
+    the data objects it lies in."""
+
+    def __init__(self, root: Location, process: int, offset: int, spans: list[tuple[int, int, int]]):
+        self.root, self.process, self.offset, self.spans = root, process, offset, spans
+
+    def object(self, n: int) -> str:
+        """The data object of segment ``n``: its local path or its URL."""
+        name = segment_name(self.process, n)
+        return os.path.join(self.root.local, name) if self.root.local is not None else f"{self.root.url}/{name}"
+
+    def __str__(self) -> str:
+        ranges = " and ".join(f"{self.object(n)} bytes [{start}, {stop})" for n, start, stop in self.spans)
+        return f"entry at offset {self.offset} of stream p{self.process} (data object {ranges})"
+
+    def error(self, code: str, n: int, what: str) -> CorruptCheckpointError:
+        """``code: data object <object> <what> (entry at offset ... of stream p<k>)``."""
+        return CorruptCheckpointError(f"{code}: data object {self.object(n)} {what} "
+                                      f"(entry at offset {self.offset} of stream p{self.process})")
+
+
+def _pread_all(where: _Where, n: int, start: int, stop: int, group: list[memoryview]) -> None:
+    path = where.object(n)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except (FileNotFoundError, NotADirectoryError):
+        raise where.error("NOT_FOUND", n, "is missing") from None
+    except IsADirectoryError:
+        raise where.error("DATA_LOSS", n, "is not a regular file") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise where.error("DATA_LOSS", n, "is not a regular file")
+        if st.st_size < stop:
+            raise where.error("DATA_LOSS", n, f"ended early: it has {st.st_size} bytes, the entry "
+                                              f"needs bytes [{start}, {stop})")
+        position = start
+        parts = [p for p in group if len(p)]
+        while parts:
+            got = _preadv_into(fd, parts, position)
+            if not got:
+                raise where.error("DATA_LOSS", n, f"ended early: no bytes at {position}, the entry "
+                                                  f"needs bytes [{start}, {stop})")
+            position += got
+            while parts and got >= len(parts[0]):
+                got -= len(parts[0])
+                parts.pop(0)
+            if parts and got:
+                parts[0] = parts[0][got:]
+    finally:
+        os.close(fd)
+
+
+def _preadv_into(fd: int, parts: list[memoryview], position: int) -> int:
+    if _preadv is not None:
+        return _preadv(fd, parts, position)
+    data = os.pread(fd, len(parts[0]), position)  # no preadv here: a copy, still correct
+    parts[0][:len(data)] = data
+    return len(data)
+
+
+def _read_ranges(where: _Where, spans: list[tuple[int, int, int]], groups: list[list[memoryview]]) -> None:
+    """One ranged read per segment, all issued before the first is awaited."""
+    kv = _kvstore._kvstore(where.root)
+    futures = [_kvstore.track(kv.read(segment_name(where.process, n), byte_range=slice(start, stop)))
+               for n, start, stop in spans]
+    for future, (n, start, stop), group in zip(futures, spans, groups):
+        name = segment_name(where.process, n)
+        try:
+            result = _kvstore.wait(future, where.root, "reading", name, nbytes=stop - start)
+        except CheckpointError as e:
+            text = str(e)
+            if "OUT_OF_RANGE" not in text:
+                raise
+            raise where.error("DATA_LOSS", n, f"ended early: the entry needs bytes [{start}, {stop}); "
+                                              f"the store says {text[text.index('OUT_OF_RANGE'):]}") from None
+        if result.state != "value":
+            raise where.error("NOT_FOUND", n, "is missing")
+        value = memoryview(result.value)
+        if len(value) != stop - start:
+            raise where.error("DATA_LOSS", n, f"ended early: {len(value)} bytes came back for bytes "
+                                              f"[{start}, {stop})")
+        for part in group:
+            part[:] = value[:len(part)]
+            value = value[len(part):]

@@ -1,0 +1,274 @@
+"""Format 3's data objects: entries written at stream offsets into segment objects and
+read back by byte range (jaxckpt/_storage/dataobjects.py)."""
+
+import os
+import threading
+
+import crc32c
+import numpy as np
+import pytest
+
+from jaxckpt import _storage
+from jaxckpt._errors import CorruptCheckpointError
+from jaxckpt._storage import dataobjects as do
+from jaxckpt._storage.chunkfiles import aligned_empty
+from jaxckpt._storage.location import resolve
+
+ALIGN = 64
+
+
+def round_up(n, k=ALIGN):
+    return -(-n // k) * k
+
+
+def layout(payloads):
+    """Stream offsets of ``payloads`` one after the other at ALIGN, and the length."""
+    offsets, end = [], 0
+    for p in payloads:
+        offsets.append(round_up(end))
+        end = offsets[-1] + p.nbytes + 4
+    return offsets, end
+
+
+def write(root, payloads, segment_bytes, process=0, threads=1):
+    offsets, length = layout(payloads)
+    with do.StreamWriter(root, process, length, segment_bytes) as w:
+        if threads == 1:
+            for off, p in zip(offsets, payloads):
+                w.write_entry(off, p)
+        else:
+            jobs = list(zip(offsets, payloads))
+            ts = [threading.Thread(target=lambda part: [w.write_entry(o, p) for o, p in part],
+                                   args=(jobs[i::threads],)) for i in range(threads)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+    return offsets, length
+
+
+def read_all(root, payloads, offsets, segment_bytes, process=0):
+    out = []
+    for p, off in zip(payloads, offsets):
+        dest = aligned_empty(p.shape, p.dtype)
+        do.read_entry(root, process, off, p.nbytes, dest, segment_bytes)
+        out.append(dest)
+    return out
+
+
+def assert_same(got, want):
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert g.tobytes() == w.tobytes()
+
+
+def payloads_of(sizes, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+
+
+def read_file(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+@pytest.fixture
+def root(tmp_path):
+    return resolve(str(tmp_path / "ckpt")).child("data")
+
+
+def test_pieces_and_segment_sizes():
+    assert do.segment_sizes(0, 8) == []
+    assert do.segment_sizes(16, 8) == [8, 8]
+    assert do.segment_sizes(17, 8) == [8, 8, 1]
+    assert list(do.pieces(6, 4, 8)) == [(0, 6, 8), (1, 0, 2)]
+    assert list(do.pieces(8, 8, 8)) == [(1, 0, 8)]
+    assert list(do.pieces(7, 10, 4)) == [(1, 3, 4), (2, 0, 4), (3, 0, 4), (4, 0, 1)]
+    assert list(do.pieces(5, 0, 8)) == []
+    with pytest.raises(ValueError, match="segment_bytes must be at least 1"):
+        do.segment_sizes(3, 0)
+
+
+def test_round_trip_bit_for_bit_with_entries_straddling_segments(root):
+    # 0-size, tiny and bigger payloads; segments of 100 bytes cut through entries,
+    # through a checksum, and one entry spans four segments.
+    arrays = [np.arange(12, dtype=np.float32).reshape(3, 4), np.zeros(0, np.float32),
+              np.array([7], np.uint8), np.arange(70, dtype=np.int16), np.float64(3.5).reshape(()),
+              *payloads_of([1, 3, 250, 97, 64, 0])]
+    offsets, length = write(root, arrays, 100)
+    files = [f"p0.{n}" for n in range(len(do.segment_sizes(length, 100)))]
+    assert sorted(os.listdir(root.local)) == sorted(files)
+    assert [os.path.getsize(os.path.join(root.local, f)) for f in files] == do.segment_sizes(length, 100)
+    assert_same(read_all(root, arrays, offsets, 100), arrays)
+    # the bytes are a zarr3 chunk's: payload then crc32c little endian, zeros between
+    stream = b"".join(read_file(os.path.join(root.local, f)) for f in files)
+    for a, off in zip(arrays, offsets):
+        body = stream[off:off + a.nbytes]
+        assert body == a.tobytes()
+        assert stream[off + a.nbytes:off + a.nbytes + 4] == crc32c.crc32c(body).to_bytes(4, "little")
+    assert stream[arrays[0].nbytes + 4:offsets[1]] == bytes(offsets[1] - arrays[0].nbytes - 4)
+
+
+def test_many_threads_write_one_stream(root):
+    arrays = payloads_of([int(n) for n in np.random.default_rng(3).integers(0, 5000, 400)], seed=4)
+    offsets, _ = write(root, arrays, 4096 + 13, threads=8)
+    assert_same(read_all(root, arrays, offsets, 4096 + 13), arrays)
+
+
+def test_an_empty_stream_makes_no_object_and_two_processes_do_not_meet(root):
+    write(root, [], 64, process=1)
+    assert not os.listdir(root.local)
+    a, b = payloads_of([300], 1), payloads_of([300], 2)
+    offs_a, _ = write(root, a, 128, process=0)
+    offs_b, _ = write(root, b, 128, process=3)
+    assert sorted(os.listdir(root.local)) == ["p0.0", "p0.1", "p0.2", "p3.0", "p3.1", "p3.2"]
+    assert_same(read_all(root, b, offs_b, 128, process=3), b)
+    assert_same(read_all(root, a, offs_a, 128, process=0), a)
+
+
+def test_writer_refuses_an_entry_outside_the_stream_or_not_contiguous(root):
+    with do.StreamWriter(root, 0, 100, 64) as w:
+        with pytest.raises(ValueError, match=r"entry \[64, 104\) lies outside stream p0 of 100 bytes"):
+            w.write_entry(64, np.zeros(36, np.uint8))
+        with pytest.raises(ValueError, match="must be C-contiguous"):
+            w.write_entry(0, np.zeros((4, 4), np.uint8)[:, ::2])
+    with pytest.raises(ValueError, match="stream p0 is closed"):
+        w.write_entry(0, np.zeros(4, np.uint8))
+
+
+def test_exception_in_the_writer_block_abandons_without_sync(root, monkeypatch):
+    synced = []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd))
+    with pytest.raises(RuntimeError, match="boom"):
+        with do.StreamWriter(root, 0, 64, 64):
+            raise RuntimeError("boom")
+    assert synced == []
+    with do.StreamWriter(root, 0, 200, 64) as w:
+        w.write_entry(0, np.zeros(8, np.uint8))
+    assert len(synced) == 4 + 1  # every segment file, then the directory
+
+
+def flipped(root, name, at):
+    path = os.path.join(root.local, name)
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+    return path
+
+
+def test_a_flipped_byte_names_the_object_the_range_and_the_offset(root):
+    arrays = payloads_of([40, 90, 40])
+    offsets, _ = write(root, arrays, 128)  # entry 1: [64, 158) over p0.0 and p0.1
+    flipped(root, "p0.1", 10)
+    assert_same(read_all(root, arrays[:1], offsets[:1], 128), arrays[:1])
+    d = os.path.join(root.local, "")
+    with pytest.raises(CorruptCheckpointError) as e:
+        read_all(root, arrays[1:2], offsets[1:2], 128)
+    stored = crc32c.crc32c(arrays[1].tobytes())
+    computed = crc32c.crc32c(np.concatenate([arrays[1][:74], arrays[1][74:75] ^ 0x10, arrays[1][75:]]).tobytes())
+    assert str(e.value) == (
+        f"DATA_LOSS: entry at offset 64 of stream p0 (data object {d}p0.0 bytes [64, 128) and "
+        f"{d}p0.1 bytes [0, 30)): digest mismatch, stored digest is 0x{stored:08x} but computed "
+        f"digest is 0x{computed:08x}")
+    assert_same(read_all(root, arrays[2:], offsets[2:], 128), arrays[2:])  # only that entry lost
+
+
+def test_a_flipped_checksum_byte_is_a_mismatch_too(root):
+    arrays = payloads_of([60])
+    offsets, _ = write(root, arrays, 1 << 20)
+    flipped(root, "p0.0", 62)
+    with pytest.raises(CorruptCheckpointError, match=r"^DATA_LOSS: entry at offset 0 of stream p0 \(data object "
+                                                     r".*p0.0 bytes \[0, 64\)\): digest mismatch"):
+        read_all(root, arrays, offsets, 1 << 20)
+
+
+def test_a_truncated_segment_and_a_missing_one(root):
+    arrays = payloads_of([100, 100, 100])
+    offsets, _ = write(root, arrays, 128)  # entries at 0, 128, 256: p0.0, p0.1, p0.2
+    p1 = os.path.join(root.local, "p0.1")
+    os.truncate(p1, 50)
+    with pytest.raises(CorruptCheckpointError) as e:
+        read_all(root, arrays[1:2], offsets[1:2], 128)
+    assert str(e.value) == (f"DATA_LOSS: data object {p1} ended early: it has 50 bytes, the entry needs "
+                            f"bytes [0, 104) (entry at offset 128 of stream p0)")
+    p2 = os.path.join(root.local, "p0.2")
+    os.remove(p2)
+    with pytest.raises(CorruptCheckpointError) as e:
+        read_all(root, arrays[2:], offsets[2:], 128)
+    assert str(e.value) == f"NOT_FOUND: data object {p2} is missing (entry at offset 256 of stream p0)"
+    os.mkdir(p2)
+    with pytest.raises(CorruptCheckpointError, match=r"^DATA_LOSS: data object .*p0.2 is not a regular file"):
+        read_all(root, arrays[2:], offsets[2:], 128)
+    assert_same(read_all(root, arrays[:1], offsets[:1], 128), arrays[:1])
+
+
+def test_read_entry_refuses_a_dest_of_another_size(root):
+    with pytest.raises(ValueError, match="dest holds 8 bytes, the entry's payload 9"):
+        do.read_entry(root, 0, 0, 9, np.empty(8, np.uint8), 64)
+
+
+def test_fault_points_and_io_stats(root, monkeypatch):
+    seen = []
+    monkeypatch.setattr(_storage, "fault_hook", lambda op, key: seen.append((op, key)))
+    arrays = payloads_of([10, 0, 200])
+    _storage.reset_io_stats()
+    offsets, _ = write(root, arrays, 64, process=2)
+    assert _storage.io_stats() == {"bytes_read": 0, "bytes_written": 210, "reads": 0, "writes": 3}
+    read_all(root, arrays, offsets, 64, process=2)
+    assert _storage.io_stats() == {"bytes_read": 210, "bytes_written": 210, "reads": 3, "writes": 3}
+    assert seen == [("write", "p2@0"), ("write", "p2@64"), ("write", "p2@128"),
+                    ("read", "p2@0"), ("read", "p2@64"), ("read", "p2@128")]
+
+    def fail(op, key):
+        if (op, key) == ("write", "p2@64"):
+            raise OSError("injected")
+
+    monkeypatch.setattr(_storage, "fault_hook", fail)
+    with pytest.raises(OSError, match="injected"):
+        write(root, arrays, 64, process=2)
+    monkeypatch.setattr(_storage, "fault_hook", lambda op, key: (_ for _ in ()).throw(OSError(f"{op} {key}")))
+    with pytest.raises(OSError, match="read p2@128"):
+        do.read_entry(root, 2, 128, 200, np.empty(200, np.uint8), 64)
+
+
+def test_memory_store_ranged_reads(tmp_path):
+    root = resolve(f"memory://dataobjects-{os.getpid()}/ckpt").child("data")
+    arrays = [np.arange(50, dtype=np.float32), *payloads_of([0, 3, 300])]
+    offsets, length = write(root, arrays, 128, process=1, threads=3)
+    assert_same(read_all(root, arrays, offsets, 128, process=1), arrays)
+    url = root.url
+    # a segment cut short, a missing one, a flipped byte: the same errors as on disk
+    do.write_segment(root, 1, 3, b"\0" * 10)
+    with pytest.raises(CorruptCheckpointError) as e:
+        read_all(root, arrays[3:], offsets[3:], 128, process=1)
+    assert str(e.value).startswith(f"DATA_LOSS: data object {url}/p1.3 ended early: the entry needs "
+                                   f"bytes [0, 128); the store says OUT_OF_RANGE")
+    assert offsets[3] == 384
+    assert str(e.value).endswith("(entry at offset 384 of stream p1)")
+    _storage.kvstore.delete_blob(root, "p1.3")
+    with pytest.raises(CorruptCheckpointError) as e:
+        read_all(root, arrays[3:], offsets[3:], 128, process=1)
+    assert str(e.value) == f"NOT_FOUND: data object {url}/p1.3 is missing (entry at offset 384 of stream p1)"
+    seg = bytearray(_storage.kvstore.read_blob(root, "p1.0"))
+    seg[5] ^= 1
+    do.write_segment(root, 1, 0, bytes(seg))
+    with pytest.raises(CorruptCheckpointError, match=rf"^DATA_LOSS: entry at offset 0 of stream p1 \(data "
+                                                     rf"object {url}/p1.0 bytes \[0, 128\) and {url}/p1.1 "
+                                                     rf"bytes \[0, 76\)\): digest mismatch"):
+        read_all(root, arrays[:1], offsets[:1], 128, process=1)
+
+
+def test_s3_ranged_reads(s3_server):
+    root = resolve(s3_server("dataobjects/ckpt")).child("data")
+    arrays = payloads_of([1000, 0, 5000, 17], seed=9)
+    offsets, length = write(root, arrays, 2048)
+    keys = s3_server.client.list_objects_v2(Bucket="jaxckpt-test", Prefix="dataobjects/")["Contents"]
+    assert sorted(k["Key"] for k in keys) == [f"dataobjects/ckpt/data/p0.{n}" for n in range(4)]
+    assert_same(read_all(root, arrays, offsets, 2048), arrays)
+    s3_server.client.put_object(Bucket="jaxckpt-test", Key="dataobjects/ckpt/data/p0.3", Body=b"x")
+    with pytest.raises(CorruptCheckpointError) as e:
+        read_all(root, arrays[3:], offsets[3:], 2048)
+    assert str(e.value).startswith("DATA_LOSS: data object s3://jaxckpt-test/dataobjects/ckpt/data/p0.3 "
+                                   f"ended early: the entry needs bytes [{offsets[3] - 3 * 2048}, ")
