@@ -1,0 +1,445 @@
+"""Format 3's layout: where each chunk of each array leaf lies in its writer's byte stream.
+
+Each writing process writes one stream of *entries*, one per chunk it writes: leaves in
+manifest order, then each leaf's chunks in C order (flat index). An entry is the chunk's
+full payload followed by its crc32c (``CRC_BYTES``), and starts on an ``ALIGN``-byte
+boundary (zeros before it). Bytes ``[n*S, (n+1)*S)`` of process ``k``'s stream are the
+data object ``p<k>.<n>``. A leaf records its entries as *runs*
+``(process, first, count, offset)``: chunks ``first .. first+count-1`` lie in ``process``'s
+stream at ``offset + i * stride``, ``stride = round_up(entry_bytes, ALIGN)``.
+
+Pure arithmetic over the global tree (every process plans the same layout, so process 0
+writes the manifest without asking the others), and the validation of the runs and
+streams a manifest brings (untrusted input). No I/O, no jax.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import operator
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ._errors import CorruptCheckpointError
+
+ALIGN = 64  # bytes; every entry starts on this boundary (aligned host buffers, as packed leaves had)
+SEGMENT_BYTES = 1 << 30  # the default size of a data object (the last of a stream is shorter)
+CRC_BYTES = 4  # the crc32c after each payload, little endian: an entry is a zarr3 chunk file's bytes
+CODEC_RAW = "raw"
+CODECS = (CODEC_RAW,)  # issue 23 adds compressed codecs (with per-chunk lengths, not runs)
+
+# Limits on untrusted input. A segment smaller than a page would make one entry's read a
+# list of pieces about as big as the entry itself (``segments``); object stores refuse
+# objects over 5 TiB.
+MIN_SEGMENT_BYTES = 4096
+MAX_SEGMENT_BYTES = 5 << 40
+# A petabyte per process is past any host's share of any state, and keeps every offset
+# sum and ``count * stride`` of a validated run inside int64.
+MAX_STREAM_BYTES = 1 << 50
+# The caller bounds a leaf's chunks (``_manifest``: 2**20); this bound only keeps the
+# sums of counts here inside int64 whatever the caller passes.
+_MAX_CHUNKS = 1 << 31
+_MAX_MESSAGE = 500  # characters of a validation message (a hostile repr may be huge), as _manifest
+_PROCESS_KEY = re.compile(r"0|[1-9][0-9]{0,7}")  # a stream's key: the process, in decimal
+
+Run = tuple[int, int, int, int]  # (process, first, count, offset)
+
+
+class Layout(NamedTuple):
+    """The outcome of ``plan``: each leaf's runs (in the order given) and each writing
+    process's stream length in bytes (only processes that write something)."""
+
+    runs: list[tuple[Run, ...]]
+    streams: dict[int, int]
+
+
+def entry_bytes_for(payload_bytes: int) -> int:
+    """An entry's bytes: the full chunk's payload, then its crc32c."""
+    return payload_bytes + CRC_BYTES
+
+
+def stride_for(entry_bytes: int) -> int:
+    """The distance between consecutive entries of a run: ``entry_bytes`` rounded up to ``ALIGN``."""
+    return -(-entry_bytes // ALIGN) * ALIGN
+
+
+# --- planning ----------------------------------------------------------------------------
+
+
+class _Pattern(NamedTuple):
+    """One writer list's runs before offsets. Computed once per list: the leaves of a
+    model's layers share one (``_snapshot`` caches writer lists per kind of leaf)."""
+
+    procs: np.ndarray  # per run: its process
+    firsts: np.ndarray  # per run: its first chunk
+    counts: np.ndarray  # per run: its chunks
+    rank: np.ndarray  # per run: chunks of this leaf its process writes before the run
+    writers: np.ndarray  # the processes writing this leaf, sorted, distinct
+    totals: np.ndarray  # per writer: the chunks of this leaf it writes
+
+
+def _pattern(writers: Sequence[int] | np.ndarray) -> _Pattern:
+    """The maximal runs of one leaf's writer list, and each run's rank among its
+    process's chunks of the leaf (all vectorised: a leaf may have a million chunks)."""
+    w = np.asarray(writers, dtype=np.int64)
+    if w.ndim != 1:
+        raise ValueError(f"writers must be one process per chunk, got shape {w.shape}")
+    if w.size == 0:
+        empty = np.zeros(0, np.int64)
+        return _Pattern(empty, empty, empty, empty, empty, empty)
+    if w.min() < 0:  # per-host groups mark chunks nobody in the group writes: not a format-3 layout
+        raise ValueError(f"writer {int(w.min())}: every chunk needs a writing process")
+    firsts = np.flatnonzero(np.concatenate(([True], w[1:] != w[:-1])))
+    procs = w[firsts]
+    counts = np.diff(np.append(firsts, w.size))
+    # A process's runs in a leaf follow each other in its stream: its rank in the leaf is the
+    # chunks of its earlier runs. Grouping runs by process (stable) makes that a cumsum.
+    order = np.argsort(procs, kind="stable")
+    by_proc, by_count = procs[order], counts[order]
+    new = np.concatenate(([True], by_proc[1:] != by_proc[:-1]))
+    before = np.cumsum(by_count) - by_count
+    group_start = before[new]
+    rank = np.empty_like(before)
+    rank[order] = before - group_start[np.cumsum(new) - 1]
+    totals = np.diff(np.append(group_start, w.size))
+    return _Pattern(procs, firsts, counts, rank, by_proc[new], totals)
+
+
+def _grown(a: np.ndarray, size: int) -> np.ndarray:
+    """``a`` zero-extended to at least ``size`` (doubling, so growing costs O(1) a process)."""
+    if size <= a.size:
+        return a
+    out = np.zeros(max(size, 2 * a.size), np.int64)
+    out[: a.size] = a
+    return out
+
+
+def plan(leaves: Iterable[tuple[int, Sequence[int] | np.ndarray]]) -> Layout:
+    """Lay the chunks of array leaves out in one stream per writing process.
+
+    ``leaves``: per array leaf, in manifest order, ``(payload_bytes, writers)``: the bytes
+    of one full chunk (edge chunks are padded to it) and the writing process of each chunk
+    in C order. A writer list passed for several leaves is analysed once (it must not
+    change during the call). A pure function of the global tree.
+
+    Example:
+        >>> plan([(60, [0, 1, 0, 1]), (4, [1])])
+        Layout(runs=[((0, 0, 1, 0), (1, 1, 1, 0), (0, 2, 1, 64), (1, 3, 1, 64)), ((1, 0, 1, 128),)], \
+streams={0: 128, 1: 136})
+    """
+    pos = np.zeros(0, np.int64)  # per process: the next free (aligned) offset of its stream
+    pad = np.zeros(0, np.int64)  # per process: the padding after its last entry (not in the stream)
+    patterns: dict[int, tuple[Any, _Pattern]] = {}  # holds the lists, so no id is reused meanwhile
+    runs: list[tuple[Run, ...]] = []
+    for payload, writers in leaves:
+        if payload < 0:
+            raise ValueError(f"payload of {payload} bytes")
+        hit = patterns.get(id(writers))
+        if hit is None or hit[0] is not writers:
+            hit = patterns[id(writers)] = (writers, _pattern(writers))
+        pat = hit[1]
+        if pat.procs.size == 0:  # a zero-size array has no chunks
+            runs.append(())
+            continue
+        entry = entry_bytes_for(payload)
+        step = stride_for(entry)
+        pos, pad = _grown(pos, int(pat.writers[-1]) + 1), _grown(pad, int(pat.writers[-1]) + 1)
+        offsets = pos[pat.procs] + step * pat.rank
+        pos[pat.writers] += step * pat.totals
+        pad[pat.writers] = step - entry
+        if int(pos[pat.writers].max()) - step + entry > MAX_STREAM_BYTES:  # a reader would refuse it
+            raise ValueError(f"a stream of more than {MAX_STREAM_BYTES} bytes")
+        table = np.stack((pat.procs, pat.firsts, pat.counts, offsets), axis=1).tolist()
+        runs.append(tuple(map(tuple, table)))
+    written = np.flatnonzero(pos)
+    return Layout(runs, dict(zip(written.tolist(), (pos[written] - pad[written]).tolist())))
+
+
+# --- reading -----------------------------------------------------------------------------
+
+
+def locate(runs: Sequence[Run], flat: int, stride: int) -> tuple[int, int]:
+    """``(process, offset)`` of chunk ``flat`` of a leaf with these runs (sorted by first).
+
+    Example:
+        >>> locate([(0, 0, 2, 0), (1, 2, 3, 128)], 3, 64)
+        (1, 192)
+    """
+    i = bisect.bisect_right(runs, flat, key=operator.itemgetter(1)) - 1
+    if i < 0 or flat >= runs[i][1] + runs[i][2]:
+        raise IndexError(f"chunk {flat} lies in no run")
+    process, first, _, offset = runs[i]
+    return process, offset + (flat - first) * stride
+
+
+def object_name(process: int, segment: int) -> str:
+    """The data object holding segment ``segment`` of ``process``'s stream."""
+    return f"p{process}.{segment}"
+
+
+def segments(process: int, offset: int, nbytes: int,
+             segment_bytes: int = SEGMENT_BYTES) -> list[tuple[str, int, int]]:
+    """The ranged reads of stream bytes ``[offset, offset + nbytes)``: ``(object name,
+    start, stop)`` within each data object, in stream order (two when an entry straddles
+    a segment boundary).
+
+    Example:
+        >>> segments(3, 100, 50, 128)
+        [('p3.0', 100, 128), ('p3.1', 0, 22)]
+    """
+    if segment_bytes < 1 or offset < 0 or nbytes < 0:
+        raise ValueError(f"segments({process}, {offset}, {nbytes}, {segment_bytes})")
+    out = []
+    at, stop = offset, offset + nbytes
+    while at < stop:
+        n = at // segment_bytes
+        base = n * segment_bytes
+        end = min(stop, base + segment_bytes)
+        out.append((object_name(process, n), at - base, end - base))
+        at = end
+    return out
+
+
+def objects_per_process(streams: Mapping[int, int], segment_bytes: int = SEGMENT_BYTES) -> dict[int, int]:
+    """The data objects of each writing process: ``ceil(stream length / segment_bytes)``.
+
+    Example:
+        >>> objects_per_process({0: 1, 1: 128, 2: 129}, 128)
+        {0: 1, 1: 1, 2: 2}
+    """
+    return {p: -(-n // segment_bytes) for p, n in streams.items() if n > 0}
+
+
+def object_count(streams: Mapping[int, int], segment_bytes: int = SEGMENT_BYTES) -> int:
+    """The data objects of a checkpoint (without its manifest).
+
+    Example:
+        >>> object_count({0: 1, 1: 128, 2: 129}, 128)
+        4
+    """
+    return sum(objects_per_process(streams, segment_bytes).values())
+
+
+# --- the manifest's fields ---------------------------------------------------------------
+
+
+def runs_to_json(runs: Sequence[Run]) -> list[list[int]]:
+    """A leaf's runs as the manifest writes them: ``[[process, first, count, offset], ...]``.
+
+    Example:
+        >>> runs_to_json(((0, 0, 3, 0),))
+        [[0, 0, 3, 0]]
+    """
+    return [list(r) for r in runs]
+
+
+def streams_to_json(streams: Mapping[int, int]) -> dict[str, int]:
+    """The manifest's ``"streams"``: ``{"<process>": length}``, by process.
+
+    Example:
+        >>> streams_to_json({2: 76, 0: 12})
+        {'0': 12, '2': 76}
+    """
+    return {str(p): streams[p] for p in sorted(streams)}
+
+
+# --- validation of untrusted input ---------------------------------------------------------
+
+
+def _bad(where: str, msg: str) -> CorruptCheckpointError:
+    """The error of an invalid manifest, worded as ``_manifest.parse`` words its own."""
+    if len(msg) > _MAX_MESSAGE:
+        msg = msg[:_MAX_MESSAGE] + "…"
+    return CorruptCheckpointError(f"Checkpoint '{where}': invalid manifest: {msg}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # true == 1 in Python, not in a manifest
+
+
+def segment_bytes_from_json(raw: Any, where: str) -> int:
+    """The manifest's ``"segment_bytes"``, checked: an int in ``[MIN_SEGMENT_BYTES, MAX_SEGMENT_BYTES]``."""
+    if not _is_int(raw) or not MIN_SEGMENT_BYTES <= raw <= MAX_SEGMENT_BYTES:
+        raise _bad(where, f"segment_bytes {raw!r:.100} is not between {MIN_SEGMENT_BYTES} and "
+                          f"{MAX_SEGMENT_BYTES}")
+    return raw
+
+
+def streams_from_json(raw: Any, process_count: int, where: str) -> dict[int, int]:
+    """The manifest's ``"streams"``, checked: ``{"<process>": length}``, a process below
+    ``process_count`` in plain decimal, a length in ``[1, MAX_STREAM_BYTES]``."""
+    if not isinstance(raw, dict):
+        raise _bad(where, "streams is not an object")
+    if len(raw) > process_count:  # bounded before the loop: keys are distinct processes
+        raise _bad(where, f"{len(raw)} streams for {process_count} processes")
+    out = {}
+    for key, length in raw.items():
+        if not (_PROCESS_KEY.fullmatch(key) and int(key) < process_count):
+            raise _bad(where, f"streams: key {key!r:.100} is not a process below process_count "
+                              f"{process_count}")
+        if not _is_int(length) or not 1 <= length <= MAX_STREAM_BYTES:
+            raise _bad(where, f"streams: process {key}'s length {length!r:.100} is not between 1 and "
+                              f"{MAX_STREAM_BYTES}")
+        out[int(key)] = length
+    return dict(sorted(out.items()))
+
+
+def _run_table(raw: list[Any], bad) -> np.ndarray:
+    """``raw`` as an ``(R, 4)`` int64 array, each run a list of four ints (no bools, no
+    floats, nothing past int64). Type checks run in C (``map``) for the common case."""
+    flat = list(itertools.chain.from_iterable(raw)) if set(map(type, raw)) <= {list} else None
+    if flat is not None and set(map(len, raw)) <= {4} and set(map(type, flat)) <= {int}:
+        try:
+            return np.array(flat, dtype=np.int64).reshape(-1, 4)
+        except OverflowError:
+            pass
+    for i, r in enumerate(raw):  # the slow path names the first bad run
+        if not (isinstance(r, list) and len(r) == 4
+                and all(_is_int(v) and -(1 << 63) <= v < 1 << 63 for v in r)):
+            raise bad(f"run #{i} {r!r:.100} is not [process, first, count, offset] of integers")
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _first(mask: np.ndarray) -> int | None:
+    """The index of the first ``False`` in ``mask``, or ``None``."""
+    bad = np.flatnonzero(~mask)
+    return int(bad[0]) if bad.size else None
+
+
+def _check_cover(t: np.ndarray, n_chunks: int, bad) -> None:
+    """Runs sorted by first cover chunks ``0 .. n_chunks-1`` exactly once."""
+    first, count = t[:, 1], t[:, 2]
+    if (i := _first((count >= 1) & (count <= n_chunks))) is not None:
+        raise bad(f"run #{i} {t[i].tolist()}: count {count[i]} is not between 1 and the leaf's "
+                  f"{n_chunks} chunks")
+    ends = np.cumsum(count)  # <= R * n_chunks: inside int64
+    expected = ends - count
+    if (i := _first(first == expected)) is not None:
+        raise bad(f"run #{i} {t[i].tolist()}: starts at chunk {first[i]}, but the runs before it end "
+                  f"at chunk {expected[i]} (runs cover every chunk once, in order)")
+    end = int(ends[-1]) if ends.size else 0
+    if end != n_chunks:
+        raise bad(f"runs cover chunks 0..{end - 1}, but the leaf has {n_chunks} chunks")
+
+
+def _check_places(t: np.ndarray, entry_bytes: int, streams: Mapping[int, int], bad) -> None:
+    """Every run's entries lie in a declared stream, aligned, and runs are maximal."""
+    proc, count, offset = t[:, 0], t[:, 2], t[:, 3]
+    keys = np.array(list(streams), dtype=np.int64)
+    lengths = np.array(list(streams.values()), dtype=np.int64)
+    at = np.minimum(np.searchsorted(keys, proc), max(keys.size - 1, 0))
+    if (i := _first((keys[at] == proc) if keys.size else np.zeros(len(t), bool))) is not None:
+        raise bad(f"run #{i} {t[i].tolist()}: process {proc[i]} has no stream")
+    if (i := _first((offset >= 0) & (offset % ALIGN == 0))) is not None:
+        raise bad(f"run #{i} {t[i].tolist()}: offset {offset[i]} is not a non-negative multiple of {ALIGN}")
+    stride = stride_for(entry_bytes)
+    room = lengths[at] - entry_bytes - offset  # bytes after the run's first entry; no product can overflow
+    if (i := _first((room >= 0) & (count - 1 <= room // stride))) is not None:
+        end = int(offset[i]) + (int(count[i]) - 1) * stride + entry_bytes
+        raise bad(f"run #{i} {t[i].tolist()}: its entries end at byte {end}, past the end of process "
+                  f"{proc[i]}'s stream ({lengths[at[i]]} bytes)")
+    # a reader never needs maximal runs, but every writer makes them: a run that continues
+    # the one before is a digit changed on disk
+    joins = (proc[1:] == proc[:-1]) & (offset[1:] == offset[:-1] + count[:-1] * stride)
+    if (i := _first(~joins)) is not None:
+        raise bad(f"run #{i + 1} {t[i + 1].tolist()} continues run #{i} {t[i].tolist()} (runs are maximal)")
+
+
+def runs_from_json(raw: Any, path: str, n_chunks: int, entry_bytes: int, streams: Mapping[int, int],
+                   where: str) -> tuple[Run, ...]:
+    """One leaf's ``"runs"``, checked against its ``n_chunks`` chunks (computed by the
+    caller from its validated shapes), its ``entry_bytes`` and the declared ``streams``:
+    lists of four ints, sorted by first, covering every chunk exactly once, maximal, each
+    entry ``ALIGN``-ed and inside its process's stream. Overlaps between leaves are
+    ``validate``'s.
+
+    Example:
+        >>> runs_from_json([[0, 0, 2, 0]], "w", 2, 68, {0: 196}, "/ckpt")
+        ((0, 0, 2, 0),)
+    """
+
+    def bad(msg: str) -> CorruptCheckpointError:
+        return _bad(where, f"leaf '{path}': {msg}")
+
+    if not isinstance(raw, list):
+        raise bad("runs is not a list")
+    if not 0 <= n_chunks <= _MAX_CHUNKS:
+        raise bad(f"{n_chunks} chunks is too many")
+    if len(raw) > n_chunks:  # bounded before any conversion: every run holds a chunk
+        raise bad(f"{len(raw)} runs for {n_chunks} chunks")
+    t = _run_table(raw, bad)
+    _check_cover(t, n_chunks, bad)
+    _check_places(t, entry_bytes, streams, bad)
+    return tuple(map(tuple, t.tolist()))
+
+
+def leaf_from_json(raw: Mapping[str, Any], path: str, payload_bytes: int, n_chunks: int,
+                   streams: Mapping[int, int], where: str) -> tuple[int, tuple[Run, ...]]:
+    """A format-3 array leaf's own fields, checked: ``codec`` (``"raw"``), ``entry_bytes``
+    (``payload_bytes + CRC_BYTES``: the full chunk, as the caller computes it from its
+    validated ``chunk_shape`` and dtype) and ``runs``. Returns ``(entry_bytes, runs)``.
+
+    Example:
+        >>> leaf_from_json({"codec": "raw", "entry_bytes": 68, "runs": [[0, 0, 2, 0]]}, "w", 64, 2,
+        ...                {0: 196}, "/ckpt")
+        (68, ((0, 0, 2, 0),))
+    """
+    codec = raw.get("codec")
+    if codec not in CODECS:
+        raise _bad(where, f"leaf '{path}': codec {codec!r:.100} (this jaxckpt reads {', '.join(CODECS)})")
+    entry = raw.get("entry_bytes")
+    if not _is_int(entry) or entry != entry_bytes_for(payload_bytes):
+        raise _bad(where, f"leaf '{path}': entry_bytes {entry!r:.100}, but its chunks are {payload_bytes} "
+                          f"bytes and a crc32c of {CRC_BYTES}")
+    return entry, runs_from_json(raw.get("runs"), path, n_chunks, entry, streams, where)
+
+
+def validate(leaves: Sequence[tuple[str, int, Sequence[Run]]], streams: Mapping[int, int],
+             where: str) -> None:
+    """Across leaves (each ``(path, entry_bytes, runs)``, runs checked by
+    ``runs_from_json``): runs never overlap within a stream, and each declared stream
+    ends where its last entry does (no stream without entries, no bytes past them).
+
+    A run occupies ``[offset, offset + (count-1) * stride + entry_bytes)``; runs whose
+    spans interleave are refused even where their entries would fit in each other's
+    gaps: no writer lays a stream out so.
+
+    Example:
+        >>> validate([("a", 12, ((0, 0, 1, 0),)), ("b", 12, ((0, 0, 1, 64),))], {0: 76}, "/ckpt")
+    """
+    spans = _spans(leaves)
+    proc, start, end, leaf, run = spans
+    order = np.lexsort((start, proc))
+    proc, start, end, leaf, run = (a[order] for a in spans)
+    same = proc[1:] == proc[:-1]
+    if (i := _first(~same | (start[1:] >= end[:-1]))) is not None:
+        a, b = i, i + 1
+        raise _bad(where, f"leaf '{leaves[leaf[b]][0]}': run #{run[b]} (bytes {start[b]}..{end[b]}) "
+                          f"overlaps leaf '{leaves[leaf[a]][0]}' run #{run[a]} (bytes {start[a]}..{end[a]}) "
+                          f"in the stream of process {proc[b]}")
+    last = np.flatnonzero(np.append(~same, True))  # the last span of each process holds its end
+    ends = {int(proc[k]): (int(end[k]), k) for k in last}
+    for p, length in streams.items():
+        if p not in ends:
+            raise _bad(where, f"stream of process {p}: {length} bytes, but no run lies in it")
+        stop, k = ends[p]
+        if stop != length:
+            raise _bad(where, f"stream of process {p}: {length} bytes, but its last entry (leaf "
+                              f"'{leaves[leaf[k]][0]}' run #{run[k]}) ends at byte {stop}")
+
+
+def _spans(leaves: Sequence[tuple[str, int, Sequence[Run]]]) -> tuple[np.ndarray, ...]:
+    """``(process, start, end, leaf, run)`` of every run's byte span, flat over leaves."""
+    parts = []
+    for i, (_, entry, runs) in enumerate(leaves):
+        if not runs:
+            continue
+        t = np.array(runs, dtype=np.int64).reshape(-1, 4)
+        end = t[:, 3] + (t[:, 2] - 1) * stride_for(entry) + entry
+        parts.append(np.stack((t[:, 0], t[:, 3], end, np.full(len(t), i), np.arange(len(t))), axis=1))
+    table = np.concatenate(parts) if parts else np.zeros((0, 5), np.int64)
+    return tuple(table[:, j] for j in range(5))
