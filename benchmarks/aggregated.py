@@ -19,6 +19,13 @@ put many chunks in few files. This benchmark saves and restores the same states 
   written concurrently, each write its own commit (OCDBT batches pending ones);
 * ``ocdbt-txn``: the same, but every create and write in one atomic ``ts.Transaction``,
   committed once (as orbax does with ``use_transaction``);
+* ``streams``: format 3's data objects (issue 22): one stream per process (here one),
+  every chunk an entry (payload + crc32c, a zarr3 chunk's bytes) at a 64-byte aligned
+  offset, leaves in order and chunks in C order, cut into segment files ``p0.<n>`` of
+  ``--segment-bytes``; written with ``dataobjects.StreamWriter`` (``pwritev`` from the
+  arrays' buffers, fsync of every segment and the directory) and read with
+  ``dataobjects.read_entry`` (``preadv`` into 64-byte aligned leaf buffers, crc32c
+  checked), both on 4 threads as jaxckpt's direct chunk files;
 * ``shard``: the zarr3 ``sharding_indexed`` codec, one shard file per leaf (per
   process's part of a leaf: here the whole leaf) holding its chunks as sub-chunks, each
   with its own crc32c (the shard index too).
@@ -59,6 +66,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +76,7 @@ import tensorstore as ts
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from run import drop_page_cache  # noqa: E402 - the benchmarks' one page-cache drop
 
-LAYOUTS = ("jaxckpt", "raw", "ocdbt", "ocdbt-txn", "shard")
+LAYOUTS = ("jaxckpt", "raw", "ocdbt", "ocdbt-txn", "shard", "streams")
 STATES = ("big", "many")
 COLS = 4096
 MiB = 1 << 20
@@ -217,6 +225,71 @@ class TsLayout:
         if self.kind == "shard":
             return f"codecs {json.dumps(_sharded_codecs(('<chunk>',)))}; {ctx}"
         return f"codecs {json.dumps(CHUNK_CODECS)}; {ctx}"
+
+
+# --- layout: streams (format 3's data objects) -----------------------------------------
+
+ALIGN = 64  # format 3: every entry starts at a multiple of 64 in its stream
+STREAM_THREADS = 4  # as jaxckpt's direct chunk-file writes and reads
+
+
+class StreamsLayout:
+    """One stream per process through ``jaxckpt._storage.dataobjects`` (imported at the
+    first use: jax must not be imported before the jaxckpt layout sets XLA_FLAGS)."""
+
+    name = "streams"
+
+    def __init__(self, segment_bytes: int):
+        self.segment_bytes = segment_bytes
+
+    @staticmethod
+    def entries(state: State) -> tuple[list[tuple[int, np.ndarray]], int]:
+        """``[(offset, payload view)]`` of every chunk in stream order, and the stream length."""
+        out, end = [], 0
+        for leaf in state.leaves:
+            # chunks are row blocks of the full width (big) or the whole leaf (many): each a
+            # contiguous view of the C-order array, written from and read into in place
+            rows = leaf.chunk[0]
+            for block in (leaf.data[r:r + rows] for r in range(0, leaf.data.shape[0], rows)):
+                offset = -(-end // ALIGN) * ALIGN
+                out.append((offset, block))
+                end = offset + block.nbytes + 4
+        return out, end
+
+    def _root(self, root: str) -> Any:
+        from jaxckpt._storage.location import resolve
+
+        return resolve(os.path.join(root, "ckpt")).child("data")
+
+    def save(self, root: str, state: State) -> None:
+        from jaxckpt._storage import dataobjects
+
+        entries, length = self.entries(state)
+        with dataobjects.StreamWriter(self._root(root), 0, length, self.segment_bytes) as w:
+            with ThreadPoolExecutor(STREAM_THREADS) as pool:
+                list(pool.map(lambda e: w.write_entry(*e), entries))
+
+    def restore(self, root: str, state: State) -> list[np.ndarray]:
+        from jaxckpt._storage import dataobjects
+        from jaxckpt._storage.chunkfiles import aligned_empty
+
+        data = self._root(root)
+        outs = [aligned_empty(leaf.data.shape, leaf.data.dtype) for leaf in state.leaves]
+        # the same entries, cut from the new buffers: each chunk's rows are its destination
+        dests, _ = self.entries(State(state.name, [Leaf(leaf.path, out, leaf.chunk)
+                                                  for leaf, out in zip(state.leaves, outs)], state.sharded))
+
+        def read(entry: tuple[int, np.ndarray]) -> None:
+            offset, dest = entry
+            dataobjects.read_entry(data, 0, offset, dest.nbytes, dest, self.segment_bytes)
+
+        with ThreadPoolExecutor(STREAM_THREADS) as pool:
+            list(pool.map(read, dests))
+        return outs
+
+    def options(self) -> str:
+        return (f"one stream, entries at {ALIGN}-byte offsets, segments of {self.segment_bytes} bytes, "
+                f"{STREAM_THREADS} threads; dataobjects.StreamWriter / read_entry")
 
 
 # --- layout: jaxckpt ------------------------------------------------------------------
@@ -417,6 +490,7 @@ def make_layouts(names: list[str], a: argparse.Namespace) -> list[Any]:
         "ocdbt-txn": lambda: TsLayout("ocdbt-txn", "ocdbt", io, copy, True, ocdbt),
         "shard": lambda: TsLayout("shard", "shard", io, copy),
         "jaxckpt": lambda: JaxckptLayout(a.chunks),
+        "streams": lambda: StreamsLayout(a.segment_bytes),
     }
     return [made[n]() for n in names]
 
@@ -448,6 +522,8 @@ def main() -> None:
                     help="OCDBT target_data_file_size in bytes (0: no limit; orbax: 2 GiB)")
     ap.add_argument("--max-inline-value-bytes", type=int, default=1024,
                     help="OCDBT config max_inline_value_bytes (orbax: 1024)")
+    ap.add_argument("--segment-bytes", type=int, default=1 << 30,
+                    help="streams: bytes per segment object (format 3's default: 1 GiB)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, 1 rep: a quick check that it runs")
     ap.add_argument("--json", help="also write the raw times to this file")
     a = ap.parse_args()
