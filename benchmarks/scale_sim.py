@@ -12,7 +12,8 @@ run it.
 
 Measured: the per-process planning time (every process plans the whole tree), the
 manifest's size and parse time, and the files per checkpoint, against orbax's OCDBT
-layout (a few files per process).
+layout (a few files per process) and against format 3 (issue 22: one stream per writing
+process in segments of ``_streams.SEGMENT_BYTES``, laid out by ``_streams.plan``).
 
 Usage: python benchmarks/scale_sim.py [--processes 256] [--per-process 8] [--layers 80]
 """
@@ -20,6 +21,7 @@ Usage: python benchmarks/scale_sim.py [--processes 256] [--per-process 8] [--lay
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -28,9 +30,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxckpt import (
+    _dtypes,
     _layout,
     _manifest,
     _snapshot,
+    _streams,
     _tree,  # noqa: E402
 )
 from jaxckpt._manifest import LeafRecord, Manifest  # noqa: E402
@@ -128,6 +132,18 @@ def plan(processes: int, per_process: int, layers: int) -> tuple[list, list, flo
     return arrays, specs, t_chunks, t_assign
 
 
+def format3(arrays: list, order: dict[str, int]) -> tuple[float, _streams.Layout, int]:
+    """Seconds ``_streams.plan`` takes for the tree (leaves in manifest order), its
+    layout, and the JSON bytes its runs add to the manifest."""
+    leaves = sorted(arrays, key=lambda x: order[x.fields["path"]])
+    t0 = time.perf_counter()
+    layout = _streams.plan([(math.prod(x.fields["chunk_shape"]) * _dtypes.DTYPES[x.fields["dtype"]].itemsize,
+                             x.writers) for x in leaves])
+    seconds = time.perf_counter() - t0
+    runs = json.dumps([_streams.runs_to_json(r) for r in layout.runs], separators=(",", ":"))
+    return seconds, layout, len(runs) - 2 * len(leaves)  # less the outer brackets of each leaf's list
+
+
 class _NoReader:
     """Stands in for the storage reader: the exchange's planning is what is timed."""
 
@@ -195,6 +211,16 @@ def main() -> None:
     print(f"| files per checkpoint | {files:,} ({files / a.processes:,.0f} per process) | |")
     print(f"| orbax OCDBT files per checkpoint (its layout: a data file or a few per process, "
           f"plus a manifest per process and a few metadata files) | ~{3 * a.processes + 5:,} | |")
+    t_f3, layout, runs_bytes = format3(arrays, order)
+    per = _streams.objects_per_process(layout.streams)
+    f3 = sum(per.values()) + 1  # the data objects and the manifest
+    runs = sum(len(r) for r in layout.runs)
+    print(f"| format 3: objects per checkpoint (data objects of {_streams.SEGMENT_BYTES >> 20} MiB + the "
+          f"manifest) | {f3:,} ({min(per.values())}..{max(per.values())} data objects per process, "
+          f"{len(per)} writing; {files / f3:,.0f}× fewer than {files:,}) | ≤ 1,000 |")
+    print(f"| format 3: plan [s] (`_streams.plan`, the whole tree) | {t_f3:.3f} ({chunks:,} chunks, "
+          f"{runs:,} runs) | |")
+    print(f"| format 3: runs in the manifest [MiB] | {runs_bytes / 2**20:.2f} | |")
     # restores from an object store plan the read-once exchange (jaxckpt/_exchange.py)
     records = [LeafRecord(**x.fields) for x in arrays]
     same = exchange_planning(records, specs, a.processes)

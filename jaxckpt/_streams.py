@@ -134,7 +134,7 @@ streams={0: 128, 1: 136})
     pos = np.zeros(0, np.int64)  # per process: the next free (aligned) offset of its stream
     pad = np.zeros(0, np.int64)  # per process: the padding after its last entry (not in the stream)
     patterns: dict[int, tuple[Any, _Pattern]] = {}  # holds the lists, so no id is reused meanwhile
-    runs: list[tuple[Run, ...]] = []
+    tables: list[np.ndarray] = []  # per leaf its runs, turned into tuples at once at the end
     for payload, writers in leaves:
         if payload < 0:
             raise ValueError(f"payload of {payload} bytes")
@@ -143,7 +143,7 @@ streams={0: 128, 1: 136})
             hit = patterns[id(writers)] = (writers, _pattern(writers))
         pat = hit[1]
         if pat.procs.size == 0:  # a zero-size array has no chunks
-            runs.append(())
+            tables.append(pat.procs.reshape(0, 4))
             continue
         entry = entry_bytes_for(payload)
         step = stride_for(entry)
@@ -153,9 +153,10 @@ streams={0: 128, 1: 136})
         pad[pat.writers] = step - entry
         if int(pos[pat.writers].max()) - step + entry > MAX_STREAM_BYTES:  # a reader would refuse it
             raise ValueError(f"a stream of more than {MAX_STREAM_BYTES} bytes")
-        table = np.stack((pat.procs, pat.firsts, pat.counts, offsets), axis=1).tolist()
-        runs.append(tuple(map(tuple, table)))
+        tables.append(np.stack((pat.procs, pat.firsts, pat.counts, offsets), axis=1))
     written = np.flatnonzero(pos)
+    rows = np.concatenate(tables) if tables else np.zeros((0, 4), np.int64)
+    runs = _split(rows, [len(t) for t in tables])
     return Layout(runs, dict(zip(written.tolist(), (pos[written] - pad[written]).tolist())))
 
 
@@ -323,25 +324,36 @@ def _check_cover(t: np.ndarray, n_chunks: int, bad) -> None:
                   f"at chunk {expected[i]} (runs cover every chunk once, in order)")
     end = int(ends[-1]) if ends.size else 0
     if end != n_chunks:
-        raise bad(f"runs cover chunks 0..{end - 1}, but the leaf has {n_chunks} chunks")
+        raise bad(f"runs cover {end} chunks, but the leaf has {n_chunks}")
 
 
-def _check_places(t: np.ndarray, entry_bytes: int, streams: Mapping[int, int], bad) -> None:
+class _StreamTable(NamedTuple):
+    """The declared streams as sorted arrays, built once per manifest for every leaf's checks."""
+
+    processes: np.ndarray
+    lengths: np.ndarray
+
+    @classmethod
+    def of(cls, streams: Mapping[int, int]) -> _StreamTable:
+        order = sorted(streams)
+        return cls(np.array(order, dtype=np.int64), np.array([streams[p] for p in order], dtype=np.int64))
+
+
+def _check_places(t: np.ndarray, entry_bytes: int, streams: _StreamTable, bad) -> None:
     """Every run's entries lie in a declared stream, aligned, and runs are maximal."""
     proc, count, offset = t[:, 0], t[:, 2], t[:, 3]
-    keys = np.array(list(streams), dtype=np.int64)
-    lengths = np.array(list(streams.values()), dtype=np.int64)
+    keys = streams.processes
     at = np.minimum(np.searchsorted(keys, proc), max(keys.size - 1, 0))
     if (i := _first((keys[at] == proc) if keys.size else np.zeros(len(t), bool))) is not None:
         raise bad(f"run #{i} {t[i].tolist()}: process {proc[i]} has no stream")
     if (i := _first((offset >= 0) & (offset % ALIGN == 0))) is not None:
         raise bad(f"run #{i} {t[i].tolist()}: offset {offset[i]} is not a non-negative multiple of {ALIGN}")
     stride = stride_for(entry_bytes)
-    room = lengths[at] - entry_bytes - offset  # bytes after the run's first entry; no product can overflow
+    room = streams.lengths[at] - entry_bytes - offset  # bytes after the run's first entry: no overflow
     if (i := _first((room >= 0) & (count - 1 <= room // stride))) is not None:
         end = int(offset[i]) + (int(count[i]) - 1) * stride + entry_bytes
         raise bad(f"run #{i} {t[i].tolist()}: its entries end at byte {end}, past the end of process "
-                  f"{proc[i]}'s stream ({lengths[at[i]]} bytes)")
+                  f"{proc[i]}'s stream ({streams.lengths[at[i]]} bytes)")
     # a reader never needs maximal runs, but every writer makes them: a run that continues
     # the one before is a digit changed on disk
     joins = (proc[1:] == proc[:-1]) & (offset[1:] == offset[:-1] + count[:-1] * stride)
@@ -349,18 +361,9 @@ def _check_places(t: np.ndarray, entry_bytes: int, streams: Mapping[int, int], b
         raise bad(f"run #{i + 1} {t[i + 1].tolist()} continues run #{i} {t[i].tolist()} (runs are maximal)")
 
 
-def runs_from_json(raw: Any, path: str, n_chunks: int, entry_bytes: int, streams: Mapping[int, int],
-                   where: str) -> tuple[Run, ...]:
-    """One leaf's ``"runs"``, checked against its ``n_chunks`` chunks (computed by the
-    caller from its validated shapes), its ``entry_bytes`` and the declared ``streams``:
-    lists of four ints, sorted by first, covering every chunk exactly once, maximal, each
-    entry ``ALIGN``-ed and inside its process's stream. Overlaps between leaves are
-    ``validate``'s.
-
-    Example:
-        >>> runs_from_json([[0, 0, 2, 0]], "w", 2, 68, {0: 196}, "/ckpt")
-        ((0, 0, 2, 0),)
-    """
+def _checked_table(raw: Any, path: str, n_chunks: int, entry_bytes: int, streams: _StreamTable,
+                   where: str) -> np.ndarray:
+    """One leaf's runs as an ``(R, 4)`` array, every check of ``runs_from_json`` passed."""
 
     def bad(msg: str) -> CorruptCheckpointError:
         return _bad(where, f"leaf '{path}': {msg}")
@@ -374,19 +377,33 @@ def runs_from_json(raw: Any, path: str, n_chunks: int, entry_bytes: int, streams
     t = _run_table(raw, bad)
     _check_cover(t, n_chunks, bad)
     _check_places(t, entry_bytes, streams, bad)
-    return tuple(map(tuple, t.tolist()))
+    return t
 
 
-def leaf_from_json(raw: Mapping[str, Any], path: str, payload_bytes: int, n_chunks: int,
-                   streams: Mapping[int, int], where: str) -> tuple[int, tuple[Run, ...]]:
-    """A format-3 array leaf's own fields, checked: ``codec`` (``"raw"``), ``entry_bytes``
-    (``payload_bytes + CRC_BYTES``: the full chunk, as the caller computes it from its
-    validated ``chunk_shape`` and dtype) and ``runs``. Returns ``(entry_bytes, runs)``.
+def runs_from_json(raw: Any, path: str, n_chunks: int, entry_bytes: int, streams: Mapping[int, int],
+                   where: str) -> tuple[Run, ...]:
+    """One leaf's ``"runs"``, checked against its ``n_chunks`` chunks (computed by the
+    caller from its validated shapes), its ``entry_bytes`` and the declared ``streams``:
+    lists of four ints, sorted by first, covering every chunk exactly once, maximal, each
+    entry ``ALIGN``-ed and inside its process's stream. Overlaps between runs are
+    ``validate``'s, which checks every leaf of a manifest at once.
 
     Example:
-        >>> leaf_from_json({"codec": "raw", "entry_bytes": 68, "runs": [[0, 0, 2, 0]]}, "w", 64, 2,
-        ...                {0: 196}, "/ckpt")
-        (68, ((0, 0, 2, 0),))
+        >>> runs_from_json([[0, 0, 2, 0]], "w", 2, 68, {0: 196}, "/ckpt")
+        ((0, 0, 2, 0),)
+    """
+    table = _checked_table(raw, path, n_chunks, entry_bytes, _StreamTable.of(streams), where)
+    return tuple(map(tuple, table.tolist()))
+
+
+def entry_bytes_from_json(raw: Mapping[str, Any], path: str, payload_bytes: int, where: str) -> int:
+    """A format-3 array leaf's ``codec`` (``"raw"``) and ``entry_bytes``, checked: the
+    latter is ``payload_bytes + CRC_BYTES``, the full chunk's bytes as the caller computes
+    them from its validated ``chunk_shape`` and dtype.
+
+    Example:
+        >>> entry_bytes_from_json({"codec": "raw", "entry_bytes": 68}, "w", 64, "/ckpt")
+        68
     """
     codec = raw.get("codec")
     if codec not in CODECS:
@@ -395,33 +412,36 @@ def leaf_from_json(raw: Mapping[str, Any], path: str, payload_bytes: int, n_chun
     if not _is_int(entry) or entry != entry_bytes_for(payload_bytes):
         raise _bad(where, f"leaf '{path}': entry_bytes {entry!r:.100}, but its chunks are {payload_bytes} "
                           f"bytes and a crc32c of {CRC_BYTES}")
-    return entry, runs_from_json(raw.get("runs"), path, n_chunks, entry, streams, where)
+    return entry
 
 
-def validate(leaves: Sequence[tuple[str, int, Sequence[Run]]], streams: Mapping[int, int],
-             where: str) -> None:
-    """Across leaves (each ``(path, entry_bytes, runs)``, runs checked by
-    ``runs_from_json``): runs never overlap within a stream, and each declared stream
-    ends where its last entry does (no stream without entries, no bytes past them).
+def validate(leaves: Sequence[tuple[str, int, int, Any]], streams: Mapping[int, int],
+             where: str) -> list[tuple[Run, ...]]:
+    """Every array leaf's runs, checked; returns them. ``leaves``: per leaf ``(path,
+    n_chunks, entry_bytes, raw runs)``; ``streams`` as ``streams_from_json`` gives them.
 
-    A run occupies ``[offset, offset + (count-1) * stride + entry_bytes)``; runs whose
-    spans interleave are refused even where their entries would fit in each other's
-    gaps: no writer lays a stream out so.
+    Each leaf's runs pass ``runs_from_json``'s checks; across leaves, runs never overlap
+    within a stream, and each declared stream ends where its last entry does (no stream
+    without entries, no bytes past them). A run spans ``[offset, offset + (count-1) *
+    stride + entry_bytes)``; spans that interleave are refused even where the entries
+    would fit in each other's gaps: no writer lays a stream out so.
 
     Example:
-        >>> validate([("a", 12, ((0, 0, 1, 0),)), ("b", 12, ((0, 0, 1, 64),))], {0: 76}, "/ckpt")
+        >>> validate([("a", 1, 12, [[0, 0, 1, 0]]), ("b", 1, 12, [[0, 0, 1, 64]])], {0: 76}, "/ckpt")
+        [((0, 0, 1, 0),), ((0, 0, 1, 64),)]
     """
-    spans = _spans(leaves)
-    proc, start, end, leaf, run = spans
+    table = _StreamTable.of(streams)
+    tables = [_checked_table(raw, path, n, entry, table, where) for path, n, entry, raw in leaves]
+    rows, proc, start, end, leaf, run = _spans(tables, [entry for _, _, entry, _ in leaves])
     order = np.lexsort((start, proc))
-    proc, start, end, leaf, run = (a[order] for a in spans)
+    proc, start, end, leaf, run = proc[order], start[order], end[order], leaf[order], run[order]
     same = proc[1:] == proc[:-1]
     if (i := _first(~same | (start[1:] >= end[:-1]))) is not None:
         a, b = i, i + 1
         raise _bad(where, f"leaf '{leaves[leaf[b]][0]}': run #{run[b]} (bytes {start[b]}..{end[b]}) "
                           f"overlaps leaf '{leaves[leaf[a]][0]}' run #{run[a]} (bytes {start[a]}..{end[a]}) "
                           f"in the stream of process {proc[b]}")
-    last = np.flatnonzero(np.append(~same, True))  # the last span of each process holds its end
+    last = np.flatnonzero(np.append(~same, True)) if proc.size else []  # each process's last span
     ends = {int(proc[k]): (int(end[k]), k) for k in last}
     for p, length in streams.items():
         if p not in ends:
@@ -430,16 +450,26 @@ def validate(leaves: Sequence[tuple[str, int, Sequence[Run]]], streams: Mapping[
         if stop != length:
             raise _bad(where, f"stream of process {p}: {length} bytes, but its last entry (leaf "
                               f"'{leaves[leaf[k]][0]}' run #{run[k]}) ends at byte {stop}")
+    return _split(rows, [len(t) for t in tables])
 
 
-def _spans(leaves: Sequence[tuple[str, int, Sequence[Run]]]) -> tuple[np.ndarray, ...]:
-    """``(process, start, end, leaf, run)`` of every run's byte span, flat over leaves."""
-    parts = []
-    for i, (_, entry, runs) in enumerate(leaves):
-        if not runs:
-            continue
-        t = np.array(runs, dtype=np.int64).reshape(-1, 4)
-        end = t[:, 3] + (t[:, 2] - 1) * stride_for(entry) + entry
-        parts.append(np.stack((t[:, 0], t[:, 3], end, np.full(len(t), i), np.arange(len(t))), axis=1))
-    table = np.concatenate(parts) if parts else np.zeros((0, 5), np.int64)
-    return tuple(table[:, j] for j in range(5))
+def _spans(tables: Sequence[np.ndarray], entries: Sequence[int]) -> tuple[np.ndarray, ...]:
+    """Every run of every leaf in one ``(R, 4)`` table, and each run's ``process, start,
+    end, leaf, run`` (its byte span in its stream, where it comes from). One table, not a
+    loop over leaves: a 70B state has 2,169 leaves and 432,099 runs."""
+    sizes = np.array([len(t) for t in tables], dtype=np.int64)
+    rows = np.concatenate(tables) if tables else np.zeros((0, 4), np.int64)
+    entry = np.repeat(np.array(entries, dtype=np.int64), sizes)
+    stride = -(-entry // ALIGN) * ALIGN
+    leaf = np.repeat(np.arange(len(tables)), sizes)
+    run = np.arange(len(rows)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    return rows, rows[:, 0], rows[:, 3], rows[:, 3] + (rows[:, 2] - 1) * stride + entry, leaf, run
+
+
+def _split(rows: np.ndarray, sizes: Sequence[int]) -> list[tuple[Run, ...]]:
+    """``rows`` (every leaf's runs, one table) as each leaf's tuple of runs. Columns to
+    lists of ints, zipped into tuples: no list per run, so hundreds of thousands of runs
+    do not set off the garbage collector's full passes over a big heap (measured 3× faster)."""
+    flat = list(zip(*rows.T.tolist())) if len(rows) else []
+    bounds = np.cumsum([0, *sizes]).tolist()
+    return [tuple(flat[a:b]) for a, b in zip(bounds, bounds[1:])]
