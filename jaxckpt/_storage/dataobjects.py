@@ -170,9 +170,13 @@ class StreamWriter:
         trailer = memoryview(crc32c.crc32c(view).to_bytes(CRC_BYTES, "little"))
         spans = list(pieces(offset, len(view) + CRC_BYTES, self.segment_bytes))
         groups = _split([view, trailer], [stop - start for _, start, stop in spans])
-        for (n, start, _), group in zip(spans, groups):
+        for (n, start, stop), group in zip(spans, groups):
             if self._fds:
                 _pwrite_all(self._fds[n], group, start)
+                if _sync_file_range is not None:
+                    # Start the entry's writeback now, as a file per chunk's fsync in its
+                    # own thread does: the final fsync then waits for little, not the lot.
+                    _sync_file_range(self._fds[n], start, stop - start, os.SYNC_FILE_RANGE_WRITE)
             else:
                 for part in group:
                     self._buffers[n][start:start + len(part)] = part
@@ -227,6 +231,7 @@ def _pwrite_all(fd: int, parts: list[memoryview], position: int) -> None:
 
 
 _pwritev = getattr(os, "pwritev", None)
+_sync_file_range = getattr(os, "sync_file_range", None)  # Linux
 _preadv = getattr(os, "preadv", None)
 
 
