@@ -132,16 +132,23 @@ def plan(processes: int, per_process: int, layers: int) -> tuple[list, list, flo
     return arrays, specs, t_chunks, t_assign
 
 
-def format3(arrays: list, order: dict[str, int]) -> tuple[float, _streams.Layout, int]:
+def format3(arrays: list, order: dict[str, int], processes: int) -> tuple[float, _streams.Layout, int, float]:
     """Seconds ``_streams.plan`` takes for the tree (leaves in manifest order), its
-    layout, and the JSON bytes its runs add to the manifest."""
+    layout, the JSON bytes its runs add to the manifest, and the seconds a reader takes
+    to parse those runs and check them (``json.loads`` + ``_streams.validate``)."""
     leaves = sorted(arrays, key=lambda x: order[x.fields["path"]])
+    payloads = [math.prod(x.fields["chunk_shape"]) * _dtypes.DTYPES[x.fields["dtype"]].itemsize for x in leaves]
     t0 = time.perf_counter()
-    layout = _streams.plan([(math.prod(x.fields["chunk_shape"]) * _dtypes.DTYPES[x.fields["dtype"]].itemsize,
-                             x.writers) for x in leaves])
+    layout = _streams.plan([(p, x.writers) for p, x in zip(payloads, leaves)])
     seconds = time.perf_counter() - t0
-    runs = json.dumps([_streams.runs_to_json(r) for r in layout.runs], separators=(",", ":"))
-    return seconds, layout, len(runs) - 2 * len(leaves)  # less the outer brackets of each leaf's list
+    text = json.dumps({"streams": _streams.streams_to_json(layout.streams),
+                       "runs": [_streams.runs_to_json(r) for r in layout.runs]}, separators=(",", ":"))
+    t1 = time.perf_counter()
+    raw = json.loads(text)
+    streams = _streams.streams_from_json(raw["streams"], processes, "sim")
+    _streams.validate([(x.fields["path"], len(x.writers), _streams.entry_bytes_for(p), r)
+                       for x, p, r in zip(leaves, payloads, raw["runs"])], streams, "sim")
+    return seconds, layout, len(text), time.perf_counter() - t1
 
 
 class _NoReader:
@@ -211,7 +218,7 @@ def main() -> None:
     print(f"| files per checkpoint | {files:,} ({files / a.processes:,.0f} per process) | |")
     print(f"| orbax OCDBT files per checkpoint (its layout: a data file or a few per process, "
           f"plus a manifest per process and a few metadata files) | ~{3 * a.processes + 5:,} | |")
-    t_f3, layout, runs_bytes = format3(arrays, order)
+    t_f3, layout, runs_bytes, t_check = format3(arrays, order, a.processes)
     per = _streams.objects_per_process(layout.streams)
     f3 = sum(per.values()) + 1  # the data objects and the manifest
     runs = sum(len(r) for r in layout.runs)
@@ -220,7 +227,8 @@ def main() -> None:
           f"{len(per)} writing; {files / f3:,.0f}× fewer than {files:,}) | ≤ 1,000 |")
     print(f"| format 3: plan [s] (`_streams.plan`, the whole tree) | {t_f3:.3f} ({chunks:,} chunks, "
           f"{runs:,} runs) | |")
-    print(f"| format 3: runs in the manifest [MiB] | {runs_bytes / 2**20:.2f} | |")
+    print(f"| format 3: runs and streams in the manifest [MiB] | {runs_bytes / 2**20:.2f} | |")
+    print(f"| format 3: runs parsed and validated (`json.loads` + `_streams.validate`) [s] | {t_check:.3f} | |")
     # restores from an object store plan the read-once exchange (jaxckpt/_exchange.py)
     records = [LeafRecord(**x.fields) for x in arrays]
     same = exchange_planning(records, specs, a.processes)
