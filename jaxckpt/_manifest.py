@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import functools
 import hashlib
 import json
@@ -23,7 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _dtypes, _layout, _tree, _untrusted
+from . import _dtypes, _layout, _streams, _tree, _untrusted
 from ._errors import CorruptCheckpointError
 from ._storage import location as _location
 from ._untrusted import MAX_INT_DIGITS
@@ -39,7 +40,9 @@ FORMAT_VERSION = 1
 # version 1 only would look for arrays/ at the root and fail (missing chunks), so the
 # field bumps the version (docs/format.md, "Format versions").
 DATA_PREFIX_VERSION = 2
-SUPPORTED_VERSIONS = (1, 2)
+# The aggregated layout (issue 22, ``_streams``): each writer's chunks in data objects ``data/p<k>.<n>``.
+STREAMS_VERSION = 3
+SUPPORTED_VERSIONS = (1, 2, 3)
 DATA_PREFIX_DIR = "d"  # data prefixes are d/<name>: one component below d/
 DATA_DIRS = {"arrays", "packed"}  # a checkpoint's data when it has no data prefix (format 1)
 _DATA_KEY = re.compile(r"^d/[A-Za-z0-9_.-]{1,64}$")
@@ -56,7 +59,8 @@ BYTES_KIND = "bytes"
 # (``np.frombuffer(b, np.uint8)``). The reader refuses more too, before decoding.
 MAX_INLINE_BYTES = 1 << 20
 _MAX_INLINE_BASE64 = 4 * -(-MAX_INLINE_BYTES // 3)
-STORES = ("file", "packed")
+STORES = ("file", "packed")  # format_version 1 and 2
+STREAM = "stream"  # format_version 3: every array leaf's chunks are entries of the writers' streams
 _MAX_RANK = 64
 _MAX_NBYTES = 1 << 44  # 16 TiB per leaf (and per packed array)
 # Every itemsize is at least one byte, so no dimension of a non-empty array can be
@@ -123,6 +127,9 @@ class LeafRecord:
     storage_dtype: str = ""
     nbytes: int = 0
     chunks: tuple[tuple[int, int], ...] = ()  # packed: per chunk (C order) (process, offset)
+    codec: str = ""  # stream: "raw" (issue 23 adds compressed codecs)
+    entry_bytes: int = 0  # stream: one full chunk's payload bytes + its crc32c
+    runs: tuple[_streams.Run, ...] = ()  # stream: (process, first, count, offset), sorted by first
 
     def to_json(self) -> dict[str, Any]:
         if self.kind == "value" and isinstance(self.value, bytes) and not isinstance(self.value, np.bytes_):
@@ -139,7 +146,7 @@ class LeafRecord:
             "shape": list(self.shape),
             "sharding": self.sharding,
             "store": self.store,
-            "key": self.key,
+            **({} if self.store == STREAM else {"key": self.key}),
             "chunk_shape": list(self.chunk_shape),
             "nbytes": self.nbytes,
         }
@@ -152,6 +159,8 @@ class LeafRecord:
             out["storage_dtype"] = self.storage_dtype
         if self.store == "packed":
             out["chunks"] = [list(c) for c in self.chunks]
+        if self.store == STREAM:
+            out.update(codec=self.codec, entry_bytes=self.entry_bytes, runs=_streams.runs_to_json(self.runs))
         return out
 
 
@@ -173,6 +182,8 @@ class Manifest:
     info: dict[str, Any] = field(default_factory=dict)  # versions, times, stats
     packed: tuple[PackedArray, ...] = ()
     data: str = ""  # the data prefix, relative to the checkpoint; "" = the root (version 1)
+    segment_bytes: int = 0  # version 3: the size of a data object (the last of a stream is shorter)
+    streams: dict[int, int] = field(default_factory=dict)  # version 3: {process: stream length}
 
     def data_root(self, loc: _location.Location) -> _location.Location:
         """Where this checkpoint's ``arrays/`` and ``packed/`` are, ``loc`` being the
@@ -189,6 +200,8 @@ class Manifest:
             **({"data": self.data} if self.data else {}),
             **info,
             "process_count": self.process_count,
+            **({"segment_bytes": self.segment_bytes, "streams": _streams.streams_to_json(self.streams)}
+               if self.format_version == STREAMS_VERSION else {}),
             "packed": [p._asdict() for p in self.packed],
             "metadata": self.metadata,
             "structure": self.structure,
@@ -222,7 +235,7 @@ def parse(data: bytes, where: str) -> Manifest:
     if len(data) > MAX_MANIFEST_BYTES:
         raise bad(f"{len(data)} bytes is more than the {MAX_MANIFEST_BYTES} a manifest may have")
     try:
-        return _parse_document(data, bad)
+        return _parse_document(data, bad, where)
     except CorruptCheckpointError:
         raise
     except RecursionError:
@@ -287,7 +300,7 @@ def _unsaveable(value: Any, where: str, depth: int) -> str | None:
     return None
 
 
-def _parse_document(data_bytes: bytes, bad) -> Manifest:
+def _parse_document(data_bytes: bytes, bad, where: str) -> Manifest:
     doc = _untrusted.load_json(data_bytes, bad)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise bad("not a jaxckpt manifest (field 'format' is missing or wrong)")
@@ -305,6 +318,9 @@ def _parse_document(data_bytes: bytes, bad) -> Manifest:
     if not isinstance(metadata, dict):
         raise bad("metadata is not an object")
     packed = _parse_packed(doc.get("packed", []), process_count, bad)
+    v3 = _v3_fields(doc, version, process_count, where, bad)
+    if v3 is not None and packed:
+        raise bad(f"packed arrays in format_version {STREAMS_VERSION} (its small leaves are streamed)")
     raw_leaves = doc.get("leaves")
     if not isinstance(raw_leaves, list):
         raise bad("leaves is not a list")
@@ -312,28 +328,47 @@ def _parse_document(data_bytes: bytes, bad) -> Manifest:
     seen_paths: set[str] = set()
     seen_keys: set[tuple[str, str]] = set()
     for i, raw in enumerate(raw_leaves):
-        rec = _parse_leaf(raw, i, packed, bad)
+        rec = _parse_leaf(raw, i, packed, bad, v3)
         if rec.path in seen_paths:
             raise bad(f"duplicate leaf path '{rec.path}'")
         seen_paths.add(rec.path)
-        if rec.kind != "value":
+        if rec.kind != "value" and rec.store != STREAM:
             if (rec.store, rec.key) in seen_keys:
                 raise bad(f"leaf '{rec.path}': data key '{rec.key}' used twice")
             seen_keys.add((rec.store, rec.key))
         leaves.append(rec)
     _check_packed_sizes(packed, leaves, bad)
+    if v3 is not None:  # every leaf's runs, validated together (overlaps across leaves)
+        runs = iter(v3.runs())
+        leaves = [dataclasses.replace(r, runs=next(runs)) if r.kind != "value" else r for r in leaves]
     structure = doc.get("structure")
     _check_structure(structure, [r.path for r in leaves], bad)
     info = {k: v for k, v in doc.items()
             if k not in ("format", "format_version", "data", "process_count", "packed", "metadata",
-                         "structure", "leaves", CHECKSUM_FIELD)}
+                         "structure", "leaves", CHECKSUM_FIELD, *_streams.ManifestStreams.FIELDS)}
     # Handed to users and to code that walks them recursively (inspect, the CLI).
     for name, value in (("metadata", metadata), *info.items()):
         if nesting_exceeds(value, MAX_DEPTH):
             raise bad(f"field '{name[:100]}' is nested deeper than {MAX_DEPTH} levels")
     _check_checksum(data_bytes, doc, bad)
     return Manifest(version, structure, tuple(leaves), metadata, process_count, info,
-                    tuple(packed[k] for k in sorted(packed)), data)
+                    tuple(packed[k] for k in sorted(packed)), data,
+                    *((v3.segment_bytes, v3.streams) if v3 is not None else ()))
+
+
+def _v3_fields(doc: dict[str, Any], version: int, process_count: int, where: str,
+               bad) -> _streams.ManifestStreams | None:
+    """Format 3's top-level stream fields (``segment_bytes``, ``streams``), checked; refused
+    in another version. Its leaves' runs are checked together once all are parsed."""
+    present = [name for name in _streams.ManifestStreams.FIELDS if name in doc]
+    if version != STREAMS_VERSION:
+        if present:
+            raise bad(f"field '{present[0]}' needs format_version {STREAMS_VERSION}")
+        return None
+    if len(present) < len(_streams.ManifestStreams.FIELDS):
+        missing = next(n for n in _streams.ManifestStreams.FIELDS if n not in present)
+        raise bad(f"field '{missing}' is missing (format_version {STREAMS_VERSION})")
+    return _streams.ManifestStreams(doc, process_count, where)
 
 
 def _check_checksum(data: bytes, doc: dict[str, Any], bad) -> None:
@@ -376,10 +411,13 @@ def check_step(man: Manifest, step: int, where: str) -> None:
 
 def _parse_data_prefix(doc: dict[str, Any], version: int, bad) -> str:
     """The ``data`` field: absent in version 1; in version 2 a prefix ``d/<name>`` (one
-    component of ``[A-Za-z0-9_.-]``, not ``.``/``..``) inside the checkpoint."""
+    component of ``[A-Za-z0-9_.-]``, not ``.``/``..``) inside the checkpoint; in version 3
+    either (absent: the data objects lie in the checkpoint's own ``data/``)."""
     if version == 1:
         if "data" in doc:
             raise bad("field 'data' (a data prefix) needs format_version 2")
+        return ""
+    if version == STREAMS_VERSION and "data" not in doc:
         return ""
     data = doc.get("data")
     if not isinstance(data, str) or not _DATA_KEY.match(data) or not _location.is_safe_key(data):
@@ -413,7 +451,7 @@ def _int_list(x: Any, lo: int, hi: int) -> bool:
     return isinstance(x, list) and len(x) <= _MAX_RANK and all(_is_int(v) and lo <= v < hi for v in x)
 
 
-def _parse_leaf(raw: Any, i: int, packed: dict[int, PackedArray], bad) -> LeafRecord:
+def _parse_leaf(raw: Any, i: int, packed: dict[int, PackedArray], bad, v3: _streams.ManifestStreams | None) -> LeafRecord:
     if not isinstance(raw, dict):
         raise bad(f"leaf #{i} is not an object")
     path = raw.get("path")
@@ -426,7 +464,7 @@ def _parse_leaf(raw: Any, i: int, packed: dict[int, PackedArray], bad) -> LeafRe
         raise bad(f"leaf '{path}': unknown kind {kind!r}")
     if kind == "value":
         return _parse_value(raw, path, bad)
-    return _parse_array(raw, path, kind, packed, bad)
+    return _parse_array(raw, path, kind, packed, bad, v3)
 
 
 def _parse_value(raw: dict[str, Any], path: str, bad) -> LeafRecord:
@@ -461,7 +499,8 @@ def _parse_bytes(raw: dict[str, Any], path: str, bad) -> LeafRecord:
     return LeafRecord(path=path, kind="value", value=data)
 
 
-def _parse_array(raw: dict[str, Any], path: str, kind: str, packed: dict[int, PackedArray], bad) -> LeafRecord:
+def _parse_array(raw: dict[str, Any], path: str, kind: str, packed: dict[int, PackedArray], bad,
+                 v3: _streams.ManifestStreams | None) -> LeafRecord:
     dtype = raw.get("dtype")
     if dtype not in _dtypes.DTYPES:
         raise bad(f"leaf '{path}': unknown dtype {dtype!r}")
@@ -484,15 +523,12 @@ def _parse_array(raw: dict[str, Any], path: str, kind: str, packed: dict[int, Pa
     n_chunks = math.prod(grid)
     if n_chunks > _MAX_CHUNKS:
         raise bad(f"leaf '{path}': {n_chunks} chunks is too many")
-    store = raw.get("store")
-    if store not in STORES:
-        raise bad(f"leaf '{path}': unknown store {store!r}")
-    key = raw.get("key")
-    if not isinstance(key, str) or len(key) > _MAX_KEY or not _location.is_safe_key(key):
-        raise bad(f"leaf '{path}': data key {key!r} is not a relative path inside the checkpoint")
+    store, key = _parse_store(raw, path, v3 is not None, bad)
     chunks: tuple[tuple[int, int], ...] = ()
     if store == "packed":
         chunks = _parse_packed_chunks(raw.get("chunks"), path, shape, chunk_shape, itemsize, n_chunks, packed, bad)
+    # format 3: codec and entry bytes checked, the raw runs kept (validated with every leaf's at the end)
+    codec, entry = v3.leaf(raw, path, n_chunks, math.prod(chunk_shape) * itemsize) if v3 else ("", 0)
     sharding = raw.get("sharding")
     if not _sharding_ok(sharding):
         raise bad(f"leaf '{path}': sharding {sharding!r}")
@@ -504,7 +540,28 @@ def _parse_array(raw: dict[str, Any], path: str, kind: str, packed: dict[int, Pa
         path=path, kind=kind, dtype=dtype, shape=tuple(shape), scalar=scalar,
         impl=impl, key_ndim=key_ndim, sharding=sharding, store=store, key=key,
         chunk_shape=tuple(chunk_shape), storage_dtype=storage_dtype, nbytes=nbytes, chunks=chunks,
+        codec=codec, entry_bytes=entry,
     )
+
+
+def _parse_store(raw: dict[str, Any], path: str, v3: bool, bad) -> tuple[str, str]:
+    """A leaf's store and data key ("" for a stream leaf: format 3 has no data keys)."""
+    store = raw.get("store")
+    if v3:
+        if store != STREAM:
+            raise bad(f"leaf '{path}': store {store!r:.100} in format_version {STREAMS_VERSION} (its array "
+                      f"leaves are '{STREAM}')")
+        if raw.get("key", "") != "":
+            raise bad(f"leaf '{path}': data key {raw['key']!r:.100} (a '{STREAM}' leaf has none)")
+        return store, ""
+    if store == STREAM:
+        raise bad(f"leaf '{path}': store '{STREAM}' needs format_version {STREAMS_VERSION}")
+    if store not in STORES:
+        raise bad(f"leaf '{path}': unknown store {store!r}")
+    key = raw.get("key")
+    if not isinstance(key, str) or len(key) > _MAX_KEY or not _location.is_safe_key(key):
+        raise bad(f"leaf '{path}': data key {key!r} is not a relative path inside the checkpoint")
+    return store, key
 
 
 def _sharding_ok(sharding: Any) -> bool:

@@ -473,3 +473,29 @@ def _split(rows: np.ndarray, sizes: Sequence[int]) -> list[tuple[Run, ...]]:
     flat = list(zip(*rows.T.tolist())) if len(rows) else []
     bounds = np.cumsum([0, *sizes]).tolist()
     return [tuple(flat[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+class ManifestStreams:
+    """A format-3 manifest's stream fields while ``_manifest.parse`` reads it: the
+    top-level ``segment_bytes`` and ``streams``, checked when made; each array leaf's
+    codec and entry bytes, checked by ``leaf``, its raw runs kept; then ``runs``: every
+    leaf's, checked together (``validate``, which bounds each leaf's runs by its chunks
+    before converting any)."""
+
+    FIELDS = ("segment_bytes", "streams")
+
+    def __init__(self, doc: Mapping[str, Any], process_count: int, where: str):
+        self.segment_bytes = segment_bytes_from_json(doc["segment_bytes"], where)
+        self.streams = streams_from_json(doc["streams"], process_count, where)
+        self.where = where
+        self._leaves: list[tuple[str, int, int, Any]] = []  # (path, n_chunks, entry_bytes, raw runs)
+
+    def leaf(self, raw: Mapping[str, Any], path: str, n_chunks: int, payload_bytes: int) -> tuple[str, int]:
+        """An array leaf's ``(codec, entry_bytes)``, checked; its raw runs kept for ``runs``."""
+        entry = entry_bytes_from_json(raw, path, payload_bytes, self.where)
+        self._leaves.append((path, n_chunks, entry, raw.get("runs")))
+        return raw["codec"], entry
+
+    def runs(self) -> list[tuple[Run, ...]]:
+        """Every array leaf's runs (in the order ``leaf`` saw them), validated."""
+        return validate(self._leaves, self.streams, self.where)
