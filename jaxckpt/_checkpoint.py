@@ -32,7 +32,7 @@ from . import _commit, _distributed, _dtypes, _formats, _layout, _manifest, _tre
 from ._errors import CheckpointError
 from ._manifest import LeafRecord, Manifest
 from ._restore import key_dtype
-from ._snapshot import Snapshot, snapshot
+from ._snapshot import STREAMS_VERSION, Snapshot, snapshot
 from ._storage import location as _location
 from ._storage.location import Location
 from ._writer import write_data
@@ -43,7 +43,9 @@ _log = logging.getLogger("jaxckpt")
 def build_manifest(snap: Snapshot, metadata: dict[str, Any] | None,
                    extra_info: dict[str, Any] | None = None, data: str = "") -> Manifest:
     """The manifest of a save; ``data`` is its data prefix (``_commit.data_key``): a
-    checkpoint with one is format version 2, one without (local disks) version 1."""
+    checkpoint with one is format version 2, one without (local disks) version 1. A
+    snapshot laid out in streams (``JAXCKPT_FORMAT=3``) is format version 3: its
+    records carry their runs, the manifest every process's stream length."""
     from importlib.metadata import version as dist_version  # ~10 ms to import: only when saving
 
     from ._version import __version__
@@ -57,6 +59,10 @@ def build_manifest(snap: Snapshot, metadata: dict[str, Any] | None,
         "bytes": sum(r.nbytes for r in snap.records),
     }
     info.update(extra_info or {})
+    if snap.streams is not None:
+        return Manifest(format_version=STREAMS_VERSION, structure=snap.structure, leaves=tuple(snap.records),
+                        metadata=metadata or {}, process_count=_distributed.process_count(), info=info,
+                        data=data, segment_bytes=snap.segment_bytes, streams=dict(snap.streams))
     return Manifest(
         format_version=_manifest.DATA_PREFIX_VERSION if data else _manifest.FORMAT_VERSION,
         structure=snap.structure,
@@ -117,6 +123,8 @@ def save_snapshot(path: Any, snap: Snapshot, *, metadata: Any = None, overwrite:
     """
     try:
         final = _location.resolve(path)
+        if snap.streams is not None and final.local is None:  # the same in every process: none starts
+            raise CheckpointError(f"format 3 is written to local directories only so far (issue 22): {final}")
         op_id = _distributed.next_id() if op_id is None else op_id
         with _distributed.Operation(f"save{op_id}", str(final), timeout_s) as op:
             if _distributed.process_index() == 0:

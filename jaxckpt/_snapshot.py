@@ -17,6 +17,7 @@ import collections
 import dataclasses
 import functools
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _distributed, _dtypes, _layout, _tree
+from . import _distributed, _dtypes, _layout, _streams, _tree
 from ._errors import CheckpointError
 from ._manifest import MAX_INLINE_BYTES, MAX_INT_DIGITS, LeafRecord, PackedArray, int_fits
 
@@ -34,6 +35,18 @@ from ._manifest import MAX_INLINE_BYTES, MAX_INT_DIGITS, LeafRecord, PackedArray
 # a zarr3 array of their own with one file per shard.
 SMALL_LEAF_BYTES = 1 << 20
 PACK_CHUNK_BYTES = 4 << 20
+# Format 3 (issue 22, being built): written only when this variable is "3" in the saving
+# process (read per snapshot). Every array leaf is then a "stream" leaf: its chunks are
+# entries of its writers' byte streams (``_streams``), no packing. SEGMENT_BYTES is the
+# size of their data objects (settable for tests; at least ``_streams.MIN_SEGMENT_BYTES``).
+FORMAT_ENV = "JAXCKPT_FORMAT"
+STREAMS_VERSION = 3
+SEGMENT_BYTES = _streams.SEGMENT_BYTES
+
+
+def streams_wanted() -> bool:
+    """Whether this save writes format 3 (``JAXCKPT_FORMAT=3``)."""
+    return os.environ.get(FORMAT_ENV) == str(STREAMS_VERSION)
 
 
 @dataclass
@@ -49,6 +62,10 @@ class Snapshot:
     group: tuple[int, ...] = ()  # the processes sharing this process's directory; () = all
     waves: _Waves | None = None  # staged in waves: the writer takes them from here
     created_at: float = dataclasses.field(default_factory=time.perf_counter)
+    # format 3: every writing process's stream length (``file_shards`` then holds this
+    # process's entries, of every array leaf); ``None``: formats 1 and 2
+    streams: dict[int, int] | None = None
+    segment_bytes: int = 0
 
     def stage_rest(self) -> None:
         """Staged in waves: stage the rest as the writer frees room; return once nothing
@@ -120,7 +137,7 @@ def snapshot(tree: Any, *, copy_host_arrays: bool, group: tuple[int, ...] = (),
 
 
 def _snapshot(tree: Any, copy_host_arrays: bool, group: tuple[int, ...]) -> Snapshot:
-    structure, records, arrays, packed, packed_buf = _plan(tree, copy_host_arrays, group)
+    structure, records, arrays, packed, packed_buf, streams = _plan(tree, copy_host_arrays, group)
     me = _distributed.process_index()
     file_shards: dict[int, list[tuple[_layout.Index, np.ndarray]]] = {}
     total = 0 if packed_buf is None else packed_buf.nbytes
@@ -129,18 +146,25 @@ def _snapshot(tree: Any, copy_host_arrays: bool, group: tuple[int, ...]) -> Snap
         rec = LeafRecord(**leaf.fields)
         records[leaf.slot] = rec
         mine = [(c, leaf.host(c)) for c, w in zip(leaf.chunks, leaf.writers) if w == me]
-        if rec.store == "file":
+        if rec.store != "packed":  # "file", or format 3's "stream"
             file_shards[leaf.slot] = [(c.region, data) for c, data in mine]
             total += sum(data.nbytes for _, data in mine)
         else:
             _copy_packed(rec, mine, packed_buf)
-    return Snapshot(structure, records, file_shards, packed, packed_buf, total, group)
+    return Snapshot(structure, records, file_shards, packed, packed_buf, total, group,
+                    streams=streams, segment_bytes=SEGMENT_BYTES if streams is not None else 0)
 
 
 def _plan(tree: Any, copy_host_arrays: bool | None, group: tuple[int, ...]) -> tuple[
-        dict[str, Any], list[LeafRecord | None], list[_ArrayLeaf], tuple[PackedArray, ...], np.ndarray | None]:
+        dict[str, Any], list[LeafRecord | None], list[_ArrayLeaf], tuple[PackedArray, ...], np.ndarray | None,
+        dict[int, int] | None]:
     """The tree's structure, its inline values' records (arrays' are ``None`` yet), its
-    array leaves with their chunks and writers, and the packed small leaves' layout."""
+    array leaves with their chunks and writers, and the packed small leaves' layout; in
+    format 3 instead (no packing) every writing process's stream length."""
+    format3 = streams_wanted()
+    if format3 and group:
+        raise CheckpointError(f"format 3 ({FORMAT_ENV}=3) is not written to directories of their own "
+                              "per host yet (issue 22)")
     flat, _ = _tree.flatten(tree)
     structure = _tree.describe(tree)
     me = _distributed.process_index()
@@ -169,8 +193,10 @@ def _plan(tree: Any, copy_host_arrays: bool | None, group: tuple[int, ...]) -> t
             arrays[-1].fields["store"] = "file"
         records.append(None)
     _assign(arrays, group)
+    if format3:
+        return structure, records, arrays, (), None, _lay_out_streams(arrays)
     packed, packed_buf = _lay_out_packed(arrays, me)
-    return structure, records, arrays, packed, packed_buf
+    return structure, records, arrays, packed, packed_buf, None
 
 
 def _check_not_donated(path: str, leaf: Any) -> None:
@@ -356,6 +382,19 @@ def _lay_out_packed(arrays: list[_ArrayLeaf], me: int) -> tuple[tuple[PackedArra
     return packed, np.zeros(sizes[me], np.uint8) if sizes.get(me) else None
 
 
+def _lay_out_streams(arrays: list[_ArrayLeaf]) -> dict[int, int]:
+    """Format 3: every array leaf's chunks as entries of its writers' streams (recorded in
+    its fields: store, codec, entry_bytes, runs), and every writing process's stream
+    length. ``_streams.plan`` of the global tree: the same in every process."""
+    payloads = [math.prod(a.fields["chunk_shape"]) * _dtypes.DTYPES[a.fields["storage_dtype"]].itemsize
+                for a in arrays]
+    layout = _streams.plan(zip(payloads, [a.writers for a in arrays]))
+    for a, payload, runs in zip(arrays, payloads, layout.runs):
+        a.fields.update(store="stream", key="", codec=_streams.CODEC_RAW,
+                        entry_bytes=_streams.entry_bytes_for(payload), runs=runs)
+    return layout.streams
+
+
 def _start_transfers(arrays: list[_ArrayLeaf], me: int) -> None:
     """Start every device-to-host copy this process needs before waiting on any."""
     for a in arrays:
@@ -429,14 +468,14 @@ class _Planned(NamedTuple):
 
 def _snapshot_in_waves(tree: Any, copy_host_arrays: bool, group: tuple[int, ...],
                        budget: StagingBudget) -> Snapshot:
-    structure, records, arrays, packed, packed_buf = _plan(tree, None, group)
+    structure, records, arrays, packed, packed_buf, streams = _plan(tree, None, group)
     me = _distributed.process_index()
     items: list[tuple[_ArrayLeaf, _Chunk]] = []
     small = []
     for leaf in arrays:
         rec = records[leaf.slot] = LeafRecord(**leaf.fields)
         mine = [c for c, w in zip(leaf.chunks, leaf.writers) if w == me]
-        if rec.store == "file":
+        if rec.store != "packed":  # "file", or format 3's "stream"
             items += [(leaf, c) for c in mine if c.nbytes]
         else:
             small.append((rec, leaf, mine))
@@ -453,7 +492,8 @@ def _snapshot_in_waves(tree: Any, copy_host_arrays: bool, group: tuple[int, ...]
     waves = _Waves(budget, planned, stage)
     waves.stage_first()
     most = min(sum(p.nbytes for p in planned), max(budget.max_bytes, max(p.nbytes for p in planned)))
-    return Snapshot(structure, records, {}, packed, None, most, group, waves)
+    return Snapshot(structure, records, {}, packed, None, most, group, waves, streams=streams,
+                    segment_bytes=SEGMENT_BYTES if streams is not None else 0)
 
 
 def _on_cpu(data: jax.Array) -> bool:

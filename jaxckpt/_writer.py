@@ -6,6 +6,10 @@ Whole chunks of big leaves on a local disk are written as zarr3 chunk files dire
 (``_chunkfiles.write_chunk_file``: no encode copy, hardware crc32c) by a few threads;
 everything else (the packed small leaves, edge chunks, object stores) goes through
 tensorstore within a byte budget that bounds its encode buffers.
+
+Format 3 (``Snapshot.streams``, issue 22): every chunk this process writes is an entry
+of its one stream (``_storage.dataobjects.StreamWriter`` under ``data/``), at the
+offset its leaf's runs give, written from the snapshot's host buffers by a few threads.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _distributed, _dtypes, _storage, _tasks
+from . import _distributed, _dtypes, _layout, _storage, _streams, _tasks
 from ._errors import CheckpointError
+from ._manifest import LeafRecord
 from ._snapshot import Snapshot, Wave, cell_of
 from ._storage import chunkfiles as _chunkfiles
+from ._storage import dataobjects as _dataobjects
 from ._storage import kvstore as _kvstore
 from ._storage import zarr as _zarr
 from ._storage.location import Location
@@ -51,6 +57,9 @@ def write_data(staging: Location, snap: Snapshot) -> None:
     """Write this process's part of every leaf; return when every write is durable."""
     try:
         _storage.fault("data:start", str(staging))
+        if snap.streams is not None:
+            _write_stream(staging, snap)
+            return
         if snap.waves is not None:
             _write_waves(staging, snap)
             return
@@ -72,6 +81,81 @@ def _write_waves(staging: Location, snap: Snapshot) -> None:
             _write_wave(staging, snap, wave)
         finally:
             snap.waves.done(wave)
+
+
+# --- format 3: one stream per process ---------------------------------------------------
+
+
+STREAM_DIR = "data"  # format 3's data objects: <checkpoint>/data/p<k>.<n>
+
+
+def _write_stream(staging: Location, snap: Snapshot) -> None:
+    """Format 3: write this process's entries (every wave's, staged in waves) into its
+    stream, then make the stream durable (``close``: fsync) before returning. A failure
+    abandons the stream unsynced."""
+    assert snap.streams is not None
+    me = _distributed.process_index()
+    length = snap.streams.get(me, 0)
+    if not length:  # nothing to write (waves, if any, hold no chunk of ours)
+        _fill_stream(None, snap, me)
+        return
+    with _dataobjects.StreamWriter(staging.child(STREAM_DIR), me, length, snap.segment_bytes) as stream:
+        _fill_stream(stream, snap, me)
+
+
+def _fill_stream(stream: _dataobjects.StreamWriter | None, snap: Snapshot, me: int) -> None:
+    written = 0
+    if snap.waves is None:
+        written = _write_entries(stream, snap, snap.file_shards)
+    else:
+        while (wave := snap.waves.take()) is not None:
+            try:
+                written += _write_entries(stream, snap, wave.shards)
+            finally:
+                snap.waves.done(wave)
+    expected = sum(c for rec in snap.records for p, _, c, _ in rec.runs if p == me)
+    if written != expected:  # a snapshot that does not match its own layout: never made durable
+        raise CheckpointError(f"process {me} wrote {written} entries of its stream, its layout has {expected}")
+
+
+def _write_entries(stream: _dataobjects.StreamWriter | None,
+                   snap: Snapshot, shards: dict[int, list[tuple[_layout.Index, np.ndarray]]]) -> int:
+    """Write these chunks (``Snapshot.file_shards``' form) as entries, on a few threads;
+    returns how many."""
+    me = _distributed.process_index()
+    tasks = []
+    for slot, chunks in shards.items():
+        rec = snap.records[slot]
+        grid = _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
+        stride = _streams.stride_for(rec.entry_bytes)
+        for region, data in chunks:
+            flat = _layout.chunk_flat_index(cell_of(region, rec.chunk_shape), grid)
+            process, offset = _streams.locate(rec.runs, flat, stride)
+            if process != me or stream is None:
+                raise CheckpointError(f"leaf '{rec.path}': chunk {flat} is process {process}'s to write, "
+                                      f"not process {me}'s")
+            tasks.append(functools.partial(_write_entry, stream, offset, rec, data))
+    _tasks.run_tasks(tasks, WRITE_THREADS)
+    return len(tasks)
+
+
+def _write_entry(stream: _dataobjects.StreamWriter, offset: int, rec: LeafRecord, data: np.ndarray) -> None:
+    stream.write_entry(offset, entry_payload(rec, data))
+
+
+def entry_payload(rec: LeafRecord, data: np.ndarray) -> np.ndarray:
+    """A chunk's entry payload: the full ``chunk_shape`` in the storage dtype, C order,
+    little endian. The host buffer itself (a view) in the common case; a copy for an edge
+    chunk (padded with zeros, as zarr does), a strided buffer or a big-endian host."""
+    storage = _dtypes.DTYPES[rec.storage_dtype]
+    payload = np.ascontiguousarray(data).view(storage)
+    if payload.shape != tuple(rec.chunk_shape):
+        full = np.zeros(rec.chunk_shape, storage)
+        full[tuple(slice(0, n) for n in payload.shape)] = payload
+        payload = full
+    if sys.byteorder != "little" and storage.itemsize > 1:
+        payload = payload.byteswap()
+    return payload
 
 
 def _create_arrays(staging: Location, snap: Snapshot) -> None:
