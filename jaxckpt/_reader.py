@@ -14,6 +14,13 @@ host array with ``get``. ``run`` plans all I/O together:
   need (a restore onto another layout) is read once into a temporary buffer and copied
   out, instead of being read and checksummed once per slice.
 
+* stream leaves (format 3): each chunk a slice needs is one entry of its writer's
+  stream (``_streams.locate``), read whole (edge chunks are stored full size) with
+  ``_dataobjects.read_entry`` and its crc32c checked: straight into its place in the
+  slice's buffer when it is an interior chunk the slice needs whole and that place is
+  contiguous, else into a temporary chunk buffer and copied out (once, whichever slices
+  need it). A slice that is exactly one interior chunk is the buffer read (no copy).
+
 Reads run concurrently within a byte budget, so the memory beyond the restored arrays
 themselves stays bounded.
 
@@ -35,10 +42,11 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes, _layout, _tasks
+from . import _dtypes, _layout, _streams, _tasks
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._manifest import LeafRecord, Manifest
 from ._storage import chunkfiles as _chunkfiles
+from ._storage import dataobjects as _dataobjects
 from ._storage import kvstore as _kvstore
 from ._storage import zarr as _zarr
 from ._storage.location import Location
@@ -54,12 +62,19 @@ DIRECT_READS = True
 # A tensorstore read that decodes a chunk bigger than this (and than the bytes it reads)
 # first checks that such a chunk can be allocated at all (``_check_before_tensorstore``).
 PROBE_BYTES = 64 << 20
+STREAM_DIR = "data"  # format 3: the data objects ``p<k>.<n>``, below the manifest's data root
+
+
+def stream_root(loc: Location, man: Manifest) -> Location:
+    """Where a format-3 checkpoint's data objects are (``loc``: the checkpoint)."""
+    return man.data_root(loc).child(STREAM_DIR)
 
 
 class Reader:
     def __init__(self, loc: Location, man: Manifest):
         self.loc, self.man = loc, man  # ``loc``: the checkpoint, as messages name it
         self.root = man.data_root(loc)  # where its arrays/ and packed/ are
+        self.streams = stream_root(loc, man)  # format 3: its data objects
         self.ctx = _kvstore.context(loc)  # shared by every reader of this store
         self._stores: dict[str, Any] = {}
         self._packed = {p.process: p for p in man.packed}
@@ -91,7 +106,11 @@ class Reader:
                 by_leaf[path].append(index)
         ranges = self._plan_packed(packed_requests, ops)
         for path, indices in by_leaf.items():
-            self._plan_file_leaf(self._wanted[(path, indices[0])], indices, ops)
+            rec = self._wanted[(path, indices[0])]
+            if rec.store == "stream":
+                self._plan_stream_leaf(rec, indices, ops)
+            else:
+                self._plan_file_leaf(rec, indices, ops)
         _execute(ops, self.loc)
         for rec, index in packed_requests:
             self._out[(rec.path, index)] = self._assemble_packed(rec, index, ranges)
@@ -196,6 +215,41 @@ class Reader:
             temp = functools.partial(_buffer, self.loc, [rec.path], _layout.index_shape(region), storage)
             ops.append(read(temp, cell, region, True, scatter))
 
+    def _entry(self, rec: LeafRecord, cell: tuple[int, ...]) -> tuple[Location, int, int, int, int]:
+        """``read_entry``'s first five arguments for chunk ``cell`` of stream leaf ``rec``."""
+        flat = _layout.chunk_flat_index(cell, _layout.chunk_grid_shape(rec.shape, rec.chunk_shape))
+        process, offset = _streams.locate(rec.runs, flat, _streams.stride_for(rec.entry_bytes))
+        return self.streams, process, offset, rec.entry_bytes - _streams.CRC_BYTES, self.man.segment_bytes
+
+    def _plan_stream_leaf(self, rec: LeafRecord, indices: list[_layout.Index], ops) -> None:
+        """Each chunk the slices need, read once: into place, or into a temporary buffer
+        of the whole chunk (an edge chunk, or one several slices share) copied out."""
+        storage = _dtypes.DTYPES[rec.storage_dtype]
+        users: dict[tuple[int, ...], list[tuple[_layout.Index, _layout.Index]]] = collections.defaultdict(list)
+        dests = {}
+        for index in indices:
+            dests[index] = self._out[(rec.path, index)] = _buffer(
+                self.loc, [rec.path], _layout.index_shape(index), storage)
+            for cell, overlap in _layout.chunks_overlapping(index, rec.chunk_shape):
+                users[cell].append((index, overlap))
+        for cell, uses in users.items():
+            region = _layout.chunk_region(cell, rec.chunk_shape, rec.shape)
+            whole = tuple((g * c, (g + 1) * c) for g, c in zip(cell, rec.chunk_shape))  # the entry: full size
+            entry = self._entry(rec, cell)
+            if len(uses) == 1 and uses[0][1] == whole:
+                index, overlap = uses[0]
+                dest = dests[index][_rel(overlap, index)]
+                if dest.flags.c_contiguous:  # read straight into place
+                    ops.append(_Op(dest.nbytes, [rec.path], dest, None, None, region, entry=entry))
+                    continue
+
+            def scatter(tmp: np.ndarray, whole=whole, uses=uses) -> None:
+                for index, overlap in uses:
+                    dests[index][_rel(overlap, index)] = tmp[_rel(overlap, whole)]
+
+            temp = functools.partial(_buffer, self.loc, [rec.path], tuple(rec.chunk_shape), storage)
+            ops.append(_Op(entry[3], [rec.path], temp, None, None, region, scatter, entry=entry))
+
 
 class _Op:
     """One read of ``region`` into ``dest`` (an array, or a factory of a temporary one):
@@ -204,14 +258,22 @@ class _Op:
     ``files``, the chunk files it touches with their data bytes (``_chunkfiles.check_chunk_file``);
     ``decoded`` is the bytes tensorstore allocates to decode the chunk it reads;
     ``fetched`` the bytes it reads from storage for it (whole stored chunks: a part of
-    a chunk costs the whole chunk, which its checksum covers), counted in ``io_stats``."""
+    a chunk costs the whole chunk, which its checksum covers), counted in ``io_stats``.
+    With ``entry`` set (format 3): a whole entry, ``read_entry``'s first five arguments."""
 
     def __init__(self, nbytes: int, leaves: list[str], dest: Any, path: str | None, store: Any,
                  region: _layout.Index, done: Callable[[np.ndarray], None] | None = None,
-                 files: tuple[tuple[str, int], ...] = (), decoded: int = 0, fetched: int = 0):
+                 files: tuple[tuple[str, int], ...] = (), decoded: int = 0, fetched: int = 0,
+                 entry: tuple[Location, int, int, int, int] | None = None):
         self.nbytes, self.leaves, self.dest, self.path = nbytes, leaves, dest, path
         self.store, self.region, self.done = store, region, done
         self.files, self.decoded, self.fetched = files, decoded, fetched or nbytes
+        self.entry = entry
+
+    @property
+    def direct(self) -> bool:
+        """Read on the direct threads (a local chunk file or a stream entry), not by tensorstore."""
+        return self.path is not None or self.entry is not None
 
     def buffer(self) -> np.ndarray:
         return self.dest if isinstance(self.dest, np.ndarray) else self.dest()
@@ -239,8 +301,12 @@ def _direct_task(op: _Op, loc: Location) -> Callable[[], None]:
     def task() -> None:
         buf = op.buffer()
         try:
-            _chunkfiles.read_chunk_file(buf, op.path)
-        except (ValueError, OSError) as e:  # OSError: the file system refused (permissions, ...)
+            if op.entry is not None:
+                root, process, offset, nbytes, segment_bytes = op.entry
+                _dataobjects.read_entry(root, process, offset, nbytes, buf, segment_bytes)
+            else:
+                _chunkfiles.read_chunk_file(buf, op.path)
+        except (ValueError, OSError, CheckpointError) as e:  # OSError: the file system refused (permissions, ...)
             raise _corrupt(loc, op, e) from e
         op.finish(buf)
 
@@ -250,8 +316,8 @@ def _direct_task(op: _Op, loc: Location) -> Callable[[], None]:
 def _execute(ops: list[_Op], loc: Location) -> None:
     """Run tensorstore reads within the byte budget, then direct chunk reads on a few
     threads (each holding at most one temporary chunk buffer at a time)."""
-    _execute_tensorstore([op for op in ops if op.path is None], loc)
-    _tasks.run_tasks([_direct_task(op, loc) for op in ops if op.path is not None], DIRECT_READ_THREADS)
+    _execute_tensorstore([op for op in ops if not op.direct], loc)
+    _tasks.run_tasks([_direct_task(op, loc) for op in ops if op.direct], DIRECT_READ_THREADS)
 
 
 def _execute_tensorstore(ops: list[_Op], loc: Location) -> None:
