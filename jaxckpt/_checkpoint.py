@@ -32,7 +32,7 @@ from . import _commit, _distributed, _dtypes, _formats, _layout, _manifest, _tre
 from ._errors import CheckpointError
 from ._manifest import LeafRecord, Manifest
 from ._restore import key_dtype
-from ._snapshot import STREAMS_VERSION, Snapshot, snapshot
+from ._snapshot import Snapshot, snapshot
 from ._storage import location as _location
 from ._storage.location import Location
 from ._writer import write_data
@@ -60,7 +60,7 @@ def build_manifest(snap: Snapshot, metadata: dict[str, Any] | None,
     }
     info.update(extra_info or {})
     if snap.streams is not None:
-        return Manifest(format_version=STREAMS_VERSION, structure=snap.structure, leaves=tuple(snap.records),
+        return Manifest(format_version=_manifest.STREAMS_VERSION, structure=snap.structure, leaves=tuple(snap.records),
                         metadata=metadata or {}, process_count=_distributed.process_count(), info=info,
                         data=data, segment_bytes=snap.segment_bytes, streams=dict(snap.streams))
     return Manifest(

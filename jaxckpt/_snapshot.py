@@ -29,7 +29,7 @@ import numpy as np
 
 from . import _distributed, _dtypes, _layout, _streams, _tree
 from ._errors import CheckpointError
-from ._manifest import MAX_INLINE_BYTES, MAX_INT_DIGITS, LeafRecord, PackedArray, int_fits
+from ._manifest import MAX_INLINE_BYTES, MAX_INT_DIGITS, STREAMS_VERSION, LeafRecord, PackedArray, int_fits
 
 # Leaves smaller than this are packed into one byte array per process; bigger ones get
 # a zarr3 array of their own with one file per shard.
@@ -40,7 +40,6 @@ PACK_CHUNK_BYTES = 4 << 20
 # entries of its writers' byte streams (``_streams``), no packing. SEGMENT_BYTES is the
 # size of their data objects (settable for tests; at least ``_streams.MIN_SEGMENT_BYTES``).
 FORMAT_ENV = "JAXCKPT_FORMAT"
-STREAMS_VERSION = 3
 SEGMENT_BYTES = _streams.SEGMENT_BYTES
 
 

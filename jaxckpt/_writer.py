@@ -148,7 +148,9 @@ def entry_payload(rec: LeafRecord, data: np.ndarray) -> np.ndarray:
     little endian. The host buffer itself (a view) in the common case; a copy for an edge
     chunk (padded with zeros, as zarr does), a strided buffer or a big-endian host."""
     storage = _dtypes.DTYPES[rec.storage_dtype]
-    payload = np.ascontiguousarray(data).view(storage)
+    payload = data.view(storage)
+    if not payload.flags.c_contiguous:  # (np.ascontiguousarray would make a 0-d array 1-d)
+        payload = payload.copy(order="C")
     if payload.shape != tuple(rec.chunk_shape):
         full = np.zeros(rec.chunk_shape, storage)
         full[tuple(slice(0, n) for n in payload.shape)] = payload
