@@ -9,7 +9,9 @@ leaves with ``_chunkfiles.read_chunk_file`` on a local disk, into one reused buf
 thread; edge chunks, packed chunks and object stores through tensorstore), so a checksum
 fails exactly where a restore would fail. (``diff`` and ``stats`` read regions that are
 unions of whole saved chunks through ``_reader.Reader``, a batch of regions within the
-budget at a time.)
+budget at a time.) In format 3 every entry of every stream is read once
+(``_dataobjects.read_entry``, as a restore reads it) and a damaged one names the leaf
+whose chunk it holds.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _commit, _dtypes, _formats, _layout, _reader, _tasks
+from . import _commit, _dtypes, _formats, _layout, _reader, _streams, _tasks
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ._html import human_bytes
 from ._manifest import LeafRecord, Manifest, PackedArray
 from ._storage import chunkfiles as _chunkfiles
+from ._storage import dataobjects as _dataobjects
 from ._storage import kvstore as _kvstore
 from ._storage import location as _location
 from ._storage import zarr as _zarr
@@ -397,13 +400,42 @@ def expected_files(man: Manifest, owners: Any = None) -> dict[str, tuple[int | N
         out[f"packed/p{p.process}/zarr.json"] = (None, ((None, "zarr.json"),))
         for n in range(-(-p.nbytes // p.chunk_bytes)):
             out[f"packed/p{p.process}/c/{n}"] = (p.chunk_bytes + 4, _owner_list(owners, p.process, n))
+    if man.streams:
+        held = _segment_owners(man)
+        for proc, length in man.streams.items():
+            for n, size in enumerate(_dataobjects.segment_sizes(length, man.segment_bytes)):
+                name = _object_name(proc, n)
+                out[name] = (size, tuple(held.get(name, {}).items()) or ((None, name),))
     return out
+
+
+def _object_name(process: int, n: int) -> str:
+    """A format-3 data object's name relative to the checkpoint's data root."""
+    return f"{_reader.STREAM_DIR}/{_streams.object_name(process, n)}"
+
+
+def _segment_owners(man: Manifest) -> dict[str, dict[str, str]]:
+    """Per data object: the leaves with entries in it, each with its first chunk there
+    (to name when the object is missing or of the wrong size)."""
+    held: dict[str, dict[str, str]] = collections.defaultdict(dict)
+    size = man.segment_bytes
+    for rec in man.leaves:
+        if not _has_data(rec, "stream"):
+            continue
+        stride, grid = _streams.stride_for(rec.entry_bytes), _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
+        for proc, first, count, offset in rec.runs:
+            end = offset + (count - 1) * stride + rec.entry_bytes
+            for n in range(offset // size, (end - 1) // size + 1):
+                i = min(count - 1, max(0, (n * size - offset - rec.entry_bytes) // stride + 1))
+                cell = np.unravel_index(first + i, grid) if grid else ()
+                held[_object_name(proc, n)].setdefault(rec.path, _cell_label([int(c) for c in cell]))
+    return held
 
 
 def list_files(root: str) -> dict[str, int]:
     """Size of every file under ``root``'s data directories, by relative name."""
     found = {}
-    for top in sorted(_commit.DATA_DIRS):
+    for top in sorted(_commit.DATA_DIRS | {_reader.STREAM_DIR}):
         for dirpath, _, files in os.walk(os.path.join(root, top)):
             for f in files:
                 full = os.path.join(dirpath, f)
@@ -462,7 +494,8 @@ class _Read(NamedTuple):
     region: _layout.Index
     dtype: np.dtype
     owners: tuple  # (leaf, chunk label) pairs to name when it fails
-    array: str  # the array's directory: "arrays/<key>" or "packed/p<k>"
+    array: str  # the array's directory: "arrays/<key>" or "packed/p<k>" (format 3: "data")
+    entry: tuple | None = None  # format 3: the entry's (data root, process, stream offset, segment_bytes)
 
 
 def _plan_reads(loc: Location, man: Manifest, owners, skip: set[str]) -> tuple[list[_Read], int]:
@@ -499,7 +532,32 @@ def _plan_reads(loc: Location, man: Manifest, owners, skip: set[str]) -> tuple[l
                 region = ((n * p.chunk_bytes, min((n + 1) * p.chunk_bytes, p.nbytes)),)
                 reads.append(_Read(name, region[0][1] - region[0][0], None, store, region,
                                    np.dtype(np.uint8), _owner_list(owners, p.process, n), f"packed/p{p.process}"))
-    return reads, n_chunks
+    n_chunks += sum(count for rec in man.leaves if _has_data(rec, "stream") for _, _, count, _ in rec.runs)
+    return reads + _plan_entries(loc, man, skip), n_chunks
+
+
+def _plan_entries(loc: Location, man: Manifest, skip: set[str]) -> list[_Read]:
+    """Format 3: one read per entry (a chunk of a stream leaf), those in a data object
+    already reported (``skip``) left out."""
+    root = loc.child(_reader.STREAM_DIR)
+    reads = []
+    for rec in man.leaves:
+        if not _has_data(rec, "stream"):
+            continue
+        stride, grid = _streams.stride_for(rec.entry_bytes), _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
+        nbytes = rec.entry_bytes - _streams.CRC_BYTES
+        for proc, first, count, offset in rec.runs:
+            for i in range(count):
+                at = offset + i * stride
+                objects = [_object_name(proc, n) for n in range(at // man.segment_bytes,
+                                                                (at + rec.entry_bytes - 1) // man.segment_bytes + 1)]
+                if skip.intersection(objects):
+                    continue
+                name = " and ".join(objects)  # an entry may straddle two data objects
+                cell = [int(c) for c in np.unravel_index(first + i, grid)] if grid else []
+                reads.append(_Read(name, nbytes, None, None, (), np.dtype(np.uint8),
+                                   ((rec.path, _cell_label(cell)),), _reader.STREAM_DIR, (root, proc, at, man.segment_bytes)))
+    return reads
 
 
 def _check_array_metadata(loc: Location, man: Manifest, owners, read: set[str], problems: _Problems) -> None:
@@ -539,9 +597,9 @@ def _fail(problems: _Problems, read: _Read, error: BaseException) -> None:
 def _run_reads(reads: list[_Read], problems: _Problems, meter: Meter) -> None:
     """Tensorstore reads within the byte budget, then direct chunk-file reads on a few
     threads, each into its own reused buffer (as many threads as the budget holds)."""
-    _tasks.run_bounded((_tensorstore_job(r, problems, meter) for r in reads if r.path is None),
+    _tasks.run_bounded((_tensorstore_job(r, problems, meter) for r in reads if r.path is None and r.entry is None),
                        SCAN_BUDGET_BYTES)
-    direct = [r for r in reads if r.path is not None]
+    direct = [r for r in reads if r.path is not None or r.entry is not None]
     biggest = max((r.nbytes for r in direct), default=1)
     threads = max(1, min(READ_THREADS, SCAN_BUDGET_BYTES // max(biggest, 1)))
     buffers = threading.local()
@@ -554,7 +612,11 @@ def _direct_read(read: _Read, buffers: threading.local, problems: _Problems, met
         if buf is None or buf.nbytes < read.nbytes:
             buffers.buf = None  # drop the old one before allocating its successor
             buf = buffers.buf = _chunkfiles.aligned_empty((read.nbytes,), np.uint8)
-        _chunkfiles.read_chunk_file(buf[:read.nbytes], read.path)
+        if read.entry is not None:
+            root, process, offset, segment_bytes = read.entry
+            _dataobjects.read_entry(root, process, offset, read.nbytes, buf[:read.nbytes], segment_bytes)
+        else:
+            _chunkfiles.read_chunk_file(buf[:read.nbytes], read.path)
     except Exception as e:  # noqa: BLE001 - a bad chunk is a problem to report, not to raise
         _fail(problems, read, e)
         meter.add(read.nbytes, ok=False)
