@@ -268,10 +268,25 @@ def test_restore_onto_another_mesh(tmp_path):
     assert_bit_equal(numpy_back["small"], tree["small"])
 
 
+@pytest.mark.parametrize("staging", [None, 1000])
+def test_a_manager_saves_format_3_in_the_background(tmp_path, staging):
+    mgr = jaxckpt.CheckpointManager(str(tmp_path / "run"), max_staging_bytes=staging)
+    for step in range(2):
+        state = {"w": sharded(np.arange(512, dtype=np.float32).reshape(64, 8) + step, (8,), ("x",), ("x",)),
+                 "h": np.arange(300) + step, "step": step}
+        mgr.save(step, state)
+    back = mgr.restore(1, state)
+    mgr.close()
+    assert_bit_equal(back["w"], state["w"])
+    assert_bit_equal(back["h"], state["h"])
+    assert back["step"] == 1
+    assert manifest_of(str(tmp_path / "run" / "1"))["format_version"] == 3
+
+
 # --- two real processes --------------------------------------------------------------------
 
 
-def test_two_processes_write_one_stream_each(tmp_path):
+def test_two_processes_write_one_stream_each(tmp_path, monkeypatch):
     worker = os.path.join(ROOT, "tests", "mp_worker.py")
     path = str(tmp_path / "ckpt")
     args = {"mesh": (4,), "names": ("x",), "spec": ["x", None], "path": path}
@@ -297,3 +312,8 @@ def test_two_processes_write_one_stream_each(tmp_path):
                    * sum(r[2] for r in leaf["runs"]) for p, leaf in leaves.items() if p in expected)
     assert sum(res[i]["written"] for i in range(2)) == payloads  # every chunk once, in all
     assert entries == sum(sum(r[2] for r in leaf["runs"]) for p, leaf in leaves.items() if p in expected)
+    # restored in two processes onto another mesh, without the switch (the manifest says 3)
+    monkeypatch.delenv("JAXCKPT_FORMAT")
+    back = run_workers(worker, 2, lambda i, port: [port, 2, i, 2, "restore", json.dumps(
+        {"mesh": (2, 2), "names": ("p", "q"), "spec": [None, ["p", "q"]], "path": path})], 90, "its restore")
+    assert all(back[i].get("ok") for i in range(2)), back
