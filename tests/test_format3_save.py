@@ -268,6 +268,20 @@ def test_restore_onto_another_mesh(tmp_path):
     assert_bit_equal(numpy_back["small"], tree["small"])
 
 
+def test_a_saved_checkpoint_verifies_and_a_flipped_byte_costs_its_leaf(tmp_path):
+    path = str(tmp_path / "ckpt")
+    jaxckpt.save(path, small_tree())
+    report = jaxckpt.verify(path)
+    assert report.ok and report.chunks == 7, report.summary()
+    with open(os.path.join(path, "data", "p0.0"), "r+b") as f:  # leaf a's chunk 2: bytes [128, 164)
+        f.seek(130)
+        byte = f.read(1)
+        f.seek(130)
+        f.write(bytes([byte[0] ^ 1]))
+    report = jaxckpt.verify(path)
+    assert not report.ok and report.unrestorable == ["a"]
+
+
 @pytest.mark.parametrize("staging", [None, 1000])
 def test_a_manager_saves_format_3_in_the_background(tmp_path, staging):
     mgr = jaxckpt.CheckpointManager(str(tmp_path / "run"), max_staging_bytes=staging)
