@@ -12,7 +12,9 @@ multi-process job, ``_distributed``'s collective sequence number (every process 
 it in the same order) and heartbeat thread; and switches read when used, module flags
 (``_writer.DIRECT_WRITES``, ``_commit.RENAME_EXCHANGE``) and environment variables
 (``JAXCKPT_STALL_S``, ``JAXCKPT_IO_TIMEOUT_S``), which choose how bytes are written and
-how long a wait may last, never which bytes.
+how long a wait may last, never which bytes. One does choose the bytes, while format 3
+is being built (issue 22): ``JAXCKPT_FORMAT=3``, read by each snapshot, lays the save
+out in streams (``_snapshot``, ``_writer``); every process of a job must set it alike.
 """
 
 from __future__ import annotations
