@@ -205,7 +205,7 @@ def _units(recs: tuple[LeafRecord, ...]) -> list[_Unit]:
 def _scan_chunk_shape(rec: LeafRecord, per_element: int) -> tuple[int, ...]:
     """The saved chunk shape; for a foreign format (one array per leaf, no chunk grid of
     ours) row blocks of at most half the budget, so memory stays bounded there too."""
-    if rec.store in ("file", "packed"):
+    if rec.store in ("file", "packed", "stream"):
         return tuple(rec.chunk_shape)
     shape = tuple(max(1, d) for d in rec.shape)
     if not shape:

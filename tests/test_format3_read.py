@@ -410,3 +410,19 @@ def test_round_trip_through_save(tmp_path, monkeypatch):
     assert_bit_equal(jaxckpt.open(path)["w"][3:40, 5:20], host[3:40, 5:20])
     report = jaxckpt.verify(path)
     assert report.ok, report.summary()
+
+
+def test_stats_and_diff_read_each_entry_once(tmp_path):
+    host = np.arange(256 * 64, dtype=np.float32).reshape(256, 64)  # 64 KiB: above a whole-leaf read
+    paths = []
+    for name in ("x", "y"):
+        path = tmp_path / name
+        path.mkdir()
+        build(str(path), {"w": host + (name == "y")}, {"w": (32, 64)}, {"w": [0] * 8}, process_count=1)
+        paths.append(str(path))
+    reset_io_stats()
+    stats = jaxckpt.open(paths[0]).stats("w")
+    assert stats.count == host.size and stats.mean == pytest.approx(host.mean())
+    assert io_stats()["reads"] == 8
+    report = jaxckpt.diff(*paths)
+    assert not report.identical and "w" in report.differences()
