@@ -9,6 +9,7 @@ import os
 import crc32c
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import assert_bit_equal, mesh, run_workers, sharded
@@ -250,6 +251,25 @@ def test_round_trip_bit_for_bit(tmp_path):
     assert type(back["scalar"]) is np.float64 and back["scalar"] == 2.5
     assert_bit_equal(jax.random.key_data(back["key"]), jax.random.key_data(tree["key"]))
     assert back["inline"] == tree["inline"]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.int4, np.bool_, np.complex128,
+                                   np.uint64, np.float16])
+def test_round_trip_dtypes(tmp_path, dtype):
+    rng = np.random.default_rng(2)
+    if np.dtype(dtype) == np.bool_:
+        values = rng.integers(0, 2, (16, 6)).astype(bool)
+    elif np.dtype(dtype).name == "int4":
+        values = rng.integers(-8, 8, (16, 6)).astype(dtype)
+    else:
+        values = rng.standard_normal((16, 6)).astype(np.float64).astype(dtype)
+    tree = {"s": sharded(values, (8,), ("x",), ("x",)), "h": values, "k": values[3, 2]}
+    path = str(tmp_path / "ckpt")
+    jaxckpt.save(path, tree)
+    back = jaxckpt.restore(path, tree)
+    assert_bit_equal(back["s"], tree["s"])  # (64-bit types are 32-bit in jax without x64)
+    assert_bit_equal(back["h"], values)
+    assert_bit_equal(back["k"], values[3, 2])
 
 
 def test_restore_onto_another_mesh(tmp_path):
