@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import _layout, _manifest, _streams, _tree
-from jaxckpt._errors import CorruptCheckpointError
+from jaxckpt._errors import CheckpointError, CorruptCheckpointError
 from jaxckpt._storage import dataobjects, io_stats, kvstore, reset_io_stats
 from jaxckpt._storage import location as _location
 
@@ -465,3 +465,22 @@ def test_reader_reads_whole_chunks_into_place(ckpt_a, monkeypatch):
     assert_bit_equal(out, tree["w"][4:8, 6:12])
     assert_bit_equal(reader.get(recs["e"], rows), tree["e"][:8])
     assert_bit_equal(reader.get(recs["w"], block), tree["w"][4:8, 3:12])
+
+
+def test_read_fault_point_per_entry(ckpt_a, monkeypatch):
+    from jaxckpt import _storage
+    path, tree, man = ckpt_a
+    rec = next(r for r in man.leaves if r.path == "w")
+    proc, offset = _streams.locate(rec.runs, 3, _streams.stride_for(rec.entry_bytes))
+    seen = []
+
+    def hook(op, key):
+        seen.append((op, key))
+        if (op, key) == ("read", f"p{proc}@{offset}"):
+            raise OSError("injected")
+
+    monkeypatch.setattr(_storage, "fault_hook", hook)
+    assert_bit_equal(jaxckpt.open(path)["w"][:4, :6], tree["w"][:4, :6])  # chunk 0 only
+    assert [k for op, k in seen if op == "read"] == [f"p{rec.runs[0][0]}@{rec.runs[0][3]}"]
+    with pytest.raises(CheckpointError, match=r"reading leaf 'w' failed: injected"):  # not corruption
+        jaxckpt.open(path)["w"][4:8]
