@@ -250,7 +250,10 @@ def verify(path: Any, *, progress: Progress | None = None) -> VerifyReport:
     stored, and alone: packed byte ranges of small leaves may not overlap (the
     manifest's validation keeps them inside their packed array); on a local disk every
     chunk file must exist with its exact size and no unexpected file may lie under
-    ``arrays/`` or ``packed/`` (below the manifest's data prefix, in format 2). (On an
+    ``arrays/`` or ``packed/`` (below the manifest's data prefix, in format 2). In
+    format 3 each entry of each stream is read once and checksummed, and every data
+    object ``data/p<k>.<n>`` must exist with its exact size (a bad one names the leaves
+    with entries in it); the manifest's validation keeps entries from overlapping. (On an
     object store the listing checks are skipped; a missing chunk still fails its read.
     Data prefixes the manifest does not name, attempts dead or in flight, are not the
     checkpoint's and are not checked.)
