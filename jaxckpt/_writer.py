@@ -87,6 +87,10 @@ def _write_waves(staging: Location, snap: Snapshot) -> None:
 
 
 STREAM_DIR = "data"  # format 3's data objects: <checkpoint>/data/p<k>.<n>
+# Consecutive entries up to this many bytes are written by one task: small chunks one
+# after the other on one thread (threads only contend for the GIL over them), big ones
+# spread over WRITE_THREADS.
+ENTRY_BATCH_BYTES = 16 << 20
 
 
 def _write_stream(staging: Location, snap: Snapshot) -> None:
@@ -118,12 +122,21 @@ def _fill_stream(stream: _dataobjects.StreamWriter | None, snap: Snapshot, me: i
         raise CheckpointError(f"process {me} wrote {written} entries of its stream, its layout has {expected}")
 
 
+class _Entry(NamedTuple):
+    """One chunk to write as an entry of this process's stream."""
+
+    offset: int  # in the stream
+    rec: LeafRecord
+    data: np.ndarray  # the snapshot's host buffer
+    nbytes: int
+
+
 def _write_entries(stream: _dataobjects.StreamWriter | None,
                    snap: Snapshot, shards: dict[int, list[tuple[_layout.Index, np.ndarray]]]) -> int:
-    """Write these chunks (``Snapshot.file_shards``' form) as entries, on a few threads;
-    returns how many."""
+    """Write these chunks (``Snapshot.file_shards``' form) as entries, on a few threads,
+    in batches of consecutive entries (``ENTRY_BATCH_BYTES``); returns how many."""
     me = _distributed.process_index()
-    tasks = []
+    entries = []
     for slot, chunks in shards.items():
         rec = snap.records[slot]
         grid = _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
@@ -134,13 +147,15 @@ def _write_entries(stream: _dataobjects.StreamWriter | None,
             if process != me or stream is None:
                 raise CheckpointError(f"leaf '{rec.path}': chunk {flat} is process {process}'s to write, "
                                       f"not process {me}'s")
-            tasks.append(functools.partial(_write_entry, stream, offset, rec, data))
-    _tasks.run_tasks(tasks, WRITE_THREADS)
-    return len(tasks)
+            entries.append(_Entry(offset, rec, data, data.nbytes))
+    batches = _tasks.batches(entries, ENTRY_BATCH_BYTES)
+    _tasks.run_tasks([functools.partial(_write_batch, stream, b) for b in batches], WRITE_THREADS)
+    return len(entries)
 
 
-def _write_entry(stream: _dataobjects.StreamWriter, offset: int, rec: LeafRecord, data: np.ndarray) -> None:
-    stream.write_entry(offset, entry_payload(rec, data))
+def _write_batch(stream: _dataobjects.StreamWriter, batch: list[_Entry]) -> None:
+    for e in batch:
+        stream.write_entry(e.offset, entry_payload(e.rec, e.data))
 
 
 def entry_payload(rec: LeafRecord, data: np.ndarray) -> np.ndarray:
