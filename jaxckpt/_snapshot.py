@@ -9,6 +9,10 @@ buffer, and numpy leaves are copied when the save continues in the background.
 
 With a ``StagingBudget`` (the manager's ``max_staging_bytes``) a snapshot is staged in
 waves instead, so that host memory stays within the budget: see ``snapshot``.
+
+In format 3 (``JAXCKPT_FORMAT=3``, issue 22) nothing is packed: every array leaf's
+chunks, small ones too, are host buffers like big shards', laid out as entries of their
+writers' streams (``_streams.plan``, recorded in the leaf's runs).
 """
 
 from __future__ import annotations
