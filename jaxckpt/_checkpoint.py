@@ -34,10 +34,11 @@ from . import _commit, _distributed, _dtypes, _formats, _layout, _manifest, _tre
 from ._errors import CheckpointError
 from ._manifest import LeafRecord, Manifest
 from ._restore import key_dtype
-from ._snapshot import Snapshot, snapshot
+from ._snapshot import FORMAT_ENV, Snapshot, snapshot
+from ._storage import dataobjects as _dataobjects
 from ._storage import location as _location
 from ._storage.location import Location
-from ._writer import write_data
+from ._writer import STREAM_DIR, write_data
 
 _log = logging.getLogger("jaxckpt")
 
@@ -147,12 +148,31 @@ def _save_as_coordinator(op: _distributed.Operation, final: Location, snap: Snap
         write_data(_commit.data_location(final, token), snap)
         write_seconds = time.perf_counter() - t0
         op.wait_for("written", list(range(1, _distributed.process_count())))
+        if snap.streams is not None:
+            _check_streams(_commit.data_location(final, token), snap)
         extra = {"write_seconds": round(write_seconds, 6), **(info() if info is not None else {})}
         manifest = build_manifest(snap, metadata, extra, _commit.data_key(final, token))
         return manifest.to_bytes(), manifest
 
     return op.lead_commit(f"save of '{final}'", stage, work, functools.partial(_commit.commit, final),
                           functools.partial(_commit.abort, final))
+
+
+def _check_streams(data: Location, snap: Snapshot) -> None:
+    """Format 3, before the manifest: every process's data objects are there, at the sizes
+    its layout gives. A process of the job that saved without ``JAXCKPT_FORMAT=3`` wrote
+    no stream: the save fails rather than commit a checkpoint without its chunks."""
+    assert snap.streams is not None and data.local is not None
+    for p, length in snap.streams.items():
+        for n, size in enumerate(_dataobjects.segment_sizes(length, snap.segment_bytes)):
+            name = f"{STREAM_DIR}/{_dataobjects.segment_name(p, n)}"
+            try:
+                got = f"has {os.stat(os.path.join(data.local, name)).st_size} bytes"
+            except FileNotFoundError:
+                got = "is missing"
+            if got != f"has {size} bytes":
+                raise CheckpointError(f"process {p}'s data object {name} {got}, its layout {size}: was "
+                                      f"{FORMAT_ENV}=3 set in every process of the job?")
 
 
 def _save_as_follower(op: _distributed.Operation, final: Location, snap: Snapshot,

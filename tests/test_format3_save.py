@@ -180,6 +180,19 @@ def test_a_failed_write_fails_the_save_and_commits_nothing(tmp_path, monkeypatch
     assert ("write", "p0@0") in seen and not path.exists() and os.listdir(tmp_path) == []
 
 
+def test_a_stream_missing_at_the_commit_fails_the_save(tmp_path, monkeypatch):
+    # what process 0 sees when a process of the job saved without the switch
+    def write_data(staging, snap):
+        _writer.write_data(staging, snap)
+        os.remove(os.path.join(staging.local, "data", "p0.0"))
+
+    monkeypatch.setattr(_checkpoint, "write_data", write_data)
+    with pytest.raises(jaxckpt.CheckpointError, match="process 0's data object data/p0.0 is missing, its "
+                                                     "layout 452: was JAXCKPT_FORMAT=3 set in every process"):
+        jaxckpt.save(str(tmp_path / "ckpt"), small_tree())
+    assert os.listdir(tmp_path) == []
+
+
 def test_object_stores_are_refused_with_the_switch():
     with pytest.raises(jaxckpt.CheckpointError) as e:
         jaxckpt.save("memory://f3/ckpt", {"a": np.ones(3)})
