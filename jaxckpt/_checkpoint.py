@@ -148,8 +148,7 @@ def _save_as_coordinator(op: _distributed.Operation, final: Location, snap: Snap
         write_data(_commit.data_location(final, token), snap)
         write_seconds = time.perf_counter() - t0
         op.wait_for("written", list(range(1, _distributed.process_count())))
-        if snap.streams is not None:
-            _check_streams(_commit.data_location(final, token), snap)
+        _check_streams(_commit.data_location(final, token), snap)
         extra = {"write_seconds": round(write_seconds, 6), **(info() if info is not None else {})}
         manifest = build_manifest(snap, metadata, extra, _commit.data_key(final, token))
         return manifest.to_bytes(), manifest
@@ -159,10 +158,17 @@ def _save_as_coordinator(op: _distributed.Operation, final: Location, snap: Snap
 
 
 def _check_streams(data: Location, snap: Snapshot) -> None:
-    """Format 3, before the manifest: every process's data objects are there, at the sizes
-    its layout gives. A process of the job that saved without ``JAXCKPT_FORMAT=3`` wrote
-    no stream: the save fails rather than commit a checkpoint without its chunks."""
-    assert snap.streams is not None and data.local is not None
+    """Before the manifest, on a local disk: in format 3 every process's data objects are
+    there, at the sizes its layout gives; in the others no process wrote any. A process
+    of the job whose ``JAXCKPT_FORMAT`` differs from process 0's wrote its chunks where
+    process 0's manifest would not look: the save fails rather than commit without them."""
+    if data.local is None:
+        return
+    if snap.streams is None:
+        if os.path.lexists(os.path.join(data.local, STREAM_DIR)):
+            raise CheckpointError(f"a process of the job wrote format 3's data objects ({FORMAT_ENV}=3), "
+                                  "process 0 did not: set it alike in every process")
+        return
     for p, length in snap.streams.items():
         for n, size in enumerate(_dataobjects.segment_sizes(length, snap.segment_bytes)):
             name = f"{STREAM_DIR}/{_dataobjects.segment_name(p, n)}"

@@ -193,6 +193,20 @@ def test_a_stream_missing_at_the_commit_fails_the_save(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
+def test_streams_process_0_did_not_write_fail_the_save(tmp_path, monkeypatch):
+    # what process 0 sees without the switch when another process of the job had it
+    def write_data(staging, snap):
+        _writer.write_data(staging, snap)
+        os.makedirs(os.path.join(staging.local, "data"))
+
+    monkeypatch.delenv("JAXCKPT_FORMAT")
+    monkeypatch.setattr(_checkpoint, "write_data", write_data)
+    with pytest.raises(jaxckpt.CheckpointError, match=r"a process of the job wrote format 3's data objects "
+                                                     r"\(JAXCKPT_FORMAT=3\), process 0 did not"):
+        jaxckpt.save(str(tmp_path / "ckpt"), small_tree())
+    assert os.listdir(tmp_path) == []
+
+
 def test_object_stores_are_refused_with_the_switch():
     with pytest.raises(jaxckpt.CheckpointError) as e:
         jaxckpt.save("memory://f3/ckpt", {"a": np.ones(3)})
