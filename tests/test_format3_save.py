@@ -378,3 +378,38 @@ def test_two_processes_write_one_stream_each(tmp_path, monkeypatch):
     back = run_workers(worker, 2, lambda i, port: [port, 2, i, 2, "restore", json.dumps(
         {"mesh": (2, 2), "names": ("p", "q"), "spec": [None, ["p", "q"]], "path": path})], 90, "its restore")
     assert all(back[i].get("ok") for i in range(2)), back
+
+
+MISMATCH_WORKER = '''
+import json, os, sys
+port, pid, switch = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+if switch == "3":
+    os.environ["JAXCKPT_FORMAT"] = "3"
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid, initialization_timeout=60)
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jaxckpt
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+x = jax.make_array_from_callback((8, 4096), NamedSharding(mesh, P("x")), lambda i: np.ones((8, 4096), np.float32)[i])
+try:
+    jaxckpt.save(sys.argv[4], {"x": x, "y": np.arange(5)}, timeout_s=20)
+    print("RESULT " + json.dumps({"error": None}))
+except jaxckpt.CheckpointError as e:
+    print("RESULT " + json.dumps({"error": str(e)}))
+'''
+
+
+@pytest.mark.parametrize("switches", [("", "3"), ("3", "")])
+def test_a_job_whose_processes_disagree_on_the_switch_commits_nothing(tmp_path, monkeypatch, switches):
+    monkeypatch.delenv("JAXCKPT_FORMAT")
+    worker = tmp_path / "worker.py"
+    worker.write_text(MISMATCH_WORKER)
+    path = tmp_path / "ckpt"
+    res = run_workers(str(worker), 2, lambda i, port: [port, i, switches[i], path], 90, "a mismatched job")
+    want = ("a process of the job wrote format 3's data objects" if switches[0] == ""
+            else "process 1's data object data/p1.0 is missing")
+    assert want in res[0]["error"] and want in res[1]["error"], res
+    assert os.listdir(tmp_path) == ["worker.py"]  # nothing committed, the staging directory removed
