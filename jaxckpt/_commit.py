@@ -53,7 +53,7 @@ from ._storage import kvstore as _kvstore
 from ._storage import location as _location
 from ._storage.location import Location
 
-DATA_DIRS = _manifest.DATA_DIRS  # a checkpoint's data when it has no data prefix (format 1)
+DATA_DIRS = _manifest.DATA_DIRS  # a checkpoint's data when it has no data prefix (formats 1 and 3)
 DATA_PREFIX_DIR = _manifest.DATA_PREFIX_DIR  # object stores: <checkpoint>/d/<token>/ per attempt
 CLEAN_THREADS = 8  # steps looked at at once by a manager cleaning dead data at its start
 # A local overwrite swaps the old and the new directory atomically where the file system

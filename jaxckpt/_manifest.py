@@ -44,7 +44,7 @@ DATA_PREFIX_VERSION = 2
 STREAMS_VERSION = 3
 SUPPORTED_VERSIONS = (1, 2, 3)
 DATA_PREFIX_DIR = "d"  # data prefixes are d/<name>: one component below d/
-DATA_DIRS = {"arrays", "packed"}  # a checkpoint's data when it has no data prefix (format 1)
+DATA_DIRS = {"arrays", "packed", "data"}  # a checkpoint's data when it has no data prefix (formats 1 and 3)
 _DATA_KEY = re.compile(r"^d/[A-Za-z0-9_.-]{1,64}$")
 
 KINDS = ("array", "prng_key", "value")
