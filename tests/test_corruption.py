@@ -144,8 +144,8 @@ MANIFEST_DAMAGE = {
     "truncate": (_truncate, jaxckpt.CorruptCheckpointError, "invalid manifest: not JSON"),
     "empty": (lambda f: f.write_bytes(b""), jaxckpt.CorruptCheckpointError,
               r"invalid manifest: not JSON \(Expecting value: line 1 column 1 \(char 0\)\)"),
-    "flip": (lambda f: f.write_bytes(f.read_bytes().replace(b'"format_version":1', b'"format_version":3')),
-             jaxckpt.CorruptCheckpointError, "invalid manifest: format_version 3 is not supported"),
+    "flip": (lambda f: f.write_bytes(f.read_bytes().replace(b'"format_version":1', b'"format_version":4')),
+             jaxckpt.CorruptCheckpointError, "invalid manifest: format_version 4 is not supported"),
     "delete": (lambda f: f.unlink(), jaxckpt.CheckpointNotFoundError, "manifest.json is missing"),
 }
 
