@@ -213,6 +213,15 @@ class StreamWriter:
             self._release()
 
 
+def _advance(parts: list[memoryview], done: int) -> None:
+    """Drop the first ``done`` bytes of ``parts`` (what a vectored call moved), in place."""
+    while parts and done >= len(parts[0]):
+        done -= len(parts[0])
+        parts.pop(0)
+    if parts and done:
+        parts[0] = parts[0][done:]
+
+
 def _pwrite_all(fd: int, parts: list[memoryview], position: int) -> None:
     """Write ``parts`` (in order) at ``position``: one gathered ``pwritev`` per round,
     again from where a short write stopped (Linux writes at most ~2 GiB per call)."""
@@ -223,11 +232,7 @@ def _pwrite_all(fd: int, parts: list[memoryview], position: int) -> None:
         else:
             done = os.pwrite(fd, parts[0], position)
         position += done
-        while parts and done >= len(parts[0]):
-            done -= len(parts[0])
-            parts.pop(0)
-        if parts and done:
-            parts[0] = parts[0][done:]
+        _advance(parts, done)
 
 
 _pwritev = getattr(os, "pwritev", None)
@@ -322,11 +327,7 @@ def _pread_all(where: _Where, n: int, start: int, stop: int, group: list[memoryv
                 raise where.error("DATA_LOSS", n, f"ended early: no bytes at {position}, the entry "
                                                   f"needs bytes [{start}, {stop})")
             position += got
-            while parts and got >= len(parts[0]):
-                got -= len(parts[0])
-                parts.pop(0)
-            if parts and got:
-                parts[0] = parts[0][got:]
+            _advance(parts, got)
     finally:
         os.close(fd)
 
