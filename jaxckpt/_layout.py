@@ -216,12 +216,56 @@ def split_chunk_shape(shard_shape: Sequence[int], replicas: int, itemsize: int) 
 
 
 @functools.lru_cache(maxsize=4096)
-def chunk_shape_for(sharding: jax.sharding.Sharding, shape: Sequence[int], itemsize: int = 1) -> tuple[int, ...]:
+def chunk_shape_for(sharding: jax.sharding.Sharding, shape: Sequence[int], itemsize: int = 1,
+                    fine: bool = False) -> tuple[int, ...]:
     """Chunks follow the saved shards, split finer where several processes hold a shard
-    (see ``split_chunk_shape``), so every chunk has exactly one writer."""
+    (see ``split_chunk_shape``), so every chunk has exactly one writer; with ``fine``
+    (format 3) finer still, for reading (``fine_chunk_shape``)."""
     shards = shards_of(sharding, shape)
     replicas = min((len(s.processes) for s in shards), default=1)
-    return split_chunk_shape(sharding.shard_shape(tuple(shape)), replicas, itemsize)
+    chunk = split_chunk_shape(sharding.shard_shape(tuple(shape)), replicas, itemsize)
+    return fine_chunk_shape(chunk, shape, itemsize) if fine else chunk
+
+
+# Format 3: a chunk no longer costs a file, so chunks are cut as fine as reading needs.
+FINE_CHUNK_BYTES = 4 << 20  # chunks are cut until no bigger than this ...
+MIN_RUN_BYTES = 512  # ... keeping each chunk's contiguous rows at least this long
+_FACTORS = (2, 3, 5, 7)
+
+
+def fine_chunk_shape(chunk: Sequence[int], shape: Sequence[int], itemsize: int,
+                     target: int = FINE_CHUNK_BYTES) -> tuple[int, ...]:
+    """``chunk`` cut into equal parts until it holds at most ``target`` bytes.
+
+    Each cut divides one dimension of the chunk by its smallest factor among 2, 3, 5
+    and 7 (so chunks still never straddle shards: one writer per chunk), choosing the
+    dimension the array is cut into the fewest pieces along (ties: the first), so the
+    cuts spread over every dimension and a restore cutting the array along any of them
+    meets chunks small along it. A dimension whose cut would leave contiguous runs
+    (the chunk's trailing dimensions from it on) under ``MIN_RUN_BYTES``, or that has
+    no such factor, is not cut. Why: a chunk is the unit of reading (its crc32c covers
+    it whole), so a slice that cuts a chunk reads all of it; a slice ``t`` long along
+    a dimension whose chunks are ``c`` long reads at most ``t + 2 * (c - 1)`` there, and
+    exactly ``t`` when its ends fall on chunk boundaries (power-of-two meshes over
+    power-of-two shapes) and ``t >= c``.
+
+    >>> fine_chunk_shape((8192, 1024), (32768, 1024), 4)  # a row block of 32 MiB
+    (4096, 256)
+    """
+    chunk = [max(1, int(c)) for c in chunk]
+    while math.prod(chunk) * itemsize > target:
+        best = None
+        for d, c in enumerate(chunk):
+            f = next((f for f in _FACTORS if c % f == 0), 0)
+            if not f or math.prod(chunk[d:]) // f * itemsize < MIN_RUN_BYTES:
+                continue
+            pieces = -(-int(shape[d]) // c)
+            if best is None or pieces < best[0]:
+                best = (pieces, d, f)
+        if best is None:
+            break
+        chunk[best[1]] //= best[2]
+    return tuple(chunk)
 
 
 def assign_writers(chunks: Sequence[tuple[int, Sequence[int]]]) -> list[int]:

@@ -191,7 +191,7 @@ def _plan(tree: Any, copy_host_arrays: bool | None, group: tuple[int, ...]) -> t
             leaf = jax.random.key_data(leaf)
         if isinstance(leaf, np.generic):
             leaf, fields["scalar"] = np.asarray(leaf), True
-        arrays.append(_plan_array(len(records), path, leaf, fields, copy_host_arrays))
+        arrays.append(_plan_array(len(records), path, leaf, fields, copy_host_arrays, format3))
         if group:
             arrays[-1].fields["store"] = "file"
         records.append(None)
@@ -241,7 +241,8 @@ class _ArrayLeaf:
         return host[_layout.relative(chunk.region, chunk.shard)]  # a contiguous view: dim-0 split
 
 
-def _plan_array(slot: int, path: str, leaf: Any, fields: dict[str, Any], copy_host_arrays: bool | None) -> _ArrayLeaf:
+def _plan_array(slot: int, path: str, leaf: Any, fields: dict[str, Any], copy_host_arrays: bool | None,
+                fine: bool = False) -> _ArrayLeaf:
     """Shapes, chunks and the shards this process holds of one array leaf (no data moved;
     ``copy_host_arrays=None``: a numpy leaf as it is, staged chunk by chunk later)."""
     if isinstance(leaf, jax.Array):
@@ -249,7 +250,7 @@ def _plan_array(slot: int, path: str, leaf: Any, fields: dict[str, Any], copy_ho
         itemsize = _dtypes.DTYPES[dtype].itemsize
         shape, sharding = tuple(leaf.shape), leaf.sharding
         shards = _layout.shards_of(sharding, shape)
-        chunk_shape = _layout.chunk_shape_for(sharding, shape, itemsize)
+        chunk_shape = _layout.chunk_shape_for(sharding, shape, itemsize, fine)
         local = {}
         for s in leaf.addressable_shards:  # a few per process, however many shards in all
             local.setdefault(_layout.normalize_index(s.index, shape), s.data)
@@ -263,6 +264,8 @@ def _plan_array(slot: int, path: str, leaf: Any, fields: dict[str, Any], copy_ho
         full = tuple((0, d) for d in shape)
         shards = (_layout.Shard(full, everyone, ()),)
         chunk_shape = _layout.split_chunk_shape(shape, len(everyone), itemsize)
+        if fine:  # format 3: finer, for reading
+            chunk_shape = _layout.fine_chunk_shape(chunk_shape, shape, itemsize)
         if copy_host_arrays is None:
             data = np.asarray(leaf)
         else:
