@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from jaxckpt import _storage
-from jaxckpt._errors import CorruptCheckpointError
+from jaxckpt._errors import CheckpointError, CorruptCheckpointError
 from jaxckpt._storage import dataobjects as do
+from jaxckpt._storage import s3 as _s3
 from jaxckpt._storage.chunkfiles import aligned_empty
 from jaxckpt._storage.location import resolve
 
@@ -272,3 +273,67 @@ def test_s3_ranged_reads(s3_server):
         read_all(root, arrays[3:], offsets[3:], 2048)
     assert str(e.value).startswith("DATA_LOSS: data object s3://jaxckpt-test/dataobjects/ckpt/data/p0.3 "
                                    f"ended early: the entry needs bytes [{offsets[3] - 3 * 2048}, ")
+
+
+# --- uploads to S3 in parts -------------------------------------------------------------
+
+
+def s3_requests(root):
+    """The S3 operations the store's boto3 client sends from now on, in order."""
+    sent = []
+    client = _s3.client_for(root)
+    handler = lambda model, **kw: sent.append(model.name)  # noqa: E731
+    client.meta.events.register("before-call.s3.*", handler)
+    return sent, lambda: client.meta.events.unregister("before-call.s3.*", handler)
+
+
+def test_upload_file_in_parts_and_in_one_put(s3_server, tmp_path, monkeypatch):
+    monkeypatch.setattr(do, "PART_BYTES", 1 << 20)  # raised to S3's minimum, 5 MiB
+    root = resolve(s3_server("uploads/ckpt")).child("data")
+    big, small = tmp_path / "big", tmp_path / "small"
+    data = np.random.default_rng(3).integers(0, 256, (11 << 20) + 123, dtype=np.uint8).tobytes()
+    big.write_bytes(data)
+    small.write_bytes(data[:1000])
+    sent, stop = s3_requests(root)
+    try:
+        do.upload_file(root, "p0.0", str(big))
+        do.upload_file(root, "p1.0", str(small))
+    finally:
+        stop()
+    assert sorted(sent) == sorted(["CreateMultipartUpload"] + ["UploadPart"] * 3
+                                  + ["CompleteMultipartUpload", "PutObject"])
+    get = s3_server.client.get_object
+    assert get(Bucket="jaxckpt-test", Key="uploads/ckpt/data/p0.0")["Body"].read() == data
+    assert get(Bucket="jaxckpt-test", Key="uploads/ckpt/data/p1.0")["Body"].read() == data[:1000]
+
+
+def test_a_failed_part_aborts_the_upload(s3_server, tmp_path, monkeypatch):
+    monkeypatch.setattr(do, "PART_BYTES", 5 << 20)
+    root = resolve(s3_server("uploads-failed/ckpt")).child("data")
+    path = tmp_path / "big"
+    path.write_bytes(bytes(12 << 20))
+    real = _s3.ObjectUpload.part
+
+    def part(self, number, data):
+        if number == 2:
+            raise CheckpointError("part 2 refused")
+        real(self, number, data)
+
+    monkeypatch.setattr(_s3.ObjectUpload, "part", part)
+    with pytest.raises(CheckpointError, match="^part 2 refused$"):
+        do.upload_file(root, "p0.0", str(path))
+    client = s3_server.client
+    assert client.list_multipart_uploads(Bucket="jaxckpt-test", Prefix="uploads-failed/").get("Uploads", []) == []
+    assert client.list_objects_v2(Bucket="jaxckpt-test", Prefix="uploads-failed/").get("Contents", []) == []
+
+
+def test_upload_file_to_memory_and_to_a_local_directory(tmp_path):
+    path = tmp_path / "src"
+    path.write_bytes(b"entry bytes" * 100)
+    mem = resolve(f"memory://upload-{os.getpid()}/ckpt").child("data")
+    do.upload_file(mem, "p2.1", str(path))
+    assert _storage.kvstore.read_blob(mem, "p2.1") == path.read_bytes()
+    local = resolve(str(tmp_path / "dest")).child("data")
+    os.makedirs(local.local)
+    do.upload_file(local, "p2.1", str(path))
+    assert read_file(os.path.join(local.local, "p2.1")) == path.read_bytes()

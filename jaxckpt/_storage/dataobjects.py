@@ -37,8 +37,10 @@ each entry is written, ``read`` before each entry is read, both with key
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,6 +50,8 @@ import numpy as np
 from .. import _storage
 from .._errors import CheckpointError, CorruptCheckpointError
 from . import kvstore as _kvstore
+from . import s3 as _s3
+from .bounds import DEFAULT_IO_TIMEOUT_S, IO_TIMEOUT_ENV, io_timeout_s
 from .location import Location
 
 CRC_BYTES = 4
@@ -364,3 +368,141 @@ def _read_ranges(where: _Where, spans: list[tuple[int, int, int]], groups: list[
         for part in group:
             part[:] = value[:len(part)]
             value = value[len(part):]
+
+
+# --- uploads to S3 (boto3 multipart: tensorstore's s3 kvstore writes a value with one PUT) ---
+
+# A multipart upload's part (raised to S3's minimum, ``s3.MIN_PART_BYTES``, and to what
+# keeps an object within 10,000 parts); an object that fits in one part is one PUT.
+PART_BYTES = 64 << 20
+# Part uploads in flight at once per stream (or per ``upload_file``): each holds one part
+# buffer, so a writer holds at most this many part buffers.
+UPLOAD_THREADS = 8
+
+
+def _upload_bound(nbytes: int) -> float:
+    """How long a wait for one upload may last: the I/O bound plus 1 s per 8 MiB (as
+    ``kvstore.wait``); boto3's own timeouts and retries (``s3.new_client``) end a request
+    to a silent store well within it."""
+    return (io_timeout_s() or DEFAULT_IO_TIMEOUT_S) + nbytes * _kvstore.SECONDS_PER_BYTE
+
+
+def _s3_object(root: Location, name: str) -> _s3.ObjectUpload | None:
+    """An ``ObjectUpload`` of ``root/name`` on S3; ``None`` elsewhere or without boto3."""
+    if root.kvstore.get("driver") != "s3" or _s3.client_for(root) is None:
+        return None
+    return _s3.ObjectUpload(root, name)
+
+
+class _Uploads:
+    """Uploads on plain threads (as ``_tasks``: a pending async save must still finish while
+    the interpreter exits), at most ``UPLOAD_THREADS`` at once: ``submit`` waits for a free
+    one, within the bound; ``join`` waits for all, within the bound, and raises the first
+    error."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self._slots = threading.Semaphore(UPLOAD_THREADS)
+        self._lock = threading.Lock()
+        self._threads: list[tuple[threading.Thread, int]] = []
+        self._errors: list[BaseException] = []
+
+    def submit(self, fn: Any, nbytes: int) -> None:
+        self.check()
+        if not self._slots.acquire(timeout=_upload_bound(nbytes)):
+            raise CheckpointError(f"Writing '{self.what}' failed: no upload ended in "
+                                  f"{_upload_bound(nbytes):.3g} s ({IO_TIMEOUT_ENV})")
+        thread = threading.Thread(target=self._run, args=(fn,), name="jaxckpt-upload", daemon=True)
+        with self._lock:
+            self._threads.append((thread, nbytes))
+        thread.start()
+
+    def _run(self, fn: Any) -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - raised by check/join in the caller's thread
+            with self._lock:
+                self._errors.append(e)
+        finally:
+            self._slots.release()
+
+    def check(self) -> None:
+        with self._lock:
+            if self._errors:
+                raise self._errors[0]
+
+    def join(self) -> None:
+        with self._lock:
+            threads, self._threads = self._threads, []
+        for thread, nbytes in threads:
+            thread.join(_upload_bound(nbytes))
+            if thread.is_alive():
+                raise CheckpointError(f"Writing '{self.what}' failed: an upload did not end in "
+                                      f"{_upload_bound(nbytes):.3g} s ({IO_TIMEOUT_ENV})")
+        self.check()
+
+
+def upload_file(root: Location, name: str, path: str) -> None:
+    """Upload the local file ``path`` (a data object) as ``root/name``. On S3 in parallel
+    parts (``PART_BYTES``, ``UPLOAD_THREADS`` at once), each read from the file into its
+    own part buffer (``preadv``) just before it goes: never the whole file in memory; a
+    file that fits in one part is one PUT; a failed upload is aborted (best effort). Every
+    wait is bounded (``_upload_bound``). Elsewhere (``memory://``, GCS, S3 without boto3)
+    the file goes up whole through ``kvstore.write_blob``; to a local ``root`` it is
+    copied (write, fsync, rename). Like ``write_blob``, not counted in ``io_stats`` and no
+    fault point: the caller's (a copy to the persistent tier counts its files)."""
+    size = os.stat(path).st_size
+    obj = _s3_object(root, name)
+    part = _s3.part_bytes_for(size, PART_BYTES)
+    if obj is None or size <= part:
+        data = _read_file_range(path, 0, size)
+        if obj is not None:
+            obj.put(data)
+        else:
+            _kvstore.write_blob(root, name, data)
+        return
+    uploads = _Uploads(obj.url)
+    starts = range(0, size, part)
+    try:
+        for number, start in enumerate(starts, 1):
+            nbytes = min(part, size - start)
+            uploads.submit(functools.partial(_upload_file_part, obj, number, path, start, nbytes), nbytes)
+        uploads.join()
+        obj.complete(len(starts))
+    except BaseException:
+        _abort_after(uploads, [obj])
+        raise
+
+
+def _upload_file_part(obj: _s3.ObjectUpload, number: int, path: str, start: int, nbytes: int) -> None:
+    obj.part(number, _read_file_range(path, start, nbytes))
+
+
+def _read_file_range(path: str, start: int, nbytes: int) -> bytearray:
+    """Bytes ``[start, start + nbytes)`` of the file ``path``, read with ``preadv`` into one
+    new buffer; ``OSError`` if it ends early."""
+    buffer = bytearray(nbytes)
+    parts = [memoryview(buffer)] if nbytes else []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        position = start
+        while parts:
+            got = _preadv_into(fd, parts, position)
+            if not got:
+                raise OSError(f"{path} ended early: no bytes at {position}, {start + nbytes} expected")
+            position += got
+            _advance(parts, got)
+    finally:
+        os.close(fd)
+    return buffer
+
+
+def _abort_after(uploads: _Uploads, objects: list[_s3.ObjectUpload]) -> None:
+    """After a failure: wait (bounded) for the part uploads in flight, then abort every
+    multipart upload started (best effort: the first failure is the one to report)."""
+    try:
+        uploads.join()
+    except BaseException:  # noqa: BLE001 - already failing; the parts go with the abort
+        pass
+    for obj in objects:
+        obj.abort()

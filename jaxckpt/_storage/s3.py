@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
+import threading
 from typing import Any
 
 from .._errors import CheckpointError
 from . import kvstore as _kvstore
 from .bounds import DEFAULT_IO_TIMEOUT_S, io_timeout_s
 from .location import Location
+
+_log = logging.getLogger("jaxckpt")
 
 
 def children(root: Location) -> list[str] | None:
@@ -140,3 +144,89 @@ def delete_batched(root: Location) -> bool:
     except botocore.exceptions.BotoCoreError as e:
         raise CheckpointError(f"Deleting '{root.url}' failed: {e}") from None
     return True
+
+
+# --- large objects in parts (format 3's data objects) -----------------------------------
+
+# S3's smallest part, for every part of a multipart upload but the last; and its most
+# parts per upload. (tensorstore's s3 kvstore writes every value with one PUT: it has no
+# multipart upload, so format 3's large objects go up through boto3 here.)
+MIN_PART_BYTES = 5 << 20
+MAX_PARTS = 10_000
+
+
+def part_bytes_for(size: int, wanted: int) -> int:
+    """The part size for an object of ``size`` bytes: ``wanted``, raised to S3's minimum
+    and to what keeps the upload within ``MAX_PARTS`` parts."""
+    return max(wanted, MIN_PART_BYTES, -(-size // MAX_PARTS))
+
+
+class ObjectUpload:
+    """One object on S3, written whole (``put``) or as a multipart upload (``part`` from
+    any thread, in any order, then ``complete``; ``abort`` on failure). Every request goes
+    through the store's boto3 client (``client_for``: timeouts and retries within the I/O
+    bound); a failure is a ``CheckpointError`` naming the object's URL."""
+
+    def __init__(self, root: Location, name: str):
+        self.root, self.name = root, name
+        self.url = f"{root.url}/{name}"
+        spec = root.kvstore
+        self.bucket, self.key = spec["bucket"], spec.get("path", "") + name
+        self.client = client_for(root)
+        if self.client is None:
+            raise CheckpointError(f"Writing '{self.url}' needs boto3 and credentials it can find "
+                                  "(pip install jaxckpt[s3])")
+        self.upload_id: str | None = None
+        self.etags: dict[int, str] = {}
+        self.aborted = False  # then no part starts another upload
+        self._lock = threading.Lock()
+
+    def _call(self, doing: str, fn: Any, **kw: Any) -> Any:
+        import botocore.exceptions
+
+        try:
+            return fn(Bucket=self.bucket, Key=self.key, **kw)
+        except botocore.exceptions.ClientError as e:
+            err = e.response.get("Error", {})
+            cause = f"{err.get('Code', '?')}: {err.get('Message', '')}".rstrip(": ")
+        except botocore.exceptions.BotoCoreError as e:  # unreachable, timed out, no credentials
+            cause = str(e)
+        raise CheckpointError(f"{doing.capitalize()} '{self.url}' failed: {cause}") from None
+
+    def put(self, data: Any) -> None:
+        """The whole object in one PUT."""
+        self._call("writing", self.client.put_object, Body=data)
+
+    def part(self, number: int, data: Any) -> None:
+        """Upload part ``number`` (1-based) of the object; the first part to go starts the
+        multipart upload."""
+        with self._lock:  # one CreateMultipartUpload, whichever part is first
+            if self.aborted:
+                raise CheckpointError(f"Writing '{self.url}' failed: its upload was aborted")
+            if self.upload_id is None:
+                self.upload_id = self._call("starting the upload of", self.client.create_multipart_upload)["UploadId"]
+        out = self._call("writing a part of", self.client.upload_part, UploadId=self.upload_id,
+                         PartNumber=number, Body=data)
+        with self._lock:
+            self.etags[number] = out["ETag"]
+
+    def complete(self, parts: int) -> None:
+        """Assemble parts 1..``parts`` (every one uploaded) into the object."""
+        if self.upload_id is None or sorted(self.etags) != list(range(1, parts + 1)):
+            raise CheckpointError(f"Writing '{self.url}' failed: {len(self.etags)} of its {parts} parts "
+                                  "were uploaded")
+        done = [{"PartNumber": n, "ETag": self.etags[n]} for n in range(1, parts + 1)]
+        self._call("completing the upload of", self.client.complete_multipart_upload,
+                   UploadId=self.upload_id, MultipartUpload={"Parts": done})
+
+    def abort(self) -> None:
+        """Drop the parts uploaded so far (best effort: a store that fails here leaves them
+        to the bucket's lifecycle rule for incomplete multipart uploads)."""
+        with self._lock:
+            upload_id, self.upload_id, self.aborted = self.upload_id, None, True
+        if upload_id is None:
+            return
+        try:
+            self._call("aborting the upload of", self.client.abort_multipart_upload, UploadId=upload_id)
+        except CheckpointError as e:
+            _log.warning("jaxckpt: %s", e)
