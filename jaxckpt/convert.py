@@ -127,7 +127,7 @@ def _copy(source: _formats.Source, dest: Any, structure: dict[str, Any], indices
     small = _SmallLeaves(source, saved)
 
     def chunk_data(i: int, rec: LeafRecord) -> _stream.ChunkData:
-        if rec.store == "file" and _aligned(saved[i], rec):
+        if rec.nbytes >= _stream.SMALL_LEAF_BYTES and _aligned(saved[i], rec):  # big, in any format
             return functools.partial(_read_region, source, saved[i])
         return small.leaf(saved[i])  # the writer writes views of it, casting
 
@@ -167,7 +167,7 @@ class _SmallLeaves:
         self.ready: dict[str, np.ndarray] = {}
         if source.format != "jaxckpt":
             return
-        small = [r for r in recs if r.kind != "value" and r.store == "packed"]
+        small = [r for r in recs if r.kind != "value" and (r.store == "packed" or _small_entries(r))]
         for batch in _tasks.batches(small, SMALL_BATCH_BYTES):
             for rec in batch:
                 self.batch_of[rec.path] = batch
@@ -187,6 +187,12 @@ class _SmallLeaves:
             self.batch_of.pop(r.path, None)
             self.ready[r.path] = reader.get(r, whole[r.path])
         return self.ready.pop(rec.path)
+
+
+def _small_entries(rec: LeafRecord) -> bool:
+    """A small leaf of a format-3 checkpoint: entries of its own, but read with its
+    neighbours all the same (one reader for many small leaves, not one each)."""
+    return rec.store == "stream" and rec.nbytes < _stream.SMALL_LEAF_BYTES
 
 
 def _retarget(rec: LeafRecord, sharding: dict[str, Any] | None, dtype: str | None,

@@ -18,6 +18,14 @@ host memory stays near the largest leaf plus a few bounded write buffers:
 * small leaves: laid out as ``_snapshot`` lays them out (``_layout.pack_offsets``, one
   writing process), streamed into the packed array one stored chunk at a time.
 
+With ``JAXCKPT_FORMAT=3`` (``_snapshot.streams_wanted``, as for ``save``) the checkpoint
+is format 3 instead: every array leaf, small ones too (no packing), is a stream leaf whose
+chunks are entries of process 0's one stream (``_streams.plan``, computed from the shapes
+and chunk shapes before any data is read), written leaf after leaf, chunk by chunk,
+straight into ``_storage.dataobjects.StreamWriter`` (``data/p0.<n>``). An entry's payload
+must be one contiguous buffer: a chunk that is a strided view or needs a cast is copied
+whole once (not ``BLOCK_BYTES`` at a time), so fewer such chunks are in flight at once.
+
 Then the manifest is written last and the staging location committed
 (``_commit.prepare``/``commit``, ``_checkpoint.build_manifest``). Single process only.
 """
@@ -37,12 +45,13 @@ from typing import Any, Union
 import crc32c
 import numpy as np
 
-from .. import _commit, _distributed, _dtypes, _layout, _storage, _tasks, _writer
+from .. import _commit, _distributed, _dtypes, _layout, _snapshot, _storage, _streams, _tasks, _writer
 from .._checkpoint import build_manifest
 from .._errors import CheckpointError
-from .._manifest import LeafRecord, Manifest, PackedArray
+from .._manifest import STREAM, LeafRecord, Manifest, PackedArray
 from .._snapshot import PACK_CHUNK_BYTES, SMALL_LEAF_BYTES, Snapshot
 from .._storage import chunkfiles as _chunkfiles
+from .._storage import dataobjects as _dataobjects
 from .._storage import kvstore as _kvstore
 from .._storage import location as _location
 from .._storage import zarr as _zarr
@@ -80,16 +89,26 @@ def write_checkpoint(path: Any, structure: dict[str, Any], leaves: Sequence[Leaf
         raise CheckpointError("Converting checkpoints runs in a single process; this job has "
                               f"{_distributed.process_count()} (run it outside the training job)")
     final = _location.resolve(path)
-    records, packed = plan(leaves)
+    layout = None
+    if _snapshot.streams_wanted():
+        records, layout, packed = *plan_streams(leaves), ()
+        snap = Snapshot(structure, records, {}, (), None, 0, streams=layout.streams,
+                        segment_bytes=_snapshot.SEGMENT_BYTES)
+    else:
+        records, packed = plan(leaves)
+        snap = Snapshot(structure, records, {}, packed, None, 0)
     token = _commit.new_token(final)
     staging = _commit.prepare(final, token, overwrite)
     committed = False
     try:
         t0 = time.perf_counter()
-        _write_leaves(_commit.data_location(final, token), records, packed, chunk_data, progress, final)
+        data = _commit.data_location(final, token)
+        if layout is None:
+            _write_leaves(data, records, packed, chunk_data, progress, final)
+        else:
+            _write_stream(data, snap, chunk_data, progress, final)
         extra = {"write_seconds": round(time.perf_counter() - t0, 6), **(info or {})}
-        manifest = build_manifest(Snapshot(structure, records, {}, packed, None, 0), metadata, extra,
-                                  _commit.data_key(final, token))
+        manifest = build_manifest(snap, metadata, extra, _commit.data_key(final, token))
         _commit.commit(final, staging, manifest.to_bytes(), token)
         committed = True
     finally:
@@ -107,31 +126,59 @@ def plan(leaves: Sequence[LeafRecord]) -> tuple[list[LeafRecord], tuple[PackedAr
         if rec.kind == "value":
             out.append(LeafRecord(path=rec.path, kind="value", value=rec.value))
             continue
-        itemsize = _dtypes.DTYPES[_dtypes.dtype_name(rec.dtype)].itemsize
-        if len(rec.chunk_shape) != len(rec.shape):
-            raise CheckpointError(f"Leaf '{rec.path}': chunk shape {rec.chunk_shape} does not fit shape {rec.shape}")
-        chunk_shape = tuple(max(1, min(int(c), max(s, 1))) for c, s in zip(rec.chunk_shape, rec.shape))
-        nbytes = math.prod(rec.shape) * itemsize
-        store = "packed" if nbytes < SMALL_LEAF_BYTES else "file"
-        out.append(LeafRecord(
-            path=rec.path, kind=rec.kind, dtype=rec.dtype, shape=tuple(rec.shape), scalar=rec.scalar,
-            impl=rec.impl, key_ndim=rec.key_ndim, sharding=rec.sharding, store=store, key=str(i),
-            chunk_shape=chunk_shape, storage_dtype=_dtypes.storage_dtype_name(rec.dtype), nbytes=nbytes))
-        if store == "packed":
+        out.append(_array_record(rec, key=str(i)))
+        if out[-1].nbytes < SMALL_LEAF_BYTES:
+            out[-1] = _with(out[-1], store="packed")
             small.append(i)
     sizes = [[(0, _layout.index_size(region) * _dtypes.DTYPES[out[i].dtype].itemsize) for _, region in _cells(out[i])]
              for i in small]
     offsets, totals = _layout.pack_offsets(sizes)
     for i, offs in zip(small, offsets):
-        out[i] = _with_chunks(out[i], tuple((0, o) for o in offs))
+        out[i] = _with(out[i], chunks=tuple((0, o) for o in offs))
     # zarr stores an edge chunk at full size, so split evenly (as _snapshot does)
     packed = tuple(PackedArray(p, n, -(-n // -(-n // PACK_CHUNK_BYTES))) for p, n in sorted(totals.items()))
     return out, packed
 
 
-def _with_chunks(rec: LeafRecord, chunks: tuple[tuple[int, int], ...]) -> LeafRecord:
-    fields = {f: getattr(rec, f) for f in rec.__dataclass_fields__}
-    return LeafRecord(**{**fields, "chunks": chunks})
+def plan_streams(leaves: Sequence[LeafRecord]) -> tuple[list[LeafRecord], _streams.Layout]:
+    """Format 3: complete records (every array leaf a stream leaf, its runs in process
+    0's stream) and the layout, from the shapes and chunk shapes alone (``_streams.plan``
+    with process 0 the writer of every chunk, as ``_snapshot`` lays a save out)."""
+    out: list[LeafRecord] = []
+    arrays: list[int] = []
+    for rec in leaves:
+        if rec.kind == "value":
+            out.append(LeafRecord(path=rec.path, kind="value", value=rec.value))
+            continue
+        arrays.append(len(out))
+        out.append(_array_record(rec, key="", store=STREAM, codec=_streams.CODEC_RAW))
+    payloads = [math.prod(out[i].chunk_shape) * _dtypes.DTYPES[out[i].storage_dtype].itemsize for i in arrays]
+    writers = [np.zeros(math.prod(_layout.chunk_grid_shape(out[i].shape, out[i].chunk_shape)), np.int64)
+               for i in arrays]
+    try:
+        layout = _streams.plan(zip(payloads, writers))
+    except ValueError as e:  # a stream longer than any reader accepts
+        raise CheckpointError(f"Cannot lay the checkpoint out in format 3: {e}") from None
+    for i, payload, runs in zip(arrays, payloads, layout.runs):
+        out[i] = _with(out[i], entry_bytes=_streams.entry_bytes_for(payload), runs=runs)
+    return out, layout
+
+
+def _array_record(rec: LeafRecord, **fields: Any) -> LeafRecord:
+    """The record of array leaf ``rec`` (a template) with ``fields``: chunk shape clipped
+    to the shape, storage dtype and byte count filled in."""
+    itemsize = _dtypes.DTYPES[_dtypes.dtype_name(rec.dtype)].itemsize
+    if len(rec.chunk_shape) != len(rec.shape):
+        raise CheckpointError(f"Leaf '{rec.path}': chunk shape {rec.chunk_shape} does not fit shape {rec.shape}")
+    chunk_shape = tuple(max(1, min(int(c), max(s, 1))) for c, s in zip(rec.chunk_shape, rec.shape))
+    return LeafRecord(
+        path=rec.path, kind=rec.kind, dtype=rec.dtype, shape=tuple(rec.shape), scalar=rec.scalar,
+        impl=rec.impl, key_ndim=rec.key_ndim, sharding=rec.sharding, chunk_shape=chunk_shape,
+        storage_dtype=_dtypes.storage_dtype_name(rec.dtype), nbytes=math.prod(rec.shape) * itemsize, **fields)
+
+
+def _with(rec: LeafRecord, **fields: Any) -> LeafRecord:
+    return LeafRecord(**{**{f: getattr(rec, f) for f in rec.__dataclass_fields__}, **fields})
 
 
 def _cells(rec: LeafRecord) -> Iterator[tuple[tuple[int, ...], _layout.Index]]:
@@ -140,10 +187,14 @@ def _cells(rec: LeafRecord) -> Iterator[tuple[tuple[int, ...], _layout.Index]]:
         yield cell, _layout.chunk_region(cell, rec.chunk_shape, rec.shape)
 
 
-def _write_leaves(staging: Location, records: list[LeafRecord], packed: tuple[PackedArray, ...],
-                  chunk_data: Callable[[int, LeafRecord], ChunkData],
-                  progress: Callable[[int, int], None] | None, final: Location) -> None:
-    packer = _PackedStream(staging, packed[0]) if packed else None
+# Writes one leaf: (its record, its chunks' producer, whether that is a held leaf's views).
+_LeafWriter = Callable[[LeafRecord, Callable[[_layout.Index], np.ndarray], bool], None]
+
+
+def _each_leaf(records: list[LeafRecord], chunk_data: Callable[[int, LeafRecord], ChunkData],
+               progress: Callable[[int, int], None] | None, final: Location, write: _LeafWriter) -> None:
+    """Every array leaf in order: its data asked for, checked and written; progress after
+    each. A failure names the leaf (a ``CheckpointError`` passes as it is)."""
     total = sum(r.nbytes for r in records)
     done = 0
     for i, rec in enumerate(records):
@@ -156,11 +207,7 @@ def _write_leaves(staging: Location, records: list[LeafRecord], packed: tuple[Pa
                 raise CheckpointError(f"Leaf '{rec.path}': data of shape {data.shape}, expected {rec.shape}")
             if held:
                 data = functools.partial(_view, data)
-            if rec.store == "file":
-                _write_file_leaf(staging, rec, data, held)
-            else:
-                for (_, offset), (_, region) in zip(rec.chunks, _cells(rec)):
-                    packer.put(offset, _stored(rec, _chunk(rec, region, data)).view(np.uint8).reshape(-1))
+            write(rec, data, held)
             del data  # the producer's buffer goes before the next leaf's arrives
         except CheckpointError:
             raise
@@ -169,6 +216,21 @@ def _write_leaves(staging: Location, records: list[LeafRecord], packed: tuple[Pa
         done += rec.nbytes
         if progress is not None:
             progress(done, total)
+
+
+def _write_leaves(staging: Location, records: list[LeafRecord], packed: tuple[PackedArray, ...],
+                  chunk_data: Callable[[int, LeafRecord], ChunkData],
+                  progress: Callable[[int, int], None] | None, final: Location) -> None:
+    packer = _PackedStream(staging, packed[0]) if packed else None
+
+    def write(rec: LeafRecord, data: Callable[[_layout.Index], np.ndarray], held: bool) -> None:
+        if rec.store == "file":
+            _write_file_leaf(staging, rec, data, held)
+            return
+        for (_, offset), (_, region) in zip(rec.chunks, _cells(rec)):
+            packer.put(offset, _stored(rec, _chunk(rec, region, data)).reshape(-1).view(np.uint8))
+
+    _each_leaf(records, chunk_data, progress, final, write)
     if packer is not None:
         try:
             packer.close()
@@ -176,6 +238,61 @@ def _write_leaves(staging: Location, records: list[LeafRecord], packed: tuple[Pa
             raise
         except Exception as e:  # noqa: BLE001 - as above
             raise CheckpointError(f"Writing checkpoint '{final}': the packed small leaves failed: {e}") from e
+
+
+def _write_stream(data: Location, snap: Snapshot, chunk_data: Callable[[int, LeafRecord], ChunkData],
+                  progress: Callable[[int, int], None] | None, final: Location) -> None:
+    """Format 3: every leaf's chunks as entries of process 0's stream, leaf after leaf,
+    then the stream made durable (``close``). A failure abandons it unsynced."""
+    length = snap.streams.get(0, 0)
+    if not length:  # no array holds an element: no data object
+        _each_leaf(snap.records, chunk_data, progress, final, lambda rec, data, held: None)
+        return
+    root = data.child(_writer.STREAM_DIR)
+    with _dataobjects.StreamWriter(root, 0, length, snap.segment_bytes) as stream:
+        _each_leaf(snap.records, chunk_data, progress, final, functools.partial(_write_stream_leaf, stream))
+        try:
+            stream.close()
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - as in _write_leaves
+            raise CheckpointError(f"Writing checkpoint '{final}': its data objects failed: {e}") from e
+
+
+def _write_stream_leaf(stream: _dataobjects.StreamWriter, rec: LeafRecord,
+                       data: Callable[[_layout.Index], np.ndarray], held: bool) -> None:
+    """One leaf's entries, at the offsets its runs give: on a few threads, fewer when
+    each entry may be a copy of its chunk (at most ``STREAM_BUDGET_BYTES`` of copies in
+    flight, one at least); a leaf of one chunk in this thread."""
+    stride = _streams.stride_for(rec.entry_bytes)
+    grid = _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
+    cells = list(_cells(rec))  # none for a leaf without elements
+    if len(cells) <= 1:
+        for cell, region in cells:
+            _write_entry(stream, rec, data, stride, grid, cell, region)
+        return
+    chunk_bytes = rec.entry_bytes - _streams.CRC_BYTES
+    threads = _writer.WRITE_THREADS
+    if not (held and _views_in_place(rec, data, cells[0][1])):
+        threads = max(1, min(threads, STREAM_BUDGET_BYTES // max(1, chunk_bytes)))
+    _tasks.run_tasks([functools.partial(_write_entry, stream, rec, data, stride, grid, cell, region)
+                      for cell, region in cells], threads)
+
+
+def _views_in_place(rec: LeafRecord, data: Callable[[_layout.Index], np.ndarray], region: _layout.Index) -> bool:
+    """Whether a held leaf's chunks are its entries' payloads as they are (a contiguous
+    view of the leaf's dtype; its first chunk tells, as the chunks are alike but at the
+    edges, which are copied anyway)."""
+    piece = data(region)
+    return piece.dtype == _dtypes.DTYPES[rec.dtype] and piece.flags.c_contiguous
+
+
+def _write_entry(stream: _dataobjects.StreamWriter, rec: LeafRecord, data: Callable[[_layout.Index], np.ndarray],
+                 stride: int, grid: tuple[int, ...], cell: tuple[int, ...], region: _layout.Index) -> None:
+    """Chunk ``cell``: cast, made contiguous and padded to the full chunk (an edge chunk)
+    where it must be, written as its entry."""
+    _, offset = _streams.locate(rec.runs, _layout.chunk_flat_index(cell, grid), stride)
+    stream.write_entry(offset, _writer.entry_payload(rec, _stored(rec, _chunk(rec, region, data))))
 
 
 def limit_malloc_retention(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
@@ -218,7 +335,9 @@ def _stored(rec: LeafRecord, piece: np.ndarray) -> np.ndarray:
     """``piece`` cast to the leaf's dtype, contiguous, viewed as its storage dtype."""
     dtype = _dtypes.DTYPES[rec.dtype]
     piece = piece if piece.dtype == dtype else piece.astype(dtype)
-    return np.ascontiguousarray(piece).view(_dtypes.DTYPES[rec.storage_dtype])
+    if not piece.flags.c_contiguous:  # (np.ascontiguousarray would make a 0-d array 1-d)
+        piece = piece.copy(order="C")
+    return piece.view(_dtypes.DTYPES[rec.storage_dtype])
 
 
 def _write_file_leaf(staging: Location, rec: LeafRecord, data: Callable[[_layout.Index], np.ndarray],
