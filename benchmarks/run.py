@@ -38,6 +38,8 @@ THREADS = 4
 GiB = 1 << 30
 MiB = 1 << 20
 LIBS = ("jaxckpt", "orbax", "orbax_nocomp", "limit")
+# restore matrix only (--reshard / --cold): jaxckpt saving format 3 (JAXCKPT_FORMAT=3, issue 22)
+MATRIX_LIBS = LIBS + ("jaxckpt3",)
 CASES = ("big", "many", "import")
 WORKER_TIMEOUT_S = 1800
 
@@ -232,13 +234,19 @@ def dir_stats(path: str) -> tuple[int, int]:
 class JaxckptLib:
     name = "jaxckpt"
 
-    def __init__(self, d):
+    def __init__(self, d, fmt: str = ""):
         import jaxckpt
 
-        self.mod, self.path = jaxckpt, os.path.join(d, "ckpt")
+        self.mod, self.path, self.fmt = jaxckpt, os.path.join(d, "ckpt"), fmt
 
     def save(self, tree):
-        self.mod.save(self.path, tree)
+        if self.fmt:  # the format switch is read per save
+            os.environ["JAXCKPT_FORMAT"] = self.fmt
+        try:
+            self.mod.save(self.path, tree)
+        finally:
+            if self.fmt:
+                os.environ.pop("JAXCKPT_FORMAT", None)
 
     def restore(self, target):
         return self.mod.restore(self.path, target)
@@ -606,7 +614,9 @@ def _drop_file(path: str) -> None:
 
 def _matrix_lib(job: dict):
     d = os.path.join(job["dir"], job["lib"])
-    return JaxckptLib(d) if job["lib"] == "jaxckpt" else OrbaxLib(d, job["lib"] == "orbax")
+    if job["lib"].startswith("jaxckpt"):
+        return JaxckptLib(d, "3" if job["lib"] == "jaxckpt3" else "")
+    return OrbaxLib(d, job["lib"] == "orbax")
 
 
 def matrix_job(jax, job: dict, cfg: dict, full_verify: bool) -> dict:
@@ -675,7 +685,7 @@ def matrix_job(jax, job: dict, cfg: dict, full_verify: bool) -> dict:
     for k in ("rchar", "read_bytes"):
         if k in io0 and k in io1:
             res[k] = io1[k] - io0[k]
-    if lib == "jaxckpt":
+    if lib.startswith("jaxckpt"):
         res["jx_bytes_read"] = jx_storage.io_stats()["bytes_read"]
     if isinstance(h, OrbaxLib):
         res["open_s"] = h.open_s
@@ -841,7 +851,7 @@ ROWS["many"] = [r for r in ROWS["big"] if not r[0].startswith(("restore_other", 
 LIMIT_ALIAS = {"restore_other_s": "restore_same_s", "restore_other_rss": "restore_same_rss",
                "async_block_s": "copy_s", "async_block2_s": "copy_s",
                "async_total_s": "save_call_s", "async_total2_s": "save_call_s"}
-COLS = ("jaxckpt", "orbax", "orbax_nocomp", "limit")
+COLS = ("jaxckpt", "jaxckpt3", "orbax", "orbax_nocomp", "limit")
 RATIOS = (("jaxckpt", "orbax"), ("jaxckpt", "orbax_nocomp"), ("jaxckpt", "limit"))
 
 
@@ -1215,6 +1225,8 @@ def summarize_matrix(samples: dict, rows: list[dict]) -> list[dict]:
         ratios = {f"jx/{b.replace('_nocomp', '_nc')}": t["jaxckpt"] / t[b]
                   for b in ("orbax", "orbax_nocomp", "limit")
                   if "jaxckpt" in t and t.get(b)}
+        if "jaxckpt3" in t and t.get("jaxckpt"):
+            ratios["jx3/jx"] = t["jaxckpt3"] / t["jaxckpt"]
         per_lib: dict = {}
         for lib, m in med.items():
             d = {}
@@ -1247,10 +1259,11 @@ def print_matrix(mx: list[dict], cfg: dict, reps: int, libs: list[str], smoke: b
           f"({cfg['many_bytes'] / MiB:.2f} MiB); {MATRIX_NDEV} CPU devices per process; "
           f"{how}; median of {reps}")
     cols = [c for c in COLS if c in libs]
-    heads = {"jaxckpt": "jaxckpt", "orbax": "orbax", "orbax_nocomp": "orbax_nc", "limit": "limit"}
-    short = {"jaxckpt": "jx", "orbax": "orb", "orbax_nocomp": "orb_nc", "limit": "lim"}
+    heads = {"jaxckpt": "jaxckpt", "jaxckpt3": "jaxckpt3", "orbax": "orbax", "orbax_nocomp": "orbax_nc",
+             "limit": "limit"}
+    short = {"jaxckpt": "jx", "jaxckpt3": "jx3", "orbax": "orb", "orbax_nocomp": "orb_nc", "limit": "lim"}
     w0 = 40
-    rat = ["jx/orbax", "jx/orbax_nc", "jx/limit"]
+    rat = ["jx/orbax", "jx/orbax_nc", "jx/limit"] + (["jx3/jx"] if "jaxckpt3" in libs else [])
     print(f"{'restore time [s]':<{w0}}" + "".join(f"{heads[c]:>10}" for c in cols)
           + "".join(f"{c:>12}" for c in rat) + "".join(f"{h:>11}" for _, _, h in MATRIX_TARGETS))
     for r in mx:
@@ -1270,7 +1283,7 @@ def print_matrix(mx: list[dict], cfg: dict, reps: int, libs: list[str], smoke: b
 
     print(f"\n{'RSS/restored, bytes read/held (rchar)':<{w0}}{'MiB held':>10}"
           + "".join(f"{short[c] + ' RSS':>11}{short[c] + ' rd':>10}" for c in cols)
-          + f"{'jx self':>9}")
+          + f"{'jx self':>9}" + (f"{'jx3 self':>9}" if "jaxckpt3" in libs else ""))
     for r in mx:
         held = f"{r['needed'] / MiB:.4g}" if r["needed"] else "-"
         if r["held"] and r["needed"] and r["held"] != r["needed"]:
@@ -1278,7 +1291,7 @@ def print_matrix(mx: list[dict], cfg: dict, reps: int, libs: list[str], smoke: b
         line = f"{r['label'][:w0]:<{w0}}{held:>10}"
         line += "".join(f"{cell(r, c, 'rss/restored'):>11}{cell(r, c, 'read/held'):>10}"
                         for c in cols)
-        line += cell(r, "jaxckpt", "self/held")
+        line += cell(r, "jaxckpt", "self/held") + (cell(r, "jaxckpt3", "self/held") if "jaxckpt3" in libs else "")
         print(line)
     print("MiB held: the distinct bytes the target's devices hold (with replicas counted per "
           "device in parentheses when different); RSS = peak RSS over the baseline / MiB held; "
@@ -1373,7 +1386,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=None, help="repetitions (default 5; 1 with --smoke)")
     ap.add_argument("--cases", default="big,many,import", help="comma list of big,many,import")
-    ap.add_argument("--libs", default=",".join(LIBS), help="comma list of " + ",".join(LIBS))
+    ap.add_argument("--libs", default=",".join(LIBS),
+                    help="comma list of " + ",".join(LIBS) + " (with --reshard / --cold also jaxckpt3: "
+                    "jaxckpt saving format 3, JAXCKPT_FORMAT=3)")
     ap.add_argument("--size-gib", type=float, default=None, help="big case size (default 1.0)")
     ap.add_argument("--many-leaves", type=int, default=None, help="many case leaves (default 1000)")
     ap.add_argument("--smoke", action="store_true",
@@ -1433,8 +1448,8 @@ def main(argv=None) -> int:
         if c not in CASES:
             ap.error(f"unknown case {c!r}")
     for x in libs:
-        if x not in LIBS:
-            ap.error(f"unknown lib {x!r}")
+        if x not in (MATRIX_LIBS if args.reshard or args.cold else LIBS):
+            ap.error(f"unknown lib {x!r}" + (" (jaxckpt3: --reshard / --cold only)" if x in MATRIX_LIBS else ""))
     cfg = make_cfg(size_gib, many_leaves)
     # --reshard / --cold replace the comparison; --smoke alone runs everything, tiny
     comparison = not (args.reshard or args.cold)
