@@ -18,7 +18,10 @@ device plus the gathered rows, ``(nproc + 2)`` x width; on CPU device memory is 
 memory). ``--wave-mib`` sets ``_exchange.WAVE_BYTES`` (default: the library's).
 
     python benchmarks/read_once.py [--procs 4] [--mib 1024] [--reps 3] [--cold | --s3] [--smoke]
-                                   [--layout replicated|columns]
+                                   [--layout replicated|columns] [--formats 1,3]
+
+``--formats`` saves (and restores) the state once per format listed (``JAXCKPT_FORMAT``
+in the workers; format 3: issue 22), one after the other, each printed on its own.
     python benchmarks/read_once.py --memory [--procs 4] [--mib 512] [--wave-mib 512]
 """
 
@@ -103,11 +106,14 @@ def worker(port: int, nproc: int, pid: int, path: str, mib: int, reps: int, cold
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def run(nproc: int, mib: int, reps: int, cold: bool, s3: bool = False, layout: str = "replicated") -> dict:
+def run(nproc: int, mib: int, reps: int, cold: bool, s3: bool = False, layout: str = "replicated",
+        fmt: str = "") -> dict:
     d = tempfile.mkdtemp(prefix="jaxckpt-readonce-")
     path = os.path.join(d, "ckpt")
     port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    if fmt:
+        env["JAXCKPT_FORMAT"] = fmt
     moto = None
     if s3:
         from s3 import start_moto  # also sets dummy AWS credentials
@@ -267,6 +273,9 @@ def main() -> None:
     ap.add_argument("--layout", choices=["replicated", "columns"], default="replicated",
                     help="replicated: saved and restored replicated on every process; columns: saved as "
                          "row blocks, restored as column blocks (each process reads parts of every chunk)")
+    ap.add_argument("--formats", default="",
+                    help="comma list of formats to save (JAXCKPT_FORMAT), e.g. 1,3: one run each; "
+                         "default: the environment's")
     ap.add_argument("--memory", action="store_true",
                     help="peak RSS and wave buffers of one restore of a leaf saved as one chunk (see above)")
     ap.add_argument("--wave-mib", type=float, default=0, help="--memory: _exchange.WAVE_BYTES in MiB")
@@ -277,12 +286,17 @@ def main() -> None:
         return
     if args.smoke:
         args.procs, args.mib, args.reps = 2, 8, 1
+    for fmt in [f.strip() for f in args.formats.split(",") if f.strip()] or [""]:
+        report(args, fmt, run(args.procs, args.mib, args.reps, args.cold, args.s3, args.layout, fmt))
+
+
+def report(args: argparse.Namespace, fmt: str, res: dict) -> None:
     state = args.mib << 20
-    res = run(args.procs, args.mib, args.reps, args.cold, args.s3, args.layout)
     where = "local S3 server (moto)" if args.s3 else f"local disk, {'cold' if args.cold else 'warm'} page cache"
     what = ("fully replicated" if args.layout == "replicated" else
             "row blocks restored as column blocks,")
-    print(f"{what} {args.mib} MiB state (8 leaves), {args.procs} processes x 1 CPU device, "
+    saved = f", saved in format {fmt}" if fmt else ""
+    print(f"{what} {args.mib} MiB state (8 leaves){saved}, {args.procs} processes x 1 CPU device, "
           f"{where}, medians of {args.reps}:")
     for mode, label in (("each", "exchange off"), ("once", "exchange on (read once)")):
         r = res[mode]
