@@ -240,7 +240,7 @@ class Reader:
                 index, overlap = uses[0]
                 dest = dests[index][_rel(overlap, index)]
                 if dest.flags.c_contiguous:  # read straight into place
-                    ops.append(_Op(dest.nbytes, [rec.path], dest, None, None, region, entry=entry))
+                    ops.append(_Op(dest.nbytes, [rec.path], dest, None, None, region, entry=entry, cell=cell))
                     continue
 
             def scatter(tmp: np.ndarray, whole=whole, uses=uses) -> None:
@@ -248,7 +248,7 @@ class Reader:
                     dests[index][_rel(overlap, index)] = tmp[_rel(overlap, whole)]
 
             temp = functools.partial(_buffer, self.loc, [rec.path], tuple(rec.chunk_shape), storage)
-            ops.append(_Op(entry[3], [rec.path], temp, None, None, region, scatter, entry=entry))
+            ops.append(_Op(entry[3], [rec.path], temp, None, None, region, scatter, entry=entry, cell=cell))
 
 
 class _Op:
@@ -259,16 +259,17 @@ class _Op:
     ``decoded`` is the bytes tensorstore allocates to decode the chunk it reads;
     ``fetched`` the bytes it reads from storage for it (whole stored chunks: a part of
     a chunk costs the whole chunk, which its checksum covers), counted in ``io_stats``.
-    With ``entry`` set (format 3): a whole entry, ``read_entry``'s first five arguments."""
+    With ``entry`` set (format 3): a whole entry, ``read_entry``'s first five arguments,
+    and ``cell`` its chunk (errors name it: the entry's data object holds many chunks)."""
 
     def __init__(self, nbytes: int, leaves: list[str], dest: Any, path: str | None, store: Any,
                  region: _layout.Index, done: Callable[[np.ndarray], None] | None = None,
                  files: tuple[tuple[str, int], ...] = (), decoded: int = 0, fetched: int = 0,
-                 entry: tuple[Location, int, int, int, int] | None = None):
+                 entry: tuple[Location, int, int, int, int] | None = None, cell: tuple[int, ...] | None = None):
         self.nbytes, self.leaves, self.dest, self.path = nbytes, leaves, dest, path
         self.store, self.region, self.done = store, region, done
         self.files, self.decoded, self.fetched = files, decoded, fetched or nbytes
-        self.entry = entry
+        self.entry, self.cell = entry, cell
 
     @property
     def direct(self) -> bool:
@@ -291,6 +292,8 @@ _DATA_ERRORS = ("DATA_LOSS", "NOT_FOUND", "digest", "checksum", "crc32c", "Error
 
 def _corrupt(loc: Location, op: _Op, e: BaseException) -> CheckpointError:
     names = ", ".join(f"'{p}'" for p in op.leaves[:5]) + (" ..." if len(op.leaves) > 5 else "")
+    if op.cell is not None:  # as verify names it
+        names += f" chunk cell {list(op.cell)}"
     if isinstance(e, CorruptCheckpointError) or any(mark in str(e) for mark in _DATA_ERRORS):
         return CorruptCheckpointError(f"Checkpoint '{loc}': leaf {names} could not be read: {e}")
     cause = e if isinstance(e, CheckpointError) else _kvstore.storage_cause(e)

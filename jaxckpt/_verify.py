@@ -91,7 +91,9 @@ class VerifyReport:
         those leaves (or, for the manifest, the whole checkpoint) cannot be restored.
         ``unrestorable`` is ``False`` for a file restores never read: a bad
         ``zarr.json`` (its leaves are then unreadable to other zarr readers only) or an
-        unexpected file (no leaves). ``summary()`` prints it.
+        unexpected file (no leaves); and for a format-3 data object of the wrong size
+        (no leaves): its entries are read all the same, and each one it cuts off is a
+        damaged entry of its own, naming its leaf and chunk. ``summary()`` prints it.
     """
 
     path: str
@@ -175,8 +177,9 @@ class _Problem(NamedTuple):
     """One problem of one leaf (``leaf`` ``None``: of no leaf), with the damaged
     ``file`` it is grouped by, the group's text ``what`` and its ``effect``:
     ``"unrestorable"`` (a restore of the leaf fails or would read wrong bytes),
-    ``"metadata"`` (a ``zarr.json``: other zarr readers fail, restores do not) or
-    ``"stray"`` (an unexpected file, harmful to no leaf)."""
+    ``"metadata"`` (a ``zarr.json``: other zarr readers fail, restores do not),
+    ``"stray"`` (an unexpected file, harmful to no leaf) or ``"size"`` (a data object
+    of the wrong size: the entries it cuts off are problems of their own)."""
 
     leaf: str | None
     chunk: str | None
@@ -463,6 +466,11 @@ def _check_files(root: str, man: Manifest, expected: dict[str, tuple[int | None,
             why = "is missing"
         elif size is not None and got != size:
             why = f"has {got} bytes, expected {size}"
+            if name.startswith(f"{_reader.STREAM_DIR}/") and got >= 0:
+                # a data object holds many entries: read them all the same, so that a
+                # truncated one costs exactly the chunks it cuts off (each its own problem)
+                problems.add(None, name, f"{name} {why}", file=name, effect="size")
+                continue
         else:
             continue
         bad.add(name)

@@ -259,9 +259,11 @@ def test_verify_missing_and_short_data_objects(ckpt_a):
     report = jaxckpt.verify(path)
     files = {d["file"]: d for d in report.damaged}
     assert "is missing" in files["data/p1.0"]["message"]
-    assert "has 100 bytes, expected" in files["data/p0.0"]["message"]
+    assert {"file": "data/p0.0", "message": "data/p0.0 has 100 bytes, expected 676", "leaves": [], "chunks": [],
+            "unrestorable": False} in report.damaged  # and each entry it cuts off is damaged (test_format3_faults)
     assert files["data/p7.0"]["unrestorable"] is False
-    assert report.unrestorable == ["b", "e", "s", "w"]
+    assert report.unrestorable == ["e", "s", "w"]  # b's entry lies in the 100 bytes p0.0 kept
+    assert_bit_equal(jaxckpt.open(path)["b"][...], ckpt_a[1]["b"])
     assert files["data/p1.0"]["leaves"] == ["e", "w"]
     assert files["data/p1.0"]["chunks"] == ["cell [0, 0]", "cell [0, 1]"]  # the first chunk of each there
     assert "data/p0.0 has 100 bytes, expected" in report.summary()
@@ -484,5 +486,5 @@ def test_read_fault_point_per_entry(ckpt_a, monkeypatch):
     monkeypatch.setattr(_storage, "fault_hook", hook)
     assert_bit_equal(jaxckpt.open(path)["w"][:4, :6], tree["w"][:4, :6])  # chunk 0 only
     assert [k for op, k in seen if op == "read"] == [f"p{rec.runs[0][0]}@{rec.runs[0][3]}"]
-    with pytest.raises(CheckpointError, match=r"reading leaf 'w' failed: injected"):  # not corruption
+    with pytest.raises(CheckpointError, match=r"reading leaf 'w' chunk cell \[1, 1\] failed: injected"):  # not corruption
         jaxckpt.open(path)["w"][4:8]
