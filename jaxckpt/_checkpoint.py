@@ -19,6 +19,7 @@ out in streams (``_snapshot``, ``_writer``); every process of a job must set it 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import json
@@ -170,6 +171,8 @@ def _check_streams(data: Location, snap: Snapshot) -> None:
                                   "process 0 did not: set it alike in every process")
         return
     for p, length in snap.streams.items():
+        if _per_host(snap) and p not in snap.group:
+            continue  # per-host directories: other hosts' processes' objects are on their disks
         for n, size in enumerate(_dataobjects.segment_sizes(length, snap.segment_bytes)):
             name = f"{STREAM_DIR}/{_dataobjects.segment_name(p, n)}"
             try:
@@ -200,6 +203,8 @@ def _save_as_follower(op: _distributed.Operation, final: Location, snap: Snapsho
             _commit.abort(final, attempt["staging"], attempt["token"])
 
     data = op.follow_commit(str(final), "written", work, undo)
+    if _per_host(snap) and snap.streams is not None and 0 not in snap.group:
+        data = _host_manifest(data, snap, str(final))
     if leader:
         _commit_host_copy(final, attempt["staging"], data, attempt["token"])
     return _manifest.parse(data, str(final))
@@ -209,6 +214,17 @@ def _per_host(snap: Snapshot) -> bool:
     """Whether the processes of this save write to directories of their own (one per
     group of processes sharing a host's disk) rather than all to one."""
     return bool(snap.group) and len(snap.group) < _distributed.process_count()
+
+
+def _host_manifest(data: bytes, snap: Snapshot, where: str) -> bytes:
+    """Format 3, per-host directories: process 0's manifest as this host's copy has it.
+    Process 0's locates every chunk at the copy its host or the first other host holding
+    it wrote (``_hoststreams``); this host's locates the chunks it holds in its own
+    streams, as its snapshot planned them. Everything else is process 0's."""
+    man = _manifest.parse(data, where)
+    leaves = tuple(dataclasses.replace(rec, runs=mine.runs) if rec.store == "stream" else rec
+                   for rec, mine in zip(man.leaves, snap.records))
+    return dataclasses.replace(man, leaves=leaves, streams=dict(snap.streams)).to_bytes()
 
 
 def _prepare_host_copy(final: Location, token: str) -> Location:

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _distributed, _dtypes, _layout, _streams, _tree
+from . import _distributed, _dtypes, _hoststreams, _layout, _streams, _tree
 from ._errors import CheckpointError
 from ._manifest import MAX_INLINE_BYTES, MAX_INT_DIGITS, STREAMS_VERSION, LeafRecord, PackedArray, int_fits
 
@@ -108,7 +108,7 @@ def cell_of(index: _layout.Index, chunk_shape: tuple[int, ...]) -> tuple[int, ..
 
 
 def snapshot(tree: Any, *, copy_host_arrays: bool, group: tuple[int, ...] = (),
-             budget: StagingBudget | None = None) -> Snapshot:
+             budget: StagingBudget | None = None, groups: tuple[tuple[int, ...], ...] = ()) -> Snapshot:
     """Flatten ``tree`` and take host buffers of every shard this process must write.
 
     With ``copy_host_arrays`` numpy leaves are copied, so the caller may mutate them
@@ -118,7 +118,9 @@ def snapshot(tree: Any, *, copy_host_arrays: bool, group: tuple[int, ...] = (),
     processes do not all share one (a per-host local tier). Then each group writes a
     copy of every chunk its processes hold (balanced over them), so that every host's
     directory holds what its devices need; every array gets a file store of its own
-    (chunk files are named by position, the same in every host's copy).
+    (chunk files are named by position, the same in every host's copy). In format 3
+    ``groups`` (every group of the job) is needed too: a host's streams hold its group's
+    copies, and its manifest locates the others' chunks in theirs (``_hoststreams``).
 
     ``budget``: stage in waves, holding at most ``budget.max_bytes`` of host copies at
     once (shared by every save given the same budget). Only bytes that need a copy
@@ -135,12 +137,13 @@ def snapshot(tree: Any, *, copy_host_arrays: bool, group: tuple[int, ...] = (),
     """
     with _tree.gc_paused():
         if budget is None:
-            return _snapshot(tree, copy_host_arrays, group)
-        return _snapshot_in_waves(tree, copy_host_arrays, group, budget)
+            return _snapshot(tree, copy_host_arrays, group, groups)
+        return _snapshot_in_waves(tree, copy_host_arrays, group, budget, groups)
 
 
-def _snapshot(tree: Any, copy_host_arrays: bool, group: tuple[int, ...]) -> Snapshot:
-    structure, records, arrays, packed, packed_buf, streams = _plan(tree, copy_host_arrays, group)
+def _snapshot(tree: Any, copy_host_arrays: bool, group: tuple[int, ...],
+              groups: tuple[tuple[int, ...], ...] = ()) -> Snapshot:
+    structure, records, arrays, packed, packed_buf, streams = _plan(tree, copy_host_arrays, group, groups)
     me = _distributed.process_index()
     file_shards: dict[int, list[tuple[_layout.Index, np.ndarray]]] = {}
     total = 0 if packed_buf is None else packed_buf.nbytes
@@ -158,16 +161,17 @@ def _snapshot(tree: Any, copy_host_arrays: bool, group: tuple[int, ...]) -> Snap
                     streams=streams, segment_bytes=SEGMENT_BYTES if streams is not None else 0)
 
 
-def _plan(tree: Any, copy_host_arrays: bool | None, group: tuple[int, ...]) -> tuple[
+def _plan(tree: Any, copy_host_arrays: bool | None, group: tuple[int, ...],
+          groups: tuple[tuple[int, ...], ...] = ()) -> tuple[
         dict[str, Any], list[LeafRecord | None], list[_ArrayLeaf], tuple[PackedArray, ...], np.ndarray | None,
         dict[int, int] | None]:
     """The tree's structure, its inline values' records (arrays' are ``None`` yet), its
     array leaves with their chunks and writers, and the packed small leaves' layout; in
     format 3 instead (no packing) every writing process's stream length."""
     format3 = streams_wanted()
-    if format3 and group:
-        raise CheckpointError(f"format 3 ({FORMAT_ENV}=3) is not written to directories of their own "
-                              "per host yet (issue 22)")
+    if format3 and group and group not in groups:
+        raise CheckpointError(f"format 3 ({FORMAT_ENV}=3) in directories of their own per host needs "
+                              f"every host's group (groups=...), got {groups!r} for group {group!r}")
     flat, _ = _tree.flatten(tree)
     structure = _tree.describe(tree)
     me = _distributed.process_index()
@@ -197,7 +201,8 @@ def _plan(tree: Any, copy_host_arrays: bool | None, group: tuple[int, ...]) -> t
         records.append(None)
     _assign(arrays, group)
     if format3:
-        return structure, records, arrays, (), None, _lay_out_streams(arrays)
+        streams = _lay_out_host_streams(arrays, group, groups) if group else _lay_out_streams(arrays)
+        return structure, records, arrays, (), None, streams
     packed, packed_buf = _lay_out_packed(arrays, me)
     return structure, records, arrays, packed, packed_buf, None
 
@@ -351,12 +356,8 @@ def _assign(arrays: list[_ArrayLeaf], group: tuple[int, ...]) -> None:
     With a ``group``, each chunk that a process of the group holds gets a writer among
     those (``-1``: nobody in the group holds it, so the group writes no copy of it)."""
     if group:
-        chunks = [c for a in arrays for c in a.chunks]
-        held = [tuple(h for h in c.holders if h in group) for c in chunks]
-        picked = iter(_layout.assign_writers([(c.nbytes, h) for c, h in zip(chunks, held) if h]))
-        writers = iter([next(picked) if h else -1 for h in held])
-        for a in arrays:
-            a.writers = [next(writers) for _ in a.chunks]
+        for a, writers in zip(arrays, _group_writers(arrays, group)):
+            a.writers = writers
         return
     # Chunks with a single holder have no choice: counted first (whole leaves at once,
     # cached per chunk list); the rest are balanced on top (``assign_with_loads``).
@@ -373,6 +374,17 @@ def _assign(arrays: list[_ArrayLeaf], group: tuple[int, ...]) -> None:
     picked = iter(_layout.assign_with_loads([(c.nbytes, c.holders) for a in flexible for c in a.chunks], load))
     for a in flexible:
         a.writers = [next(picked) for _ in a.chunks]
+
+
+def _group_writers(arrays: list[_ArrayLeaf], group: tuple[int, ...]) -> list[list[int]]:
+    """Per leaf, each chunk's writer among ``group``'s processes holding it, balanced
+    over the whole tree (``-1``: nobody in the group holds it)."""
+    members = set(group)
+    chunks = [c for a in arrays for c in a.chunks]
+    held = [tuple(h for h in c.holders if h in members) for c in chunks]
+    picked = iter(_layout.assign_writers([(c.nbytes, h) for c, h in zip(chunks, held) if h]))
+    writers = iter([next(picked) if h else -1 for h in held])
+    return [[next(writers) for _ in a.chunks] for a in arrays]
 
 
 def _lay_out_packed(arrays: list[_ArrayLeaf], me: int) -> tuple[tuple[PackedArray, ...], np.ndarray | None]:
@@ -395,6 +407,24 @@ def _lay_out_streams(arrays: list[_ArrayLeaf]) -> dict[int, int]:
     payloads = [math.prod(a.fields["chunk_shape"]) * _dtypes.DTYPES[a.fields["storage_dtype"]].itemsize
                 for a in arrays]
     layout = _streams.plan(zip(payloads, [a.writers for a in arrays]))
+    for a, payload, runs in zip(arrays, payloads, layout.runs):
+        a.fields.update(store="stream", key="", codec=_streams.CODEC_RAW,
+                        entry_bytes=_streams.entry_bytes_for(payload), runs=runs)
+    return layout.streams
+
+
+def _lay_out_host_streams(arrays: list[_ArrayLeaf], group: tuple[int, ...],
+                          groups: tuple[tuple[int, ...], ...]) -> dict[int, int]:
+    """Format 3, a directory per host: ``_lay_out_streams`` for this host's directory.
+    Every group's writers are planned (each as its own processes plan them), so that this
+    group's manifest can locate the chunks it holds no copy of in the other hosts'
+    streams (``_hoststreams``); this group's are ``arrays``' own."""
+    ordered = sorted(groups, key=min)  # the group of process 0 first: its view is the persistent one
+    payloads = [math.prod(a.fields["chunk_shape"]) * _dtypes.DTYPES[a.fields["storage_dtype"]].itemsize
+                for a in arrays]
+    writers = [[np.asarray(a.writers, np.int64) for a in arrays] if g == group
+               else [np.asarray(w, np.int64) for w in _group_writers(arrays, g)] for g in ordered]
+    layout = _hoststreams.plan_view(payloads, writers, ordered.index(group))
     for a, payload, runs in zip(arrays, payloads, layout.runs):
         a.fields.update(store="stream", key="", codec=_streams.CODEC_RAW,
                         entry_bytes=_streams.entry_bytes_for(payload), runs=runs)
@@ -473,8 +503,8 @@ class _Planned(NamedTuple):
 
 
 def _snapshot_in_waves(tree: Any, copy_host_arrays: bool, group: tuple[int, ...],
-                       budget: StagingBudget) -> Snapshot:
-    structure, records, arrays, packed, packed_buf, streams = _plan(tree, None, group)
+                       budget: StagingBudget, groups: tuple[tuple[int, ...], ...] = ()) -> Snapshot:
+    structure, records, arrays, packed, packed_buf, streams = _plan(tree, None, group, groups)
     me = _distributed.process_index()
     items: list[tuple[_ArrayLeaf, _Chunk]] = []
     small = []

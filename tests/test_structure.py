@@ -90,7 +90,8 @@ def test_pure_modules_do_not_reach_storage():
     # validation, layout arithmetic and retention decide from data alone: no tensorstore,
     # no crc32c, no storage I/O module anywhere below them
     io = {"_storage.kvstore", "_storage.zarr", "_storage.chunkfiles", "_storage.s3"}
-    for module in ("_manifest", "_layout", "_manager.retention", "_dtypes", "_storage.location", "_streams"):
+    for module in ("_manifest", "_layout", "_manager.retention", "_dtypes", "_storage.location", "_streams",
+                   "_hoststreams"):
         ours, third = _closure(module)
         assert not ({"tensorstore", "crc32c"} & third), (module, third)
         assert not (io & ours), (module, ours)
@@ -102,7 +103,7 @@ def test_the_wings_exist_and_the_flat_list_is_the_core():
         "__init__", "__main__", "_version", "_errors", "convert", "inspect", "cli",
         "_checkpoint", "_restore", "_snapshot", "_writer", "_reader", "_exchange", "_commit",
         "_claims", "_manifest", "_tree", "_layout", "_dtypes", "_distributed", "_tasks",
-        "_verify", "_diff", "_html", "_plot", "_untrusted", "_owner", "_streams"])
+        "_verify", "_diff", "_html", "_plot", "_untrusted", "_owner", "_streams", "_hoststreams"])
 
 
 def _function_lengths(path):

@@ -8,18 +8,21 @@ of the listing (``CheckpointManager`` never deletes it at start), and a restore 
 first gives every host that lacks it a copy of a complete one:
 
 1. every process posts what it knows of the step: the first process of each group
-   (the processes sharing a directory) its directory's file listing, and the first
-   holder the manifest's bytes;
+   (the processes sharing a directory) its directory's file listing, and every holder
+   its manifest's bytes;
 2. every process computes the same plan from those posts alone: the source is the
-   lowest process whose directory holds every file the manifest implies (none: the
-   step cannot be had from the hosts; the caller falls back or says which host lacks it);
+   lowest process whose directory holds every file its own manifest implies (none: the
+   step cannot be had from the hosts; the caller falls back or says which host lacks
+   it). Its own: in format 3 each host's manifest locates chunks in that host's data
+   objects (``_hoststreams``), so a copy takes the source's manifest with its files;
 3. the source's files go to every process in fixed-size blocks
    (``multihost_utils.broadcast_one_to_all``: one all-reduce per block, one compiled
    shape); the first process of each group that lacks the step writes them into a
    staging attempt of its directory and commits the manifest last, as a save does;
 4. every process posts whether its commit worked; any failure fails the repair in all.
 
-Host memory stays near one block; nothing goes through the persistent tier.
+Host memory stays near one block (a data object of a GiB goes block by block); nothing
+goes through the persistent tier.
 """
 
 from __future__ import annotations
@@ -51,6 +54,18 @@ def plan_source(listings: dict[int, dict[str, int]], expected: dict[str, Any]) -
     return None
 
 
+def pick_source(listings: dict[int, dict[str, int]], mans: dict[int, bytes],
+                where: str) -> tuple[int | None, _manifest.Manifest | None]:
+    """The lowest listing process whose directory holds every file of its own manifest
+    (``mans``: each holder's manifest bytes), with that manifest; ``(None, None)``."""
+    for p in sorted(listings):
+        if mans.get(p):
+            man = _manifest.parse(mans[p], where)
+            if plan_source({p: listings[p]}, _verify.expected_files(man)) is not None:
+                return p, man
+    return None, None
+
+
 def blocks(sizes: list[int], block: int) -> int:
     """How many ``block``-byte collectives move files of ``sizes`` back to back."""
     return -(-sum(sizes) // block) if sizes else 0
@@ -80,11 +95,9 @@ def copy_from_holders(op: _distributed.Operation, step: int, directory: Location
     listings = {p: v["files"] for p, v in posts.items() if v["files"] is not None}
     mans = op.wait_for(f"man{step}", others)
     mans[me] = man_bytes or b""
-    first = min((p for p, d in mans.items() if d), default=None)
-    if first is None or read_only:
+    if read_only or not any(mans.values()):
         return None
-    man = _manifest.parse(mans[first], str(final))
-    source = plan_source(listings, _verify.expected_files(man))
+    source, man = pick_source(listings, mans, str(final))
     if source is None:
         return None
     files = sorted(listings[source].items())
@@ -92,7 +105,7 @@ def copy_from_holders(op: _distributed.Operation, step: int, directory: Location
                  "directory (%d files) over the job's collectives", step, directory, source, len(files))
     error: BaseException | None = None
     try:
-        _move(step, final, files, source, mans[first], writes)
+        _move(step, final, files, source, mans[source], writes)
     except Exception as e:  # noqa: BLE001 - every process hears of it
         error = e
     op.post(f"copied{step}", error if error is not None else b"")

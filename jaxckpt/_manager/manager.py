@@ -284,7 +284,8 @@ class CheckpointManager:
         self._saves.wait_for_slot()
         op_id = _distributed.next_id()  # in program order, the same in every process
         snap = _snapshot.snapshot(state, copy_host_arrays=self._async,
-                                  group=self._groups.mine if self._groups.per_host else (), budget=self._staging)
+                                  group=self._groups.mine if self._groups.per_host else (), budget=self._staging,
+                                  groups=self._groups.groups if self._groups.per_host else ())
         blocking = time.perf_counter() - t_start
         job = functools.partial(self._write, step, snap, metrics, t_start, blocking, op_id)
         self._saves.start(step, job, snap, self._executor if self._async else None)

@@ -18,6 +18,14 @@ and in an agreement lane of its own (``"persist"``):
    for every copier, then writes the manifest, last, naming the attempt's data.
 
 A copy killed midway leaves no persistent step: its manifest is written last.
+
+Format 3 (issue 22) copies data objects the same way, streamed from the file (a block at
+a time to a local tier, ``dataobjects.upload_file``'s parallel parts to an object store),
+never whole in memory. With a directory per host, process 0's manifest locates every
+chunk at one host's copy (``_hoststreams``) and is the persistent one: it names the
+objects and their sizes, posted to every process, and a host's object is copied only
+up to that size (the entries after it are its copies of chunks another host's
+objects hold).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import dataclasses
 import json
 import logging
 import os
+import tempfile
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -33,6 +42,7 @@ from typing import Any
 from .. import _commit, _distributed, _layout, _manifest, _storage, _tasks, _verify
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._manifest import Manifest
+from .._storage import dataobjects as _dataobjects
 from .._storage import kvstore as _kvstore
 from .._storage import location as _location
 from .._storage.location import Location
@@ -41,6 +51,7 @@ from . import retention as _retention
 _log = logging.getLogger("jaxckpt")
 
 COPY_THREADS = 8
+COPY_BLOCK_BYTES = 16 << 20  # a data object copied to a local tier goes a block at a time
 
 
 def list_files(root: Location) -> dict[str, int]:
@@ -70,9 +81,23 @@ def assign_copies(listings: dict[int, dict[str, int]], groups: Sequence[Sequence
     return out
 
 
-def _copy_files(src: Location, dest: Location, paths: list[str]) -> None:
+def object_sizes(man: Manifest) -> dict[str, int]:
+    """Format 3: the data objects a copy of ``man`` takes, with their sizes (from its
+    streams); empty for the other formats."""
+    if not man.streams:
+        return {}
+    return {path: size for path, (size, _) in _verify.expected_files(man).items()}
+
+
+def _copy_files(src: Location, dest: Location, paths: list[str], sizes: Mapping[str, int] | None = None) -> None:
+    """Copy ``paths`` of the committed ``src`` under ``dest``, byte for byte; a data
+    object in ``sizes`` (format 3) only up to its size, streamed."""
     def copy(path: str) -> None:
         _storage.fault("copy", path)
+        if sizes and path in sizes:
+            copy_object(os.path.join(src.local, path), dest, path, sizes[path],
+                        os.path.dirname(os.path.normpath(src.local)))
+            return
         with open(os.path.join(src.local, path), "rb") as f:
             data = f.read()
         _storage.count(bytes_written=len(data), writes=1)
@@ -81,6 +106,44 @@ def _copy_files(src: Location, dest: Location, paths: list[str]) -> None:
         _kvstore.write_blob(dest, path, data)
 
     _tasks.run_tasks([lambda p=p: copy(p) for p in paths], COPY_THREADS)
+
+
+def copy_object(src: str, dest: Location, path: str, size: int, scratch: str) -> None:
+    """The first ``size`` bytes of the local file ``src`` as ``dest/path``: to a local
+    tier a block at a time (fsynced), to an object store by ``dataobjects.upload_file``
+    (a longer file through a temporary copy of its first ``size`` bytes, made in the
+    local directory ``scratch``: the manager's, beside its steps)."""
+    _storage.count(bytes_written=size, writes=1)
+    if dest.local is not None:
+        target = os.path.join(dest.local, path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(src, "rb") as f, open(target, "wb") as out:
+            _copy_bytes(f, out, size, path)
+            out.flush()
+            os.fsync(out.fileno())
+        return
+    folder, name = os.path.split(path)
+    root = dest.child(folder) if folder else dest
+    if os.stat(src).st_size == size:
+        _dataobjects.upload_file(root, name, src)
+        return
+    fd, tmp = tempfile.mkstemp(prefix=".jaxckpt-upload-", dir=scratch)
+    try:
+        with open(src, "rb") as f, os.fdopen(fd, "wb") as out:
+            _copy_bytes(f, out, size, path)
+        _dataobjects.upload_file(root, name, tmp)
+    finally:
+        os.remove(tmp)
+
+
+def _copy_bytes(f: Any, out: Any, size: int, path: str) -> None:
+    left = size
+    while left:
+        block = f.read(min(COPY_BLOCK_BYTES, left))
+        if not block:
+            raise CheckpointError(f"'{path}' ended {left} bytes before the {size} its manifest implies")
+        out.write(block)
+        left -= len(block)
 
 
 class _Copy:
@@ -113,13 +176,29 @@ class _Copy:
             listings = {p: json.loads(d) for p, d in op.wait_for("listed", others).items()}
             listings[self.me] = mine
             listings = {p: v for p, v in listings.items() if any(g[0] == p for g in self.groups)}
+            sizes = self._object_sizes(op, others)
+            if sizes:  # format 3: only the objects process 0's manifest names, each long enough
+                listings = {p: {f: sizes[f] for f, n in v.items() if f in sizes and n >= sizes[f]}
+                            for p, v in listings.items()}
             todo = assign_copies(listings, self.groups).get(self.me, [])
-            _copy_files(self.local, _commit.data_location(self.dest, token), todo)
+            _copy_files(self.local, _commit.data_location(self.dest, token), todo, sizes)
         except BaseException as e:
             op.post("copied", e)
             raise
         op.post("copied")
         return listings
+
+    def _object_sizes(self, op: _distributed.Operation, others: list[int]) -> dict[str, int]:
+        """Format 3: process 0's ``object_sizes`` (its manifest is the persistent one;
+        with a directory per host, the others' differ), the same in every process."""
+        if not self.man.streams:
+            return {}
+        if self.me == 0:
+            sizes = object_sizes(self.man)
+            if others:
+                op.post("objects", json.dumps(sizes).encode())
+            return sizes
+        return json.loads(op.wait_for("objects", [0])[0])
 
     def _coordinate(self, op: _distributed.Operation) -> Manifest:
         def stage() -> tuple[str, Location]:
@@ -150,6 +229,8 @@ class _Copy:
         info = {k: v for k, v in self.man.info.items() if k != "format"}
         info["copied_from"] = str(self.local)
         version = _manifest.DATA_PREFIX_VERSION if key else _manifest.FORMAT_VERSION
+        if self.man.streams:
+            version = _manifest.STREAMS_VERSION  # the data prefix (object stores) is the data's root
         return dataclasses.replace(self.man, data=key, format_version=version, info=info)
 
 

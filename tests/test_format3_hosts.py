@@ -1,0 +1,164 @@
+"""Format 3 (JAXCKPT_FORMAT=3, issue 22) with a local directory per host: each host's
+streams hold its group's copies, its manifest locates the rest in the other hosts'
+(``_hoststreams``); a host that lacks a step gets a copy from one that holds all of it;
+the persistent tier gets each stream's designated prefix, byte for byte. Real
+multi-process jobs (tests/mp_f3hosts_worker.py, tests/mp_hosts_worker.py)."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from conftest import run_workers
+
+import jaxckpt
+from jaxckpt import _hoststreams, _streams
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def format3(monkeypatch):
+    monkeypatch.setenv("JAXCKPT_FORMAT", "3")  # the workers inherit it
+
+
+def manifest_of(path):
+    with open(os.path.join(path, "manifest.json")) as f:
+        return json.load(f)
+
+
+def data_files(path):
+    return {n: os.path.getsize(os.path.join(path, "data", n)) for n in sorted(os.listdir(os.path.join(path, "data")))}
+
+
+def values(i, n=3):
+    """What tests/mp_f3hosts_worker.py saves at step i on n devices."""
+    return {"w": np.arange(16 * n * 96, dtype=np.float32).reshape(16 * n, 96) + i,
+            "r": np.arange(50_000, dtype=np.int32) * i, "b": np.full(8, i, np.int8),
+            "host": np.arange(5, dtype=np.float64) * i}
+
+
+# --- the plan (pure) -------------------------------------------------------------------
+
+
+def test_each_view_locates_held_chunks_in_its_own_streams_and_the_rest_at_the_designated_copy():
+    # two leaves; group 0 = processes (0, 1), group 1 = process 2. Leaf a: 4 chunks, rows of
+    # processes 0, 1, 2, 2 (sharded); leaf b: 2 chunks held by everyone (replicated)
+    writers = [[np.array([0, 1, -1, -1]), np.array([0, 1])], [np.array([-1, -1, 2, 2]), np.array([2, 2])]]
+    view0 = _hoststreams.plan_view([60, 124], writers, 0)
+    view1 = _hoststreams.plan_view([60, 124], writers, 1)
+    # group 0's view is the designated one: b's chunks in group 0's streams only
+    assert view0.runs == [((0, 0, 1, 0), (1, 1, 1, 0), (2, 2, 2, 0)), ((0, 0, 1, 64), (1, 1, 1, 64))]
+    assert view0.streams == {0: 192, 1: 192, 2: 128}
+    # group 1's stream: its designated entries (a's chunks 2, 3) first, then its copy of b
+    assert view1.runs == [((0, 0, 1, 0), (1, 1, 1, 0), (2, 2, 2, 0)), ((2, 0, 2, 128),)]
+    assert view1.streams == {0: 64, 1: 64, 2: 384}
+    for view in (view0, view1):  # what a reader accepts
+        leaves = [("a", 4, 64, _streams.runs_to_json(view.runs[0])), ("b", 2, 128, _streams.runs_to_json(view.runs[1]))]
+        assert _streams.validate(leaves, view.streams, "/ckpt") == view.runs
+    with pytest.raises(ValueError, match="a chunk no group holds"):
+        _hoststreams.plan_view([60], [[np.array([0, -1])], [np.array([1, -1])]], 0)
+
+
+# --- real jobs -------------------------------------------------------------------------
+
+
+def run_hosts_job(tmp_path, durables):
+    runs = [{"local": str(tmp_path / f"local{k}"), "durable": d} for k, d in enumerate(durables)]
+    args = {"hosts": ["a", "a", "b"], "runs": runs, "save": [1, 2]}
+    return run_workers(os.path.join(ROOT, "tests", "mp_f3hosts_worker.py"), 3,
+                       lambda i, port: [port, 3, i, 1, "job", json.dumps(args)], 150)
+
+
+def check_host_copies(local, durable_path):
+    """Host a (processes 0, 1) holds its streams, host b (process 2) its own, which ends
+    with its copies of the replicated leaves; the persistent copy took b's stream only up
+    to its designated entries."""
+    a, b = manifest_of(os.path.join(local, "a", "2")), manifest_of(os.path.join(local, "b", "2"))
+    assert a["format_version"] == b["format_version"] == 3
+    files_a, files_b = data_files(os.path.join(local, "a", "2")), data_files(os.path.join(local, "b", "2"))
+    assert sorted(files_a) == ["p0.0", "p1.0"] and sorted(files_b) == ["p2.0"]
+    assert {int(k): n for k, n in a["streams"].items()} == {0: files_a["p0.0"], 1: files_a["p1.0"], 2: a["streams"]["2"]}
+    assert b["streams"]["2"] == files_b["p2.0"] > a["streams"]["2"]  # b's copies of r, b, host come last
+    rb = next(leaf for leaf in b["leaves"] if leaf["path"] == "r")
+    assert [run[0] for run in rb["runs"]] == [2]  # host b reads its own copy
+    ra = next(leaf for leaf in a["leaves"] if leaf["path"] == "r")
+    assert {run[0] for run in ra["runs"]} <= {0, 1}
+    return a, files_b
+
+
+def check_persistent(a, loc, read_object, flip):
+    """The persistent copy: process 0's manifest, b's stream cut at its designated
+    entries; restores bit for bit in this single process; a flipped byte in an entry of
+    'w' in b's object is caught by verify naming the leaf."""
+    man = jaxckpt.metadata(loc)
+    assert man.format_version == 3
+    assert len(read_object("p2.0")) == a["streams"]["2"]
+    back = jaxckpt.restore(loc)
+    for k, want in values(2).items():
+        assert back[k].dtype == want.dtype and back[k].tobytes() == want.tobytes(), k
+    assert back["step"] == 2
+    assert jaxckpt.verify(loc).ok
+    w = next(leaf for leaf in a["leaves"] if leaf["path"] == "w")
+    offset = next(run[3] for run in w["runs"] if run[0] == 2)
+    flip("p2.0", offset + 100)
+    report = jaxckpt.verify(loc)
+    assert not report.ok and len(report.problems) == 1, report.problems
+    problem = report.problems[0]
+    assert (problem["leaf"], problem["chunk"]) == ("w", "cell [2, 0]")  # process 2's rows
+    assert problem["message"].startswith(f"data/p2.0: DATA_LOSS: entry at offset {offset} of stream p2 ")
+    assert "digest mismatch" in problem["message"]
+    with pytest.raises(jaxckpt.CorruptCheckpointError, match="'w'"):
+        jaxckpt.restore(loc)
+
+
+def flip_local(path):
+    def flip(name, at):
+        with open(os.path.join(path, "data", name), "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0x10]))
+    return flip
+
+
+def test_per_host_directories_and_a_local_persistent_tier(tmp_path):
+    durable = str(tmp_path / "durable")
+    res = run_hosts_job(tmp_path, [durable])
+    for p in (0, 1, 2):
+        out = res[p]["runs"][0]
+        assert out["groups"] == [[0, 1], [2]]
+        assert out["tiers"] == {"1": ["local"], "2": ["local", "persistent"]}
+        assert out["restored"] == 2 and out["restored_columns"] == 2
+    a, _ = check_host_copies(str(tmp_path / "local0"), durable)
+    step = os.path.join(durable, "2")
+
+    def read_object(name):
+        with open(os.path.join(step, "data", name), "rb") as f:
+            return f.read()
+
+    check_persistent(a, step, read_object, flip_local(step))
+
+
+def test_a_host_that_lacks_a_step_gets_a_copy_of_a_host_that_holds_all_of_it(tmp_path):
+    """Replicated state: each host's directory holds all of it, in its own process's
+    stream. Host 0 is replaced (empty directory): the restore copies host 1's step, its
+    manifest and data object byte for byte, to host 0, and every process restores it
+    bit for bit (host 0 from process 1's stream, in its own directory)."""
+    def job(args):
+        return run_workers(os.path.join(ROOT, "tests", "mp_hosts_worker.py"), 2,
+                           lambda i, port: [port, 2, i, 2, "job", json.dumps(dict(args, path=str(tmp_path)))], 120)
+
+    res = job({"save": [1, 2]})
+    assert res[0]["steps"] == res[1]["steps"] == [1, 2]
+    assert data_files(str(tmp_path / "host1" / "2")) == {"p1.0": manifest_of(str(tmp_path / "host1" / "2"))["streams"]["1"]}
+    shutil.rmtree(tmp_path / "host0")
+    res = job({"restore": None})
+    for p in (0, 1):
+        assert res[p]["restored"] == 2 and res[p]["steps_after_restore"] == [2]
+    assert res[0]["on_disk_after_restore"] == ["2"]
+    for name in ("manifest.json", "data/p1.0"):
+        assert (tmp_path / "host0" / "2" / name).read_bytes() == (tmp_path / "host1" / "2" / name).read_bytes()
+    assert sorted(os.listdir(tmp_path / "host0" / "2" / "data")) == ["p1.0"]
+    assert jaxckpt.verify(str(tmp_path / "host0" / "2")).ok
