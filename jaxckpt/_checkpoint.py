@@ -127,8 +127,6 @@ def save_snapshot(path: Any, snap: Snapshot, *, metadata: Any = None, overwrite:
     """
     try:
         final = _location.resolve(path)
-        if snap.streams is not None and final.local is None:  # the same in every process: none starts
-            raise CheckpointError(f"format 3 is written to local directories only so far (issue 22): {final}")
         op_id = _distributed.next_id() if op_id is None else op_id
         with _distributed.Operation(f"save{op_id}", str(final), timeout_s) as op:
             if _distributed.process_index() == 0:
@@ -159,29 +157,31 @@ def _save_as_coordinator(op: _distributed.Operation, final: Location, snap: Snap
 
 
 def _check_streams(data: Location, snap: Snapshot) -> None:
-    """Before the manifest, on a local disk: in format 3 every process's data objects are
-    there, at the sizes its layout gives; in the others no process wrote any. A process
-    of the job whose ``JAXCKPT_FORMAT`` differs from process 0's wrote its chunks where
-    process 0's manifest would not look: the save fails rather than commit without them."""
-    if data.local is None:
-        return
+    """Before the manifest: in format 3 every process's data objects are there, at the
+    sizes its layout gives; in the others no process wrote any. A process of the job
+    whose ``JAXCKPT_FORMAT`` differs from process 0's wrote its chunks where process 0's
+    manifest would not look: the save fails rather than commit without them. On an
+    object store one listing of the attempt's ``data/`` (a request per 1,000 objects;
+    GCS lists no sizes, so there only their presence is checked)."""
     if snap.streams is None:
-        if os.path.lexists(os.path.join(data.local, STREAM_DIR)):
+        if data.local is not None:
+            wrote = os.path.lexists(os.path.join(data.local, STREAM_DIR))
+        else:
+            wrote = bool(_dataobjects.stored_sizes(data.child(STREAM_DIR)))
+        if wrote:
             raise CheckpointError(f"a process of the job wrote format 3's data objects ({FORMAT_ENV}=3), "
                                   "process 0 did not: set it alike in every process")
         return
+    stored = _dataobjects.stored_sizes(data.child(STREAM_DIR))
     for p, length in snap.streams.items():
         if _per_host(snap) and p not in snap.group:
             continue  # per-host directories: other hosts' processes' objects are on their disks
         for n, size in enumerate(_dataobjects.segment_sizes(length, snap.segment_bytes)):
-            name = f"{STREAM_DIR}/{_dataobjects.segment_name(p, n)}"
-            try:
-                got = f"has {os.stat(os.path.join(data.local, name)).st_size} bytes"
-            except FileNotFoundError:
-                got = "is missing"
-            if got != f"has {size} bytes":
-                raise CheckpointError(f"process {p}'s data object {name} {got}, its layout {size}: was "
-                                      f"{FORMAT_ENV}=3 set in every process of the job?")
+            name = _dataobjects.segment_name(p, n)
+            got = "is missing" if name not in stored else f"has {stored[name]} bytes"
+            if got != f"has {size} bytes" and not (name in stored and stored[name] is None):
+                raise CheckpointError(f"process {p}'s data object {STREAM_DIR}/{name} {got}, its layout {size}: "
+                                      f"was {FORMAT_ENV}=3 set in every process of the job?")
 
 
 def _save_as_follower(op: _distributed.Operation, final: Location, snap: Snapshot,

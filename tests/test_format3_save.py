@@ -207,12 +207,6 @@ def test_streams_process_0_did_not_write_fail_the_save(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
-def test_object_stores_are_refused_with_the_switch():
-    with pytest.raises(jaxckpt.CheckpointError) as e:
-        jaxckpt.save("memory://f3/ckpt", {"a": np.ones(3)})
-    assert str(e.value) == "format 3 is written to local directories only so far (issue 22): memory://f3/ckpt"
-
-
 def test_directories_per_host_are_refused_with_the_switch():
     with pytest.raises(jaxckpt.CheckpointError, match="per host"):
         _snapshot.snapshot({"a": np.ones(3)}, copy_host_arrays=False, group=(0,))

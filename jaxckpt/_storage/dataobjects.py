@@ -144,9 +144,13 @@ class StreamWriter:
         self.sizes = segment_sizes(length, segment_bytes)
         self._fds: list[int] = []
         self._buffers: list[bytearray] = []
+        self._parts: _SegmentParts | None = None
         self._closed = False
         if root.local is None:
-            self._buffers = [bytearray(size) for size in self.sizes]
+            if self.sizes and _s3_object(root, segment_name(process, 0)) is not None:
+                self._parts = _SegmentParts(root, process, self.sizes, segment_bytes, length)
+            else:
+                self._buffers = [bytearray(size) for size in self.sizes]
             return
         os.makedirs(root.local, exist_ok=True)
         try:
@@ -172,6 +176,9 @@ class StreamWriter:
         _storage.fault("write", f"p{self.process}@{offset}")
         _storage.count(bytes_written=len(view), writes=1)
         trailer = memoryview(crc32c.crc32c(view).to_bytes(CRC_BYTES, "little"))
+        if self._parts is not None:
+            self._parts.add(offset, [view, trailer])
+            return
         spans = list(pieces(offset, len(view) + CRC_BYTES, self.segment_bytes))
         groups = _split([view, trailer], [stop - start for _, start, stop in spans])
         for (n, start, stop), group in zip(spans, groups):
@@ -198,14 +205,20 @@ class StreamWriter:
                 _kvstore.fsync_dir(self.root.local)
             for n, buffer in enumerate(self._buffers):
                 write_segment(self.root, self.process, n, buffer)
+            if self._parts is not None:
+                self._parts.close()
+                self._parts = None  # complete: nothing to abort
         finally:
             self._release()
 
     def _release(self) -> None:
         self._closed = True
         fds, self._fds, self._buffers = self._fds, [], []
+        parts, self._parts = self._parts, None
         for fd in fds:
             os.close(fd)
+        if parts is not None:  # not completed: its multipart uploads go (best effort)
+            parts.abort()
 
     def __enter__(self) -> StreamWriter:
         return self
@@ -506,3 +519,118 @@ def _abort_after(uploads: _Uploads, objects: list[_s3.ObjectUpload]) -> None:
         pass
     for obj in objects:
         obj.abort()
+
+
+ALIGN = 64  # entries start at multiples of this in their stream (docs/format.md, "Version 3")
+
+
+class _SegmentParts:
+    """A stream's segments on S3, each going up as its parts fill: ``StreamWriter``'s
+    object-store half (boto3 multipart; see the module docstring).
+
+    An entry owns stream bytes ``[offset, min(round_up(end, ALIGN), length))``: itself and
+    the zeros up to where the next entry starts (the layout packs a stream's entries at
+    their strides, so its entries own it exactly, once each). A part records the pieces
+    of the entries that reach it (views of the caller's buffers: no copy yet) and how many
+    of its bytes are owned; once all are, it is copied into one part buffer (the gaps stay
+    zeros) and uploaded on one of ``UPLOAD_THREADS`` threads, while the entries go on
+    arriving (from any thread, in any order). A segment of one part is one PUT; ``close``
+    completes the others' multipart uploads; ``abort`` drops them."""
+
+    def __init__(self, root: Location, process: int, sizes: list[int], segment_bytes: int, length: int):
+        self.process, self.sizes, self.segment_bytes, self.length = process, sizes, segment_bytes, length
+        self.objects = [_s3.ObjectUpload(root, segment_name(process, n)) for n in range(len(sizes))]
+        self.part_bytes = [_s3.part_bytes_for(size, PART_BYTES) for size in sizes]
+        self.uploads = _Uploads(f"{root.url}/p{process}.*")
+        self._lock = threading.Lock()
+        self._pieces: dict[tuple[int, int], list[tuple[int, memoryview]]] = {}
+        self._owned: dict[tuple[int, int], int] = {}
+        self._sent = 0  # parts handed to an upload
+
+    def parts_of(self, n: int) -> int:
+        return -(-self.sizes[n] // self.part_bytes[n])
+
+    def add(self, offset: int, parts: list[memoryview]) -> None:
+        """Take the entry at ``offset`` (its bytes: ``parts``, in order); upload every part
+        it completes."""
+        if offset % ALIGN:
+            raise ValueError(f"entry at offset {offset} of stream p{self.process}: not a multiple of {ALIGN}")
+        nbytes = sum(len(p) for p in parts)
+        end = min(-(-(offset + nbytes) // ALIGN) * ALIGN, self.length)
+        ready = []
+        with self._lock:
+            for n, start, stop in pieces(offset, end - offset, self.segment_bytes):
+                size = self.part_bytes[n]
+                for i in range(start // size, (stop - 1) // size + 1):
+                    lo, hi = max(start, i * size), min(stop, (i + 1) * size)
+                    base = n * self.segment_bytes - offset  # entry position of segment byte 0
+                    got = self._pieces.setdefault((n, i), [])
+                    got.extend((lo - i * size + at, view) for at, view in _within(parts, lo + base, hi + base))
+                    self._owned[(n, i)] = owned = self._owned.get((n, i), 0) + hi - lo
+                    if owned > min(size, self.sizes[n] - i * size):
+                        raise ValueError(f"entry at offset {offset} of stream p{self.process} overlaps another")
+                    if owned == min(size, self.sizes[n] - i * size):
+                        ready.append((n, i, self._pieces.pop((n, i))))
+            self._sent += len(ready)
+        for n, i, got in ready:
+            nbytes = min(self.part_bytes[n], self.sizes[n] - i * self.part_bytes[n])
+            self.uploads.submit(functools.partial(self._upload, n, i, nbytes, got), nbytes)
+
+    def _upload(self, n: int, i: int, nbytes: int, got: list[tuple[int, memoryview]]) -> None:
+        buffer = bytearray(nbytes)  # zeros: the gaps between entries
+        for at, view in got:
+            buffer[at:at + len(view)] = view
+        if self.parts_of(n) == 1:
+            self.objects[n].put(buffer)
+        else:
+            self.objects[n].part(i + 1, buffer)
+
+    def close(self) -> None:
+        """Wait for every part (bounded), then complete every multipart upload."""
+        self.uploads.join()
+        total = sum(self.parts_of(n) for n in range(len(self.sizes)))
+        if self._sent != total:
+            missing = sum(min(self.part_bytes[n], self.sizes[n] - i * self.part_bytes[n]) - owned
+                          for (n, i), owned in self._owned.items() if (n, i) in self._pieces)
+            raise CheckpointError(f"stream p{self.process}: {total - self._sent} of its {total} parts were not "
+                                  f"written whole ({missing} bytes of the parts begun are missing)")
+        for n, obj in enumerate(self.objects):
+            if self.parts_of(n) > 1:
+                self.uploads.submit(functools.partial(obj.complete, self.parts_of(n)), 0)
+        self.uploads.join()
+
+    def abort(self) -> None:
+        _abort_after(self.uploads, self.objects)
+
+
+def _within(parts: list[memoryview], lo: int, hi: int) -> Iterator[tuple[int, memoryview]]:
+    """``(position - lo, view)`` for the bytes of ``parts`` (concatenated) in ``[lo, hi)``;
+    bytes past their end (an entry's padding) are none of them."""
+    pos = 0
+    for part in parts:
+        a, b = max(lo, pos), min(hi, pos + len(part))
+        if a < b:
+            yield a - lo, part[a - pos:b - pos]
+        pos += len(part)
+
+
+def stored_sizes(root: Location) -> dict[str, int | None]:
+    """The objects under ``root`` (a stream directory) with their sizes in bytes: one
+    listing (``None`` for a size the store does not list: GCS through tensorstore, whose
+    listing gives names only). Locally a directory listing and a ``stat`` per entry."""
+    if root.local is not None:
+        try:
+            names = os.listdir(root.local)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        return {n: os.stat(os.path.join(root.local, n)).st_size for n in names}
+    if root.kvstore["driver"] == "s3":
+        listed = _s3.sizes(root)
+        if listed is not None:
+            return dict(listed)
+    kv = _kvstore._kvstore(root)
+    names = [k.decode() if isinstance(k, bytes) else k
+             for k in _kvstore.wait(_kvstore.track(kv.list()), root, "listing", "")]
+    if root.kvstore["driver"] == "memory":  # in this process's memory: reading is free
+        return {n: len(_kvstore.read_blob(root, n) or b"") for n in names}
+    return dict.fromkeys(names)

@@ -230,3 +230,30 @@ class ObjectUpload:
             self._call("aborting the upload of", self.client.abort_multipart_upload, UploadId=upload_id)
         except CheckpointError as e:
             _log.warning("jaxckpt: %s", e)
+
+
+def sizes(root: Location) -> dict[str, int] | None:
+    """Every object under ``root`` on S3 (relative name -> bytes), from one listing per
+    1,000 objects; ``None`` without boto3 or credentials it can find."""
+    try:
+        import botocore.exceptions
+    except ImportError:
+        return None
+    spec = root.kvstore
+    prefix = spec.get("path", "")
+    out: dict[str, int] = {}
+    try:
+        client = client_for(root)
+        if client is None:
+            return None
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=spec["bucket"], Prefix=prefix):
+            out.update((o["Key"][len(prefix):], int(o["Size"])) for o in page.get("Contents", []))
+    except (botocore.exceptions.NoCredentialsError, botocore.exceptions.NoRegionError,
+            botocore.exceptions.ProfileNotFound):
+        return None
+    except botocore.exceptions.ClientError as e:
+        err = e.response.get("Error", {})
+        raise CheckpointError(f"Listing '{root.url}' failed: {err.get('Code', '?')}: {err.get('Message', '')}") from None
+    except botocore.exceptions.BotoCoreError as e:
+        raise CheckpointError(f"Listing '{root.url}' failed: {e}") from None
+    return out
