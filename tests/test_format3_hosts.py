@@ -71,7 +71,7 @@ def run_hosts_job(tmp_path, durables):
                        lambda i, port: [port, 3, i, 1, "job", json.dumps(args)], 150)
 
 
-def check_host_copies(local, durable_path):
+def check_host_copies(local):
     """Host a (processes 0, 1) holds its streams, host b (process 2) its own, which ends
     with its copies of the replicated leaves; the persistent copy took b's stream only up
     to its designated entries."""
@@ -123,15 +123,23 @@ def flip_local(path):
     return flip
 
 
-def test_per_host_directories_and_a_local_persistent_tier(tmp_path):
+def test_per_host_directories_and_persistent_tiers_local_and_s3(tmp_path, s3_server):
+    """Three processes, hosts a (0, 1) and b (2), saving steps 1 and 2 (every 2nd is
+    persistent) twice: with a local directory, then the local S3 server, as the
+    persistent tier. Each run restores step 2 from the hosts' directories, then onto
+    columns (no host holds those: the persistent copy is read), bit for bit."""
     durable = str(tmp_path / "durable")
-    res = run_hosts_job(tmp_path, [durable])
+    res = run_hosts_job(tmp_path, [durable, s3_server("f3hosts")])
     for p in (0, 1, 2):
-        out = res[p]["runs"][0]
-        assert out["groups"] == [[0, 1], [2]]
-        assert out["tiers"] == {"1": ["local"], "2": ["local", "persistent"]}
-        assert out["restored"] == 2 and out["restored_columns"] == 2
-    a, _ = check_host_copies(str(tmp_path / "local0"), durable)
+        for out in res[p]["runs"]:
+            assert out["groups"] == [[0, 1], [2]]
+            assert out["tiers"] == {"1": ["local"], "2": ["local", "persistent"]}
+            assert out["restored"] == 2 and out["restored_columns"] == 2
+    for k in (0, 1):
+        a, _ = check_host_copies(str(tmp_path / f"local{k}"))
+        # the S3 run uploaded b's object cut at its designated entries through a temporary
+        # copy in b's directory: gone
+        assert sorted(os.listdir(tmp_path / f"local{k}" / "b")) == ["1", "2"]
     step = os.path.join(durable, "2")
 
     def read_object(name):
@@ -139,6 +147,23 @@ def test_per_host_directories_and_a_local_persistent_tier(tmp_path):
             return f.read()
 
     check_persistent(a, step, read_object, flip_local(step))
+
+    client = s3_server.client
+    man = json.loads(client.get_object(Bucket="jaxckpt-test", Key="f3hosts/2/manifest.json")["Body"].read())
+    assert man["format_version"] == 3 and man["data"].startswith("d/")
+    assert man["streams"] == a["streams"] and [leaf.get("runs") for leaf in man["leaves"]] == [
+        leaf.get("runs") for leaf in a["leaves"]]
+    key = f"f3hosts/2/{man['data']}/data/"
+
+    def read_s3(name):
+        return client.get_object(Bucket="jaxckpt-test", Key=key + name)["Body"].read()
+
+    def flip_s3(name, at):
+        data = bytearray(read_s3(name))
+        data[at] ^= 0x10
+        client.put_object(Bucket="jaxckpt-test", Key=key + name, Body=bytes(data))
+
+    check_persistent(a, s3_server("f3hosts/2"), read_s3, flip_s3)
 
 
 def test_a_host_that_lacks_a_step_gets_a_copy_of_a_host_that_holds_all_of_it(tmp_path):
