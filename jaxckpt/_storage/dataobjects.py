@@ -22,12 +22,26 @@ checkpoint), so the attempt prefixes of ``_commit`` stay the caller's business.
   the caller's buffer and checks its crc32c (a hardware crc32c that releases the GIL).
 * Object stores and ``memory://``: ``read_entry`` issues one ranged read per segment
   the entry lies in (tensorstore's ``KvStore.read(key, byte_range=...)``, concurrent),
-  copies the payload into the caller's buffer and checks the crc32c. Writing is not
-  yet what format 3 asks for: ``StreamWriter`` assembles each segment whole in host
-  memory and ``close`` uploads it with one PUT (``write_segment``, through
-  ``kvstore.write_blob``), one segment after the other. Uploads in parallel parts
-  (S3 multipart, GCS's equivalent) straight from the staged buffers, never assembling
-  a segment, are the object-store half of the aggregated-layout issue and not built.
+  copies the payload into the caller's buffer and checks the crc32c (a restore runs
+  its entries on ``_reader.DIRECT_READ_THREADS`` threads).
+* S3 (boto3, the ``s3`` extra): ``StreamWriter`` uploads each segment as one multipart
+  upload (``_SegmentParts``). tensorstore's s3 kvstore has no multipart upload (its
+  ``write`` sends a value with one PUT), so this part goes through boto3
+  (``s3.ObjectUpload``). A part (``PART_BYTES``, 64 MiB; S3's minimum of 5 MiB for
+  every part but the last) collects views of the entries that reach it as they arrive
+  (from any thread, in any order: no copy yet) and, once all of its bytes are owned,
+  is copied into one part buffer and uploaded at once, ``UPLOAD_THREADS`` parts in
+  flight; ``close`` completes the uploads. A segment of one part is one PUT. A failure
+  aborts the multipart uploads begun (best effort; a crashed process leaves them to the
+  bucket's lifecycle rule for incomplete multipart uploads). Every wait is bounded
+  (``_upload_bound``: the I/O bound; boto3's timeouts end each request within it).
+  ``upload_file`` puts a local data object (a copy to the persistent tier) the same way,
+  each part read from the file just before it goes.
+* ``memory://`` and GCS (and S3 without boto3): ``StreamWriter`` assembles each
+  segment whole in host memory and ``close`` uploads it with one PUT (``write_segment``
+  through ``kvstore.write_blob``). GCS's multipart equivalent (the XML API's multipart
+  upload, or a resumable upload) needs a client of its own and is not built: nothing
+  here can test against GCS.
 
 Counted (``_storage.io_stats``) per entry, like ``chunkfiles`` counts per chunk: the
 payload bytes (not the checksum) and one write or read. Fault points: ``write`` before

@@ -1,6 +1,8 @@
-"""S3 through boto3, beside tensorstore: one level listed with a delimiter, and a tree
-deleted 1,000 keys a request (tensorstore lists every key under a prefix and deletes
-object by object). Optional: without boto3 (``pip install jaxckpt[s3]``) or without
+"""S3 through boto3, beside tensorstore: one level listed with a delimiter, a prefix
+listed with sizes, a tree deleted 1,000 keys a request (tensorstore lists every key
+under a prefix and deletes object by object), and large objects written in parts
+(``ObjectUpload``: tensorstore's s3 kvstore writes a value with one PUT; format 3's
+data objects go up as multipart uploads). Optional: without boto3 (``pip install jaxckpt[s3]``) or without
 credentials boto3 can find, each function says so (``None``/``False``) and ``kvstore``
 goes through tensorstore instead.
 
