@@ -2,8 +2,14 @@
 unreachable S3 endpoint takes to fail with the default I/O bound.
 
     python benchmarks/s3.py [--mib 256] [--reps 3] [--json FILE]
+    python benchmarks/s3.py --formats [--mib 1024] [--reps 3] [--json FILE]
 
-Repetitions are interleaved (disk, s3, disk, s3, ...) and medians reported. moto is a
+Repetitions are interleaved (disk, s3, disk, s3, ...) and medians reported. With
+``--formats``: format 2 (S3's default) against format 3 (``JAXCKPT_FORMAT=3``) on S3,
+interleaved: the HTTP requests and seconds of a save, a restore and the deletion of
+the step (``_commit.delete_step``, what retention calls; the manager adds its readers'
+check: two requests), and the objects per checkpoint. Requests are tensorstore's
+(``/tensorstore/http/request_started``) plus boto3's (each send, retries included). moto is a
 Python server holding objects in memory: its numbers are what jaxckpt's S3 path costs
 against a fast, nearby endpoint, not what AWS gives. Every endpoint is on 127.0.0.1.
 """
@@ -101,12 +107,97 @@ def fail_times() -> dict[str, float]:
     return out
 
 
+class Requests:
+    """HTTP requests sent to the store from now on: tensorstore's and boto3's."""
+
+    def __init__(self, url: str):
+        from jaxckpt._storage import location, s3
+
+        self.boto = 0
+        s3.client_for(location.resolve(url)).meta.events.register("before-send.s3.*", self._sent)
+        self.start = self._tensorstore()
+
+    def _sent(self, **_: object) -> None:
+        self.boto += 1
+
+    @staticmethod
+    def _tensorstore() -> int:
+        import tensorstore as ts
+
+        (m,) = ts.experimental_collect_matching_metrics("/tensorstore/http/request_started", include_zero_metrics=True)
+        return int(m["values"][0]["value"])
+
+    def take(self) -> int:
+        """Requests since the last ``take`` (or since made)."""
+        now = self._tensorstore()
+        n, self.start, self.boto = now - self.start + self.boto, now, 0
+        return n
+
+
+def format_round(fmt: str, url: str, tree, count: Requests, client) -> dict[str, float]:
+    """Save, restore and delete one step in format ``fmt`` ("2" or "3"): requests, seconds."""
+    import jax
+
+    import jaxckpt
+    from jaxckpt import _commit
+    from jaxckpt._storage import location
+
+    os.environ["JAXCKPT_FORMAT"] = fmt
+    directory = location.resolve(url)
+    step = directory.child(_commit.step_name(1))
+    out: dict[str, float] = {}
+    count.take()
+    t = time.perf_counter()
+    jaxckpt.save(step, tree)
+    out["save_s"], out["save_requests"] = time.perf_counter() - t, count.take()
+    out["objects"] = sum(len(p.get("Contents", [])) for p in client.get_paginator("list_objects_v2").paginate(
+        Bucket="jaxckpt-bench", Prefix=step.kvstore["path"]))
+    t = time.perf_counter()
+    jax.block_until_ready(jaxckpt.restore(step, tree))
+    out["restore_s"], out["restore_requests"] = time.perf_counter() - t, count.take()
+    t = time.perf_counter()
+    _commit.delete_step(directory, 1, _commit.new_token(directory))
+    out["delete_s"], out["delete_requests"] = time.perf_counter() - t, count.take()
+    os.environ.pop("JAXCKPT_FORMAT")
+    return out
+
+
+def formats_main(args: argparse.Namespace) -> None:
+    import boto3
+
+    tree = make_state(args.mib)
+    nbytes = sum(x.nbytes for x in tree.values())
+    proc, endpoint = start_moto()
+    os.environ["AWS_ENDPOINT_URL"] = endpoint
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    count = Requests("s3://jaxckpt-bench/x")
+    samples: dict[str, list[dict[str, float]]] = {"2": [], "3": []}
+    try:
+        for rep in range(args.reps):
+            for fmt in ("2", "3"):
+                samples[fmt].append(format_round(fmt, f"s3://jaxckpt-bench/f{fmt}-r{rep}", tree, count, client))
+                print(fmt, rep, {k: round(v, 2) for k, v in samples[fmt][-1].items()}, flush=True)
+    finally:
+        proc.terminate()
+    medians = {f"format{f}": {k: round(statistics.median(r[k] for r in v), 2) for k in v[0]}
+               for f, v in samples.items()}
+    result = {"state_mib": nbytes / 2**20, "reps": args.reps, "median": medians, "samples": samples}
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--formats", action="store_true", help="format 2 vs format 3 on S3: requests and seconds")
     args = ap.parse_args()
+    if args.formats:
+        formats_main(args)
+        return
     tree = make_state(args.mib)
     nbytes = sum(x.nbytes for x in tree.values())
     proc, endpoint = start_moto()
