@@ -36,13 +36,16 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import os
+import stat
 import sys
 from collections.abc import Callable
 from typing import Any
 
+import crc32c
 import numpy as np
 
-from . import _dtypes, _layout, _streams, _tasks
+from . import _dtypes, _layout, _storage, _streams, _tasks
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._manifest import LeafRecord, Manifest
 from ._storage import chunkfiles as _chunkfiles
@@ -63,6 +66,11 @@ DIRECT_READS = True
 # first checks that such a chunk can be allocated at all (``_check_before_tensorstore``).
 PROBE_BYTES = 64 << 20
 STREAM_DIR = "data"  # format 3: the data objects ``p<k>.<n>``, below the manifest's data root
+# Format 3 on a local disk: consecutive entries of one stream, each smaller than this, are
+# read together, up to this many bytes (one open and one preadv for many small leaves
+# instead of one each); bigger entries are read one per task, spread over the threads.
+COALESCE_BYTES = 1 << 20
+_MAX_IOVECS = 900  # under IOV_MAX (1024): an entry takes up to 3 (its gap, payload, crc32c)
 
 
 def stream_root(loc: Location, man: Manifest) -> Location:
@@ -318,9 +326,135 @@ def _direct_task(op: _Op, loc: Location) -> Callable[[], None]:
 
 def _execute(ops: list[_Op], loc: Location) -> None:
     """Run tensorstore reads within the byte budget, then direct chunk reads on a few
-    threads (each holding at most one temporary chunk buffer at a time)."""
+    threads (each holding at most one temporary chunk buffer, or one run of small
+    entries, at a time)."""
     _execute_tensorstore([op for op in ops if not op.direct], loc)
-    _tasks.run_tasks([_direct_task(op, loc) for op in ops if op.direct], DIRECT_READ_THREADS)
+    _tasks.run_tasks(_direct_tasks([op for op in ops if op.direct], loc), DIRECT_READ_THREADS)
+
+
+def _direct_tasks(ops: list[_Op], loc: Location) -> list[Callable[[], None]]:
+    """One task per op, except runs of small consecutive entries of one local stream
+    (``COALESCE_BYTES``), one task per run."""
+    small = [op for op in ops if op.entry is not None and op.entry[0].local is not None
+             and op.entry[3] + _streams.CRC_BYTES < COALESCE_BYTES]
+    ids = {id(op) for op in small}
+    tasks = [_direct_task(op, loc) for op in ops if id(op) not in ids]
+    small.sort(key=lambda op: (op.entry[0].local, op.entry[1], op.entry[2]))
+    run: list[_Op] = []
+    for op in small:
+        if run and not _continues(run, op):
+            tasks.append(_run_task(run, loc) if len(run) > 1 else _direct_task(run[0], loc))
+            run = []
+        run.append(op)
+    if run:
+        tasks.append(_run_task(run, loc) if len(run) > 1 else _direct_task(run[0], loc))
+    return tasks
+
+
+def _continues(run: list[_Op], op: _Op) -> bool:
+    """Whether entry ``op`` follows the run's last one in the same stream (only alignment
+    padding between them) and fits in the run."""
+    first, last, nxt = run[0].entry, run[-1].entry, op.entry
+    assert first is not None and last is not None and nxt is not None
+    end = last[2] + last[3] + _streams.CRC_BYTES
+    same_stream = (nxt[0].local, nxt[1], nxt[4]) == (last[0].local, last[1], last[4])
+    fits = nxt[2] + nxt[3] + _streams.CRC_BYTES - first[2] <= COALESCE_BYTES and 3 * (len(run) + 1) <= _MAX_IOVECS
+    return same_stream and 0 <= nxt[2] - end < _streams.ALIGN and fits
+
+
+def _run_task(run: list[_Op], loc: Location) -> Callable[[], None]:
+    """Read a run of consecutive entries with one ``preadv`` per data object, check each
+    one's crc32c. Anything wrong (a missing or short object, a checksum): each entry is
+    read again alone with ``read_entry``, whose error names the object and the entry."""
+    def task() -> None:
+        for op in run:  # the fault point of each entry, as read_entry has it
+            root, process, offset = op.entry[:3]
+            try:
+                _storage.fault("read", f"p{process}@{offset}")
+            except (ValueError, OSError, CheckpointError) as e:
+                raise _corrupt(loc, op, e) from e
+        bufs = [op.buffer() for op in run]
+        if _read_run([op.entry for op in run], bufs):
+            for op, buf in zip(run, bufs):
+                _storage.count(bytes_read=op.entry[3], reads=1)
+                op.finish(buf)
+            return
+        for op, buf in zip(run, bufs):
+            _read_entry_into(op, buf, loc)
+            op.finish(buf)
+
+    return task
+
+
+def _read_run(entries: list[Any], bufs: list[np.ndarray]) -> bool:
+    """Read consecutive local entries into ``bufs``; whether all arrived and checked out."""
+    root, process, first, _, segment_bytes = entries[0]
+    parts: list[memoryview] = []
+    checks = []
+    at = first
+    for (_, _, offset, nbytes, _), buf in zip(entries, bufs):
+        if offset > at:
+            parts.append(memoryview(bytearray(offset - at)))  # the alignment gap: zeros
+        view, trailer = memoryview(buf.reshape(-1).view(np.uint8)), bytearray(_streams.CRC_BYTES)
+        parts += [view, memoryview(trailer)]
+        checks.append((view, trailer))
+        at = offset + nbytes + _streams.CRC_BYTES
+    if _preadv is None or any(not buf.flags.c_contiguous for buf in bufs):
+        return False
+    try:
+        for n, start, stop in _dataobjects.pieces(first, at - first, segment_bytes):
+            taken = _take(parts, stop - start)
+            if not _pread_segment(os.path.join(root.local, _dataobjects.segment_name(process, n)), start, stop, taken):
+                return False
+    except OSError:
+        return False
+    return all(crc32c.crc32c(view) == int.from_bytes(trailer, "little") for view, trailer in checks)
+
+
+_preadv = getattr(os, "preadv", None)
+
+
+def _take(parts: list[memoryview], nbytes: int) -> list[memoryview]:
+    """The first ``nbytes`` of ``parts`` (removed from it, a part cut where needed)."""
+    out = []
+    while nbytes:
+        head = parts[0]
+        if len(head) <= nbytes:
+            out.append(parts.pop(0))
+            nbytes -= len(head)
+        else:
+            out.append(head[:nbytes])
+            parts[0] = head[nbytes:]
+            nbytes = 0
+    return out
+
+
+def _pread_segment(path: str, start: int, stop: int, parts: list[memoryview]) -> bool:
+    """Fill ``parts`` from bytes ``[start, stop)`` of the regular file ``path``."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < stop:
+            return False
+        parts = [p for p in parts if len(p)]
+        while parts:
+            got = _preadv(fd, parts[:_MAX_IOVECS], start)
+            if not got:
+                return False
+            start += got
+            _take(parts, got)
+    finally:
+        os.close(fd)
+    return True
+
+
+def _read_entry_into(op: _Op, buf: np.ndarray, loc: Location) -> None:
+    assert op.entry is not None
+    root, process, offset, nbytes, segment_bytes = op.entry
+    try:
+        _dataobjects.read_entry(root, process, offset, nbytes, buf, segment_bytes)
+    except (ValueError, OSError, CheckpointError) as e:
+        raise _corrupt(loc, op, e) from e
 
 
 def _execute_tensorstore(ops: list[_Op], loc: Location) -> None:

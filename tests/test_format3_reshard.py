@@ -163,3 +163,29 @@ def test_two_processes_read_what_they_hold_and_read_once_on_format_3(tmp_path):
     assert len(once) == len(set(once)) == n_entries == 8 + 2, once
     assert res[0]["once"]["entries"] and res[1]["once"]["entries"]
     assert res[0]["once"]["read"] + res[1]["once"]["read"] == math.prod(SHAPE) * 4 + 4000 + 4
+
+
+def test_small_entries_are_read_in_one_preadv_and_a_bad_one_names_its_leaf(tmp_path, monkeypatch):
+    from jaxckpt import _reader
+    from jaxckpt._errors import CorruptCheckpointError
+
+    small = {f"s{i:02d}": np.arange(100 * i + 8, dtype=np.float32) for i in range(40)}
+    path = str(tmp_path / "c")
+    leaves = _save(path, "3", monkeypatch, small)
+    calls = []
+    monkeypatch.setattr(_reader, "_preadv", lambda fd, parts, at: calls.append(len(parts)) or os.preadv(fd, parts, at))
+    reset_io_stats()
+    back = jaxckpt.restore(path, {k: np.zeros_like(v) for k, v in small.items()})
+    for k, v in small.items():
+        assert_bit_equal(back[k], v)
+    assert len(calls) == 1 and calls[0] == 40 * 3 - 1  # gaps, payloads and checksums of 40 entries
+    assert io_stats()["reads"] == 40 and io_stats()["bytes_read"] == sum(v.nbytes for v in small.values())
+    offset = leaves["s07"]["runs"][0][3]
+    with open(os.path.join(path, "data", "p0.0"), "r+b") as f:
+        f.seek(offset + 5)
+        byte = f.read(1)
+        f.seek(offset + 5)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(CorruptCheckpointError, match=r"leaf 's07' chunk cell \[0\] could not be read: DATA_LOSS: entry at offset "
+                                                     rf"{offset} of stream p0 .*digest mismatch"):
+        jaxckpt.restore(path, {k: np.zeros_like(v) for k, v in small.items()})
