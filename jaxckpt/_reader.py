@@ -20,6 +20,10 @@ host array with ``get``. ``run`` plans all I/O together:
   slice's buffer when it is an interior chunk the slice needs whole and that place is
   contiguous, else into a temporary chunk buffer and copied out (once, whichever slices
   need it). A slice that is exactly one interior chunk is the buffer read (no copy).
+  On a local disk, runs of small consecutive entries are read together (one open and
+  one ``preadv``, ``COALESCE_BYTES``), each still checked on its own. A format-3 save
+  cuts chunks finer than the shards (``_layout.fine_chunk_shape``), so a slice that
+  cuts across the saved shards reads about its own bytes.
 
 Reads run concurrently within a byte budget, so the memory beyond the restored arrays
 themselves stays bounded.
