@@ -337,3 +337,32 @@ def test_upload_file_to_memory_and_to_a_local_directory(tmp_path):
     os.makedirs(local.local)
     do.upload_file(local, "p2.1", str(path))
     assert read_file(os.path.join(local.local, "p2.1")) == path.read_bytes()
+
+
+@pytest.mark.parametrize("landed", [True, False])
+def test_a_complete_whose_answer_was_lost(s3_server, tmp_path, monkeypatch, landed):
+    import botocore.exceptions
+
+    monkeypatch.setattr(do, "PART_BYTES", 5 << 20)
+    root = resolve(s3_server(f"uploads-lost-{landed}/ckpt")).child("data")
+    path = tmp_path / "big"
+    data = np.random.default_rng(4).integers(0, 256, 11 << 20, dtype=np.uint8).tobytes()
+    path.write_bytes(data)
+    client = _s3.client_for(root)
+    real = client.complete_multipart_upload
+
+    def complete(**kw):
+        if landed:
+            real(**kw)
+        raise botocore.exceptions.ReadTimeoutError(endpoint_url="http://store")
+
+    monkeypatch.setattr(client, "complete_multipart_upload", complete)
+    key = f"uploads-lost-{landed}/ckpt/data/p0.0"
+    if landed:  # the object is there, made of our parts: done
+        do.upload_file(root, "p0.0", str(path))
+        assert s3_server.client.get_object(Bucket="jaxckpt-test", Key=key)["Body"].read() == data
+    else:
+        with pytest.raises(CheckpointError, match=rf"^Completing the upload of 's3://jaxckpt-test/{key}' failed: "
+                                                  "Read timeout on endpoint URL"):
+            do.upload_file(root, "p0.0", str(path))
+        assert s3_server.client.list_multipart_uploads(Bucket="jaxckpt-test", Prefix=key).get("Uploads", []) == []

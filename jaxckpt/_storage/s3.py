@@ -13,6 +13,7 @@ there, with timeouts and retries within the I/O bound (``bounds.io_timeout_s``).
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import logging
 import os
@@ -218,8 +219,24 @@ class ObjectUpload:
             raise CheckpointError(f"Writing '{self.url}' failed: {len(self.etags)} of its {parts} parts "
                                   "were uploaded")
         done = [{"PartNumber": n, "ETag": self.etags[n]} for n in range(1, parts + 1)]
-        self._call("completing the upload of", self.client.complete_multipart_upload,
-                   UploadId=self.upload_id, MultipartUpload={"Parts": done})
+        try:
+            self._call("completing the upload of", self.client.complete_multipart_upload,
+                       UploadId=self.upload_id, MultipartUpload={"Parts": done})
+        except CheckpointError:
+            if not self._completed(parts):
+                raise
+
+    def _completed(self, parts: int) -> bool:
+        """Whether the object is there, assembled from exactly our parts: a complete whose
+        answer was lost (a timeout: assembling GiBs takes a while) and that boto3 retried
+        fails with the upload already gone. The ETag of a multipart object is the MD5 of
+        its parts' MD5s, ``-<parts>``."""
+        digests = b"".join(bytes.fromhex(self.etags[n].strip('"')) for n in range(1, parts + 1))
+        want = f'"{hashlib.md5(digests, usedforsecurity=False).hexdigest()}-{parts}"'
+        try:
+            return self._call("checking", self.client.head_object).get("ETag") == want
+        except CheckpointError:
+            return False
 
     def abort(self) -> None:
         """Drop the parts uploaded so far (best effort: a store that fails here leaves them
