@@ -187,3 +187,23 @@ def test_a_host_that_lacks_a_step_gets_a_copy_of_a_host_that_holds_all_of_it(tmp
         assert (tmp_path / "host0" / "2" / name).read_bytes() == (tmp_path / "host1" / "2" / name).read_bytes()
     assert sorted(os.listdir(tmp_path / "host0" / "2" / "data")) == ["p1.0"]
     assert jaxckpt.verify(str(tmp_path / "host0" / "2")).ok
+
+
+def test_one_process_copies_its_data_objects_to_the_persistent_tier(tmp_path, monkeypatch):
+    """A shared directory (one process): the persistent copy is the local one, object for
+    object, in blocks smaller than the object."""
+    from jaxckpt._manager import tiers
+
+    monkeypatch.setattr(tiers, "COPY_BLOCK_BYTES", 4096)
+    tree = {"w": np.arange(30_000, dtype=np.float32), "b": np.arange(7, dtype=np.int8), "step": 3}
+    with jaxckpt.CheckpointManager(str(tmp_path / "local"), persistent_directory=str(tmp_path / "durable"),
+                                   persistent_interval_steps=1) as mgr:
+        mgr.save(3, tree)
+        mgr.wait_until_finished()
+    local, durable = str(tmp_path / "local" / "3"), str(tmp_path / "durable" / "3")
+    assert data_files(durable) == data_files(local) == {"p0.0": manifest_of(local)["streams"]["0"]}
+    assert (tmp_path / "durable/3/data/p0.0").read_bytes() == (tmp_path / "local/3/data/p0.0").read_bytes()
+    assert manifest_of(durable)["format_version"] == 3 and jaxckpt.verify(durable).ok
+    back = jaxckpt.restore(durable)
+    assert back["w"].tobytes() == tree["w"].tobytes() and back["b"].tobytes() == tree["b"].tobytes()
+    assert back["step"] == 3
