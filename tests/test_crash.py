@@ -104,6 +104,8 @@ def check_recovered(path, steps, values=None, read=None):
 # and one tensorstore write of the packed small leaves per step), or the retention delete
 # of step 1 that follows its commit.
 # case -> (fault, async_save, the committed steps after the kill)
+V3_STRIDE = 262208  # format 3: big's entries (a chunk's 262,144 bytes + crc32c, rounded up to 64)
+V3_STREAM = 4 * V3_STRIDE + 52  # then small's entry (12 int32 + crc32c)
 SINGLE = {
     "before-data": ("data:start:3", False, [1, 2]),
     "mid-data": ("write@0:10", False, [1, 2]),
@@ -117,6 +119,15 @@ SINGLE = {
     "delete-after-rename": ("delete:after-rename:1", False, [2, 3]),
     "mid-delete": ("delete:middle:1", False, [2, 3]),
     "mid-delete-async": ("delete:middle:1", True, [2, 3]),
+    # format 3 where it differs: one stream of 5 entries per step (big's 4 chunks of 262,144
+    # bytes at stride 262,208, then small's), killed before big's third entry, after the
+    # last, in the background writer's manifest, deleting a format-3 step. (The points
+    # before any data and after the manifest run the same code in every format; errors
+    # there in format 3: test_storage_errors_fail_the_save_cleanly's v3 cases.)
+    "v3-mid-data": (f"write@p0@{2 * V3_STRIDE}:3", False, [1, 2]),
+    "v3-after-data": ("commit:before-manifest:3", False, [1, 2]),
+    "v3-mid-manifest-async": ("manifest:partial:3", True, [1, 2]),
+    "v3-mid-delete": ("delete:middle:1", True, [2, 3]),
 }
 
 # An overwrite of committed step 2 (value 2) with value 20, by ``jaxckpt.save(...,
@@ -145,7 +156,8 @@ def single_runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("crash")
     jobs = {}
     for case, (fault, async_save, _) in SINGLE.items():
-        jobs[case] = (str(base / case), {"scenario": "manager", "steps": 3, "async": async_save}, fault)
+        jobs[case] = (str(base / case), {"scenario": "manager", "steps": 3, "async": async_save,
+                                         "format": 3 if case.startswith("v3-") else 1}, fault)
     for case, (fault, exchange, _) in OVERWRITE.items():
         path = str(base / case)
         _prepare_overwrite(path)
@@ -163,12 +175,19 @@ def single_runs(tmp_path_factory):
 def _check_leftovers_single(case, path):
     """What the kill left is what its fault point says (so the kill happened there)."""
     staging = [os.path.join(path, n) for n in hidden(path, ".3.jaxckpt-tmp-")]
+    v3, case = case.startswith("v3-"), case.removeprefix("v3-")
     if case.startswith(("before-data", "mid-data", "mid-tensorstore", "after-data", "mid-manifest",
                         "after-manifest")):
         files = files_under(only(staging))
         assert "3" not in os.listdir(path) and hidden(path) == [os.path.basename(staging[0])]
         if case == "before-data":
             assert files == []
+        elif v3 and case in ("mid-data", "after-data"):  # the data object is made at its full size up front
+            assert files == ["data/p0.0"] and os.path.getsize(os.path.join(staging[0], files[0])) == V3_STREAM
+            with open(os.path.join(staging[0], files[0]), "rb") as f:
+                f.seek(2 * V3_STRIDE)
+                third = f.read(V3_STRIDE)
+            assert (third.count(0) == V3_STRIDE) == (case == "mid-data")  # killed before it was written
         elif case.startswith(("mid-data", "mid-tensorstore")):
             chunks = [f for f in files if f.startswith("arrays/0/c/")]
             assert files and "manifest.json" not in files and len(chunks) < 4, files
@@ -190,7 +209,7 @@ def _check_leftovers_single(case, path):
     else:  # killed deleting step 1: renamed aside, its manifest gone, its data not yet
         doomed = os.path.join(path, only(hidden(path, ".1.jaxckpt-old-")))
         assert "1" not in os.listdir(path)
-        assert sorted(os.listdir(doomed)) == ["arrays", "packed"]
+        assert sorted(os.listdir(doomed)) == (["data"] if v3 else ["arrays", "packed"])
 
 
 @pytest.mark.parametrize("case", sorted(SINGLE))
@@ -372,6 +391,13 @@ WHERE = {
 }
 MODES = ["save", "manager-sync", "manager-async"]
 CASES = [pytest.param(m, w, n, id=f"{m}-{w}-{errno.errorcode[n]}") for m in MODES for w in WHERE for n in ERRNOS]
+# format 3: the first entry of the stream, the manifest (and each of the commit's points)
+WHERE["v3-entry"] = (("write", "p0@0"), "Writing checkpoint '{staging}' failed: [Errno {n}] {text}")
+WHERE["v3-manifest"] = WHERE["manifest"]
+WHERE["v3-data:start"] = (("data:start", None), WHERE["v3-entry"][1])
+for point in ("commit:before-manifest", "commit:after-manifest"):
+    WHERE[f"v3-{point}"] = ((point, None), "Committing checkpoint '{final}' failed: [Errno {n}] {text}")
+CASES += [pytest.param(m, w, errno.ENOSPC, id=f"{m}-{w}-ENOSPC") for m in MODES for w in WHERE if w.startswith("v3-")]
 if os.geteuid() != 0:  # root is never denied by a mode: then only the injected errors
     CASES += [pytest.param(m, "chmod", errno.EACCES, id=f"{m}-chmod-0o500") for m in MODES]
 
@@ -383,7 +409,7 @@ def _inject(monkeypatch, where, code):
         if where == "chmod":
             if op == "data:start":
                 os.chmod(key, 0o500)
-        elif (op, key) == WHERE[where][0]:
+        elif (op, key) == WHERE[where][0] or (op, None) == WHERE[where][0]:
             raise OSError(code, os.strerror(code))
     monkeypatch.setattr(_storage, "fault_hook", hook)
 
@@ -422,6 +448,8 @@ def _innermost(e):
 @pytest.mark.parametrize("mode,where,code", CASES)
 def test_storage_errors_fail_the_save_cleanly(tmp_path, monkeypatch, mode, where, code):
     path = str(tmp_path)
+    if where.startswith("v3-"):
+        monkeypatch.setenv("JAXCKPT_FORMAT", "3")
     err, final = _failing_save(mode, path, monkeypatch, where, code)
     text = os.strerror(code)
     message = str(err)
@@ -438,6 +466,8 @@ def test_storage_errors_fail_the_save_cleanly(tmp_path, monkeypatch, mode, where
         assert re.fullmatch(want.replace(re.escape("{text}"), re.escape(text)), message), message
         cause = _innermost(err)
         assert isinstance(cause, OSError) and cause.errno == code and cause.strerror == text
+    kept = final if mode == "save" else os.path.join(path, "1")
+    assert jaxckpt.metadata(kept).format_version == (3 if where.startswith("v3-") else 1)
     if mode == "save":
         assert os.listdir(path) == ["ckpt"]  # the staging directory is gone
         assert same(jaxckpt.restore(final), 1) and jaxckpt.verify(final).ok
