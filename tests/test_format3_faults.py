@@ -306,3 +306,24 @@ def test_a_manifest_whose_runs_do_not_fit_its_streams_is_refused(ckpt, damage):
     assert str(err.value).startswith(f"Checkpoint '{ckpt}': invalid manifest: ") and said in str(err.value), err.value
     report = jaxckpt.verify(ckpt)
     assert [d["file"] for d in report.damaged] == ["manifest.json"] and said in report.damaged[0]["message"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "link_to_dev_zero", "link_outside"])
+def test_a_data_object_that_is_not_a_regular_file_is_corrupt_and_never_blocks(ckpt, tmp_path, kind):
+    obj = ckpt / "data" / "p0.1"  # w's chunks 2 (half of it) and 3
+    outside = tmp_path / "outside"
+    outside.write_bytes(obj.read_bytes()[:-1] + b"\x00")  # a regular file, not the data object
+    obj.unlink()
+    {"fifo": lambda: os.mkfifo(obj), "directory": obj.mkdir,
+     "link_to_dev_zero": lambda: obj.symlink_to("/dev/zero"), "link_outside": lambda: obj.symlink_to(outside),
+     }[kind]()
+    said = "digest mismatch" if kind == "link_outside" else "is not a regular file"
+    for read in (lambda: jaxckpt.restore(ckpt), lambda: jaxckpt.open(ckpt)["w"][50:51, 1:2]):
+        with pytest.raises(jaxckpt.CorruptCheckpointError) as err:
+            read()
+        assert re.match(rf"Checkpoint '{re.escape(str(ckpt))}': leaf 'w' chunk cell \[[23], 0\] could not be read: ",
+                        str(err.value)), err.value
+        assert str(obj) in str(err.value) and said in str(err.value), err.value
+    report = jaxckpt.verify(ckpt)
+    assert report.unrestorable == ["w"], report.summary()
+    assert_bit_equal(jaxckpt.open(ckpt)["w"][:32], W[:32])  # chunks 0 and 1 lie in p0.0
