@@ -220,22 +220,28 @@ def chunk_shape_for(sharding: jax.sharding.Sharding, shape: Sequence[int], items
                     fine: bool = False) -> tuple[int, ...]:
     """Chunks follow the saved shards, split finer where several processes hold a shard
     (see ``split_chunk_shape``), so every chunk has exactly one writer; with ``fine``
-    (format 3) finer still, for reading (``fine_chunk_shape``)."""
+    (format 3) finer still, for reading (``fine_chunk_shape``, over the processes the
+    array spans)."""
     shards = shards_of(sharding, shape)
     replicas = min((len(s.processes) for s in shards), default=1)
     chunk = split_chunk_shape(sharding.shard_shape(tuple(shape)), replicas, itemsize)
-    return fine_chunk_shape(chunk, shape, itemsize) if fine else chunk
+    if not fine:
+        return chunk
+    return fine_chunk_shape(chunk, shape, itemsize, len({p for s in shards for p in s.processes}))
 
 
 # Format 3: a chunk no longer costs a file, so chunks are cut as fine as reading needs.
 FINE_CHUNK_BYTES = 4 << 20  # chunks are cut until no bigger than this ...
+FINE_FLOOR_BYTES = 1 << 20  # ... and, not below this, until every dimension has a piece per process
 MIN_RUN_BYTES = 512  # ... keeping each chunk's contiguous rows at least this long
 _FACTORS = (2, 3, 5, 7)
 
 
-def fine_chunk_shape(chunk: Sequence[int], shape: Sequence[int], itemsize: int,
+def fine_chunk_shape(chunk: Sequence[int], shape: Sequence[int], itemsize: int, processes: int = 1,
                      target: int = FINE_CHUNK_BYTES) -> tuple[int, ...]:
-    """``chunk`` cut into equal parts until it holds at most ``target`` bytes.
+    """``chunk`` cut into equal parts until it holds at most ``target`` bytes and, while
+    its parts stay at least ``FINE_FLOOR_BYTES``, the array is cut into at least
+    ``processes`` pieces along every dimension that can be cut.
 
     Each cut divides one dimension of the chunk by its smallest factor among 2, 3, 5
     and 7 (so chunks still never straddle shards: one writer per chunk), choosing the
@@ -247,25 +253,27 @@ def fine_chunk_shape(chunk: Sequence[int], shape: Sequence[int], itemsize: int,
     it whole), so a slice that cuts a chunk reads all of it; a slice ``t`` long along
     a dimension whose chunks are ``c`` long reads at most ``t + 2 * (c - 1)`` there, and
     exactly ``t`` when its ends fall on chunk boundaries (power-of-two meshes over
-    power-of-two shapes) and ``t >= c``.
+    power-of-two shapes) and ``t >= c``: so the processes of a restore that cut the
+    array into at most ``processes`` pieces along each dimension read what they hold.
 
     >>> fine_chunk_shape((8192, 1024), (32768, 1024), 4)  # a row block of 32 MiB
     (4096, 256)
     """
     chunk = [max(1, int(c)) for c in chunk]
-    while math.prod(chunk) * itemsize > target:
+    while True:
+        nbytes = math.prod(chunk) * itemsize
         best = None
         for d, c in enumerate(chunk):
             f = next((f for f in _FACTORS if c % f == 0), 0)
             if not f or math.prod(chunk[d:]) // f * itemsize < MIN_RUN_BYTES:
                 continue
             pieces = -(-int(shape[d]) // c)
-            if best is None or pieces < best[0]:
+            wanted = nbytes > target or (pieces < processes and nbytes // f >= FINE_FLOOR_BYTES)
+            if wanted and (best is None or pieces < best[0]):
                 best = (pieces, d, f)
         if best is None:
-            break
+            return tuple(chunk)
         chunk[best[1]] //= best[2]
-    return tuple(chunk)
 
 
 def assign_writers(chunks: Sequence[tuple[int, Sequence[int]]]) -> list[int]:

@@ -270,7 +270,7 @@ def _plan_array(slot: int, path: str, leaf: Any, fields: dict[str, Any], copy_ho
         shards = (_layout.Shard(full, everyone, ()),)
         chunk_shape = _layout.split_chunk_shape(shape, len(everyone), itemsize)
         if fine:  # format 3: finer, for reading
-            chunk_shape = _layout.fine_chunk_shape(chunk_shape, shape, itemsize)
+            chunk_shape = _layout.fine_chunk_shape(chunk_shape, shape, itemsize, len(everyone))
         if copy_host_arrays is None:
             data = np.asarray(leaf)
         else:

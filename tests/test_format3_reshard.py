@@ -33,6 +33,11 @@ def test_fine_chunk_shape_spreads_cuts_over_the_dimensions():
     # 12 MiB: the smallest factor first (2), twice, to 3 MiB
     assert _layout.fine_chunk_shape((3 << 20,), (3 << 20,), 4) == (3 << 18,)
     assert _layout.fine_chunk_shape((0, 5), (0, 5), 4) == (1, 5)
+    # saved by 4 processes: cut on (down to 1 MiB) until every dimension has 4 pieces, so
+    # 4 processes restoring it as column blocks read what they hold
+    assert _layout.fine_chunk_shape((2048, 1024), (8192, 1024), 4) == (2048, 512)
+    assert _layout.fine_chunk_shape((2048, 1024), (8192, 1024), 4, 4) == (2048, 256)
+    assert _layout.fine_chunk_shape((256, 1024), (1024, 1024), 4, 4) == (256, 1024)  # 1 MiB: no further
 
 
 def _save(path, fmt, monkeypatch, tree):
