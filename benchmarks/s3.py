@@ -9,7 +9,9 @@ Repetitions are interleaved (disk, s3, disk, s3, ...) and medians reported. With
 interleaved: the HTTP requests and seconds of a save, a restore and the deletion of
 the step (``_commit.delete_step``, what retention calls; the manager adds its readers'
 check: two requests), and the objects per checkpoint. Requests are tensorstore's
-(``/tensorstore/http/request_started``) plus boto3's (each send, retries included). moto is a
+(``/tensorstore/http/request_started``) plus boto3's (each send, retries included).
+moto copies a whole object for every ranged GET (``FakeKey.value``): a format-3
+restore's time there grows with the segment size (``--segment-mib``), which S3's does not. moto is a
 Python server holding objects in memory: its numbers are what jaxckpt's S3 path costs
 against a fast, nearby endpoint, not what AWS gives. Every endpoint is on 127.0.0.1.
 """
@@ -171,17 +173,22 @@ def formats_main(args: argparse.Namespace) -> None:
     os.environ["AWS_ENDPOINT_URL"] = endpoint
     client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
     count = Requests("s3://jaxckpt-bench/x")
-    samples: dict[str, list[dict[str, float]]] = {"2": [], "3": []}
+    if args.segment_mib:
+        from jaxckpt import _snapshot
+
+        _snapshot.SEGMENT_BYTES = args.segment_mib << 20
+    samples: dict[str, list[dict[str, float]]] = {f: [] for f in args.which.split(",")}
     try:
         for rep in range(args.reps):
-            for fmt in ("2", "3"):
+            for fmt in samples:
                 samples[fmt].append(format_round(fmt, f"s3://jaxckpt-bench/f{fmt}-r{rep}", tree, count, client))
                 print(fmt, rep, {k: round(v, 2) for k, v in samples[fmt][-1].items()}, flush=True)
     finally:
         proc.terminate()
     medians = {f"format{f}": {k: round(statistics.median(r[k] for r in v), 2) for k in v[0]}
                for f, v in samples.items()}
-    result = {"state_mib": nbytes / 2**20, "reps": args.reps, "median": medians, "samples": samples}
+    result = {"state_mib": nbytes / 2**20, "reps": args.reps, "segment_mib": args.segment_mib or 1024,
+              "median": medians, "samples": samples}
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:
@@ -194,6 +201,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--formats", action="store_true", help="format 2 vs format 3 on S3: requests and seconds")
+    ap.add_argument("--which", default="2,3", help="--formats: the formats, in the order of each round")
+    ap.add_argument("--segment-mib", type=int, default=0, help="--formats: format 3's segment size (default 1 GiB)")
     args = ap.parse_args()
     if args.formats:
         formats_main(args)
