@@ -4,7 +4,7 @@ local directory per host, with a persistent tier (tests/test_format3_hosts.py).
 Usage: mp_f3hosts_worker.py PORT NPROC PID NDEV SCENARIO JSON_ARGS
 JSON_ARGS: ``hosts`` (each process's host name: processes of one host share its
 directory), ``runs`` (per run a ``local`` root and a ``durable`` persistent directory),
-``save`` (steps), ``hostcopy`` (a local root: replicated state saved, host a's directory
+``save`` (steps), ``segment_bytes``, ``hostcopy`` (a local root: replicated state saved, host a's directory
 wiped, then restored). Prints one line `RESULT <json>`.
 """
 
@@ -28,7 +28,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
+from jaxckpt import _snapshot
 
+if args.get("segment_bytes"):  # small data objects: streams of several, entries straddling them
+    _snapshot.SEGMENT_BYTES = args["segment_bytes"]
 MESH = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
 N = len(jax.devices())
 

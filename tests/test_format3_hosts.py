@@ -88,37 +88,57 @@ def test_a_view_plans_only_the_groups_it_needs():
 # --- real jobs -------------------------------------------------------------------------
 
 
+SEGMENT = 64 << 10  # so each host's streams span several data objects
+
+
 def run_hosts_job(tmp_path, durables):
     runs = [{"local": str(tmp_path / f"local{k}"), "durable": d} for k, d in enumerate(durables)]
-    args = {"hosts": ["a", "a", "b"], "runs": runs, "save": [1, 2], "hostcopy": str(tmp_path / "copy")}
+    args = {"hosts": ["a", "a", "b"], "runs": runs, "save": [1, 2], "hostcopy": str(tmp_path / "copy"),
+            "segment_bytes": SEGMENT}
     return run_workers(os.path.join(ROOT, "tests", "mp_f3hosts_worker.py"), 3,
                        lambda i, port: [port, 3, i, 1, "job", json.dumps(args)], 150)
 
 
+def objects_of(files, process):
+    """The sizes of one process's data objects, in order."""
+    names = sorted((n for n in files if n.startswith(f"p{process}.")), key=lambda n: int(n.split(".")[1]))
+    assert names == [f"p{process}.{i}" for i in range(len(names))], names
+    return [files[n] for n in names]
+
+
+def segments_of(length):
+    return [min(SEGMENT, length - i) for i in range(0, length, SEGMENT)]
+
+
 def check_host_copies(local):
     """Host a (processes 0, 1) holds its streams, host b (process 2) its own, which ends
-    with its copies of the replicated leaves; the persistent copy took b's stream only up
-    to its designated entries."""
+    with its copies of the replicated leaves; host a's manifest gives b's stream only up
+    to its designated entries (the rows of 'w' process 2 holds)."""
     a, b = manifest_of(os.path.join(local, "a", "2")), manifest_of(os.path.join(local, "b", "2"))
-    assert a["format_version"] == b["format_version"] == 3
+    assert a["format_version"] == b["format_version"] == 3 and a["segment_bytes"] == SEGMENT
     files_a, files_b = data_files(os.path.join(local, "a", "2")), data_files(os.path.join(local, "b", "2"))
-    assert sorted(files_a) == ["p0.0", "p1.0"] and sorted(files_b) == ["p2.0"]
-    assert {int(k): n for k, n in a["streams"].items()} == {0: files_a["p0.0"], 1: files_a["p1.0"], 2: a["streams"]["2"]}
-    assert b["streams"]["2"] == files_b["p2.0"] > a["streams"]["2"]  # b's copies of r, b, host come last
+    assert {n.split(".")[0] for n in files_a} == {"p0", "p1"} and {n.split(".")[0] for n in files_b} == {"p2"}
+    for p in (0, 1):
+        assert objects_of(files_a, p) == segments_of(a["streams"][str(p)])
+    assert objects_of(files_b, 2) == segments_of(b["streams"]["2"])
+    assert len(files_b) > 1 and b["streams"]["2"] > a["streams"]["2"] == 16 * 96 * 4 + 4
     rb = next(leaf for leaf in b["leaves"] if leaf["path"] == "r")
-    assert [run[0] for run in rb["runs"]] == [2]  # host b reads its own copy
+    assert {run[0] for run in rb["runs"]} == {2}  # host b reads its own copy
     ra = next(leaf for leaf in a["leaves"] if leaf["path"] == "r")
-    assert {run[0] for run in ra["runs"]} <= {0, 1}
+    assert {run[0] for run in ra["runs"]} <= {0, 1}  # host a reads its processes' copy
     return a, files_b
 
 
 def check_persistent(a, loc, read_object, flip):
     """The persistent copy: process 0's manifest, b's stream cut at its designated
     entries; restores bit for bit in this single process; a flipped byte in an entry of
-    'w' in b's object is caught by verify naming the leaf."""
+    'w' in b's object is caught by verify naming the leaf and the chunk."""
     man = jaxckpt.metadata(loc)
     assert man.format_version == 3
     assert len(read_object("p2.0")) == a["streams"]["2"]
+    for p in (0, 1):
+        assert [len(read_object(f"p{p}.{i}")) for i in range(len(segments_of(a["streams"][str(p)])))] == \
+            segments_of(a["streams"][str(p)])
     back = jaxckpt.restore(loc)
     for k, want in values(2).items():
         assert back[k].dtype == want.dtype and back[k].tobytes() == want.tobytes(), k
@@ -153,7 +173,7 @@ def test_per_host_directories_persistent_tiers_and_a_replaced_host(tmp_path, s3_
     persistent tier. Each run restores step 2 from the hosts' directories, then onto
     columns (no host holds those: the persistent copy is read), bit for bit. Then
     replicated state, and host a replaced: it gets host b's copy (manifest and data
-    object byte for byte) and every process restores it bit for bit."""
+    objects byte for byte) and every process restores it bit for bit."""
     durable = str(tmp_path / "durable")
     res = run_hosts_job(tmp_path, [durable, s3_server("f3hosts")])
     for p in (0, 1, 2):
@@ -163,8 +183,9 @@ def test_per_host_directories_persistent_tiers_and_a_replaced_host(tmp_path, s3_
             assert out["restored"] == 2 and out["restored_columns"] == 2
         assert res[p]["hostcopy"] == {"steps_at_start": [], "restored": 7, "steps": [7]}
     copy_a, copy_b = tmp_path / "copy" / "a" / "7", tmp_path / "copy" / "b" / "7"
-    assert sorted(os.listdir(copy_a / "data")) == sorted(os.listdir(copy_b / "data")) == ["p2.0"]
-    for name in ("manifest.json", "data/p2.0"):
+    names = sorted(os.listdir(copy_b / "data"))
+    assert len(names) > 1 and sorted(os.listdir(copy_a / "data")) == names and names[0] == "p2.0"
+    for name in ["manifest.json"] + [f"data/{n}" for n in names]:
         assert (copy_a / name).read_bytes() == (copy_b / name).read_bytes()
     assert jaxckpt.verify(str(copy_a)).ok
     for k in (0, 1):
@@ -173,6 +194,8 @@ def test_per_host_directories_persistent_tiers_and_a_replaced_host(tmp_path, s3_
         # copy in b's directory: gone
         assert sorted(os.listdir(tmp_path / f"local{k}" / "b")) == ["1", "2"]
     step = os.path.join(durable, "2")
+    assert sorted(os.listdir(os.path.join(step, "data"))) == sorted(
+        [f"p{p}.{i}" for p in (0, 1) for i in range(len(segments_of(a["streams"][str(p)])))] + ["p2.0"])
 
     def read_object(name):
         with open(os.path.join(step, "data", name), "rb") as f:
