@@ -63,6 +63,10 @@ from ._storage.location import Location
 # ranges are allocated when planned, and direct reads hold at most one temporary chunk per thread.
 READ_BUDGET_BYTES = 256 << 20
 DIRECT_READ_THREADS = 4
+# Format 3 on an object store: each entry a ranged GET, bound by the request's latency more
+# than by bandwidth, so more of them in flight (each thread holds one chunk, <= 4 MiB as
+# format 3 cuts them unless a chunk cannot be cut).
+REMOTE_READ_THREADS = 16
 # Whole chunks of big leaves on a local disk are read without tensorstore (see
 # _chunkfiles.read_chunk_file); False forces every read through tensorstore.
 DIRECT_READS = True
@@ -340,7 +344,8 @@ def _execute(ops: list[_Op], loc: Location) -> None:
     threads (each holding at most one temporary chunk buffer, or one run of small
     entries, at a time)."""
     _execute_tensorstore([op for op in ops if not op.direct], loc)
-    _tasks.run_tasks(_direct_tasks([op for op in ops if op.direct], loc), DIRECT_READ_THREADS)
+    threads = DIRECT_READ_THREADS if loc.local is not None else REMOTE_READ_THREADS
+    _tasks.run_tasks(_direct_tasks([op for op in ops if op.direct], loc), threads)
 
 
 def _direct_tasks(ops: list[_Op], loc: Location) -> list[Callable[[], None]]:
