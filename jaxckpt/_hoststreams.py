@@ -26,7 +26,8 @@ same view. No I/O, no jax.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -34,24 +35,34 @@ from . import _streams
 from ._streams import Layout, Run
 
 
-def _places(runs: Sequence[Run], n: int, stride: int, skip: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per chunk of a leaf of ``n`` chunks: its process and stream offset (``-1`` for
-    chunks of runs by process ``skip``, or of no run)."""
-    proc = np.full(n, -1, np.int64)
-    off = np.zeros(n, np.int64)
-    t = np.asarray(runs, np.int64).reshape(-1, 4)
-    t = t[t[:, 0] != skip]
-    counts = t[:, 2]
-    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    at = np.repeat(t[:, 1], counts) + within
-    proc[at] = np.repeat(t[:, 0], counts)
-    off[at] = np.repeat(t[:, 3], counts) + within * stride
+def _group_places(writers: np.ndarray, designated: np.ndarray, stride: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One group's entries, per chunk of the whole tree (leaves concatenated): its
+    process and stream offset (``-1``: the group holds no copy). Each process's
+    designated entries first, then its others, each part in tree order (a stable sort by
+    process keeps it); offsets are sums of strides (every one a multiple of ALIGN)."""
+    proc = np.full(writers.size, -1, np.int64)
+    off = np.zeros(writers.size, np.int64)
+    held = writers >= 0
+    base = None  # per process: where its second part starts (the strides of its first)
+    for part in (held & designated, held & ~designated):
+        at = np.flatnonzero(part)
+        p = writers[at]
+        order = np.argsort(p, kind="stable")
+        by_proc, strides = p[order], stride[at][order]
+        ends = np.cumsum(strides)
+        new = np.concatenate(([True], by_proc[1:] != by_proc[:-1])) if by_proc.size else np.zeros(0, bool)
+        starts = (ends - strides)[new]
+        within = np.empty_like(ends)
+        within[order] = ends - strides - starts[np.cumsum(new) - 1]
+        proc[at], off[at] = p, within + (base[p] if base is not None else 0)
+        base = np.zeros(int(writers.max(initial=0)) + 1, np.int64)
+        base[by_proc[new]] = np.diff(np.append(starts, ends[-1] if ends.size else 0))
     return proc, off
 
 
 def runs_of(proc: np.ndarray, off: np.ndarray, stride: int) -> tuple[Run, ...]:
-    """The maximal runs of per-chunk places (consecutive chunks of one process at
-    consecutive strides merge).
+    """The maximal runs of one leaf's per-chunk places (consecutive chunks of one process
+    at consecutive strides merge).
 
     Example:
         >>> runs_of(np.array([0, 0, 1]), np.array([0, 64, 0]), 64)
@@ -66,58 +77,84 @@ def runs_of(proc: np.ndarray, off: np.ndarray, stride: int) -> tuple[Run, ...]:
     return tuple(zip(proc[firsts].tolist(), firsts.tolist(), counts.tolist(), off[firsts].tolist()))
 
 
-def _group_places(payloads: Sequence[int], writers: Sequence[np.ndarray], designated: Sequence[np.ndarray],
-                  virtual: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """One group's entries, per leaf and chunk: (process, offset), ``-1`` where the group
-    holds no copy. Its designated entries first (``_streams.plan``), then the others,
-    each process's second part starting where its first ends (aligned)."""
-    first = _streams.plan(zip(payloads, [np.where(d, w, virtual) for w, d in zip(writers, designated)]))
-    rest = _streams.plan(zip(payloads, [np.where(~d & (w >= 0), w, virtual) for w, d in zip(writers, designated)]))
-    base = np.zeros(virtual + 1, np.int64)
-    for p, length in first.streams.items():
-        base[p] = _streams.stride_for(length)  # rounded up to ALIGN
-    out = []
-    for payload, w, runs1, runs2 in zip(payloads, writers, first.runs, rest.runs):
-        stride = _streams.stride_for(_streams.entry_bytes_for(payload))
-        p1, o1 = _places(runs1, w.size, stride, virtual)
-        p2, o2 = _places(runs2, w.size, stride, virtual)
-        second = p2 >= 0
-        p1[second], o1[second] = p2[second], o2[second] + base[p2[second]]
-        out.append((p1, o1))
-    return out
-
-
-def plan_view(payloads: Sequence[int], writers: Sequence[Sequence[np.ndarray]], view: int) -> Layout:
+def plan_view(payloads: Sequence[int], owners: Sequence[np.ndarray], writers: Mapping[int, Sequence[np.ndarray]],
+              view: int) -> Layout:
     """The runs and streams of group ``view``'s directory.
 
     ``payloads``: per array leaf (manifest order) the bytes of one full chunk;
-    ``writers``: per group, ordered by the group's lowest process, per leaf each chunk's
-    writer in that group (``-1``: the group holds no copy). Every chunk is held by some
-    group. Raises ``ValueError`` otherwise.
+    ``owners``: per leaf, each chunk's designated group (the first, by lowest process,
+    that holds it); ``writers``: per group, per leaf, each chunk's writer in that group
+    (``-1``: the group holds no copy), for ``view`` and for every group designated for
+    a chunk ``view`` holds no copy of (no other is needed). Raises ``ValueError`` when
+    a chunk's designated group holds no copy of it.
 
     Example (one leaf of two chunks; group 0 = process 0 holds chunk 0, group 1 =
     process 1 holds both: its stream has chunk 1, designated, then its copy of chunk 0):
-        >>> w = [[np.array([0, -1])], [np.array([1, 1])]]
-        >>> plan_view([60], w, 1)
+        >>> owners = [np.array([0, 1])]
+        >>> w = {0: [np.array([0, -1])], 1: [np.array([1, 1])]}
+        >>> plan_view([60], owners, w, 1)
         Layout(runs=[((1, 0, 1, 64), (1, 1, 1, 0))], streams={1: 128})
-        >>> plan_view([60], w, 0)
+        >>> plan_view([60], owners, w, 0)
         Layout(runs=[((0, 0, 1, 0), (1, 1, 1, 0))], streams={0: 64, 1: 64})
     """
-    held = [np.stack([g[i] >= 0 for g in writers]) for i in range(len(payloads))]
-    if any(not h.any(axis=0).all() for h in held if h.size):
-        raise ValueError("a chunk no group holds")
-    owner = [np.argmax(h, axis=0) for h in held]  # the first group holding each chunk
-    virtual = 1 + max((int(w.max()) for g in writers for w in g if w.size), default=0)
-    places = [_group_places(payloads, g, [o == k for o in owner], virtual) for k, g in enumerate(writers)]
-    runs, ends = [], {}
-    for i, payload in enumerate(payloads):
-        entry = _streams.entry_bytes_for(payload)
-        stride = _streams.stride_for(entry)
-        proc, off = places[view][i]
-        for k in range(len(writers)):
-            take = (owner[i] == k) & (proc < 0)  # chunks this view's group holds no copy of
-            proc[take], off[take] = places[k][i][0][take], places[k][i][1][take]
-        runs.append(runs_of(proc, off, stride))
-        for p, _, count, offset in runs[-1]:
-            ends[p] = max(ends.get(p, 0), offset + (count - 1) * stride + entry)
-    return Layout(runs, dict(sorted(ends.items())))
+    sizes = np.array([o.size for o in owners], np.int64)
+    entries = np.array([_streams.entry_bytes_for(p) for p in payloads], np.int64)
+    strides = -(-entries // _streams.ALIGN) * _streams.ALIGN
+    owner = np.concatenate(owners) if owners else np.zeros(0, np.int64)
+    stride = np.repeat(strides, sizes)
+    proc, off = _group_places(np.concatenate(writers[view]) if owners else owner, owner == view, stride)
+    for k in sorted(set(writers) - {view}):
+        take = (owner == k) & (proc < 0)
+        if take.any():
+            p, o = _group_places(np.concatenate(writers[k]), owner == k, stride)
+            proc[take], off[take] = p[take], o[take]
+    if (proc < 0).any():
+        raise ValueError("a chunk its designated group holds no copy of")
+    return _layout(proc, off, sizes, strides, entries)
+
+
+def _layout(proc: np.ndarray, off: np.ndarray, sizes: np.ndarray, strides: np.ndarray, entries: np.ndarray) -> Layout:
+    """Every leaf's maximal runs of the concatenated places, and each process's stream
+    length (the end of its last entry)."""
+    starts = np.cumsum(sizes) - sizes
+    leaf = np.repeat(np.arange(sizes.size), sizes)
+    stride = strides[leaf]
+    first = np.zeros(proc.size, bool)
+    first[starts[sizes > 0]] = True
+    new = first.copy()
+    new[1:] |= (proc[1:] != proc[:-1]) | (off[1:] != off[:-1] + stride[1:])
+    at = np.flatnonzero(new)
+    counts = np.diff(np.append(at, proc.size))
+    rows = np.stack((proc[at], at - starts[leaf[at]], counts, off[at]), axis=1)
+    ends = np.zeros(int(proc.max(initial=0)) + 1, np.int64)
+    np.maximum.at(ends, rows[:, 0], rows[:, 3] + (rows[:, 2] - 1) * stride[at] + entries[leaf[at]])
+    bounds = np.searchsorted(leaf[at], np.arange(sizes.size + 1))
+    flat = list(zip(*rows.T.tolist())) if len(rows) else []
+    runs = [tuple(flat[a:b]) for a, b in zip(bounds.tolist(), bounds[1:].tolist())]
+    return Layout(runs, {p: int(ends[p]) for p in np.flatnonzero(ends).tolist()})
+
+
+def lay_out(payloads: Sequence[int], chunk_lists: Sequence[Sequence[Any]], groups: Sequence[tuple[int, ...]],
+            group: tuple[int, ...], own: Sequence[Sequence[int]],
+            writers_of: Callable[[tuple[int, ...]], Sequence[Sequence[int]]]) -> Layout:
+    """``plan_view`` of ``group``'s directory from the tree: ``chunk_lists`` per leaf (each
+    chunk with its ``holders``; leaves of one kind share one list), ``groups`` every group
+    of the job, ``own`` this group's writers per leaf, ``writers_of(g)`` another group's
+    (computed only for the groups this one needs: those designated for a chunk it holds
+    no copy of; with replicated state, none)."""
+    ordered = sorted(groups, key=min)  # the group of process 0 first: its view is the persistent one
+    gid = {p: k for k, g in enumerate(ordered) for p in g}
+    cache: dict[int, np.ndarray] = {}
+    owners = []
+    for chunks in chunk_lists:
+        hit = cache.get(id(chunks))
+        if hit is None:
+            hit = cache[id(chunks)] = np.array([min(gid[h] for h in c.holders) for c in chunks], np.int64)
+        owners.append(hit)
+    view = ordered.index(group)
+    mine = [np.asarray(w, np.int64) for w in own]
+    lacking = [o[w < 0] for o, w in zip(owners, mine) if o.size]
+    needed = set(np.unique(np.concatenate(lacking)).tolist()) if lacking else set()
+    writers = {k: [np.asarray(w, np.int64) for w in writers_of(ordered[k])] for k in needed - {view}}
+    writers[view] = mine
+    return plan_view(payloads, owners, writers, view)

@@ -238,42 +238,50 @@ _FACTORS = (2, 3, 5, 7)
 
 
 def fine_chunk_shape(chunk: Sequence[int], shape: Sequence[int], itemsize: int, processes: int = 1,
-                     target: int = FINE_CHUNK_BYTES) -> tuple[int, ...]:
-    """``chunk`` cut into equal parts until it holds at most ``target`` bytes and, while
-    its parts stay at least ``FINE_FLOOR_BYTES``, the array is cut into at least
-    ``processes`` pieces along every dimension that can be cut.
+                     target: int | None = None) -> tuple[int, ...]:
+    """``chunk`` cut into equal parts until, while its parts stay at least
+    ``FINE_FLOOR_BYTES``, the array is cut into at least ``processes`` pieces along every
+    dimension that can be cut, and then until it holds at most ``target`` bytes
+    (default ``FINE_CHUNK_BYTES``).
 
     Each cut divides one dimension of the chunk by its smallest factor among 2, 3, 5
-    and 7 (so chunks still never straddle shards: one writer per chunk), choosing the
-    dimension the array is cut into the fewest pieces along (ties: the first), so the
-    cuts spread over every dimension and a restore cutting the array along any of them
-    meets chunks small along it. A dimension whose cut would leave contiguous runs
-    (the chunk's trailing dimensions from it on) under ``MIN_RUN_BYTES``, or that has
-    no such factor, is not cut. Why: a chunk is the unit of reading (its crc32c covers
-    it whole), so a slice that cuts a chunk reads all of it; a slice ``t`` long along
-    a dimension whose chunks are ``c`` long reads at most ``t + 2 * (c - 1)`` there, and
-    exactly ``t`` when its ends fall on chunk boundaries (power-of-two meshes over
-    power-of-two shapes) and ``t >= c``: so the processes of a restore that cut the
-    array into at most ``processes`` pieces along each dimension read what they hold.
+    and 7 (so chunks still never straddle shards: one writer per chunk). A dimension
+    whose cut would leave contiguous runs (the chunk's trailing dimensions from it on)
+    under ``MIN_RUN_BYTES``, or that has no such factor, is not cut. Cuts for the
+    processes go to the dimension the array is cut into the fewest pieces along (ties:
+    the first), so they spread over every dimension; cuts for size go to the first
+    dimension that can be cut (rows: a chunk stays contiguous in the slice holding it,
+    read straight into place).
 
-    >>> fine_chunk_shape((8192, 1024), (32768, 1024), 4)  # a row block of 32 MiB
-    (4096, 256)
+    Why: a chunk is the unit of reading (its crc32c covers it whole), so a slice that
+    cuts a chunk reads all of it; a slice ``t`` long along a dimension whose chunks are
+    ``c`` long reads at most ``t + 2 * (c - 1)`` there, and exactly ``t`` when its ends
+    fall on chunk boundaries (power-of-two meshes over power-of-two shapes) and
+    ``t >= c``. So the processes of a restore that cuts the array into at most
+    ``processes`` pieces along each dimension read what they hold (one process holds
+    everything it reads from anyway).
+
+    >>> fine_chunk_shape((8192, 1024), (32768, 1024), 4, 4)  # a row block of 32 MiB, 4 processes
+    (2048, 256)
     """
+    target = FINE_CHUNK_BYTES if target is None else target
     chunk = [max(1, int(c)) for c in chunk]
     while True:
         nbytes = math.prod(chunk) * itemsize
-        best = None
+        spread = size = None
         for d, c in enumerate(chunk):
             f = next((f for f in _FACTORS if c % f == 0), 0)
             if not f or math.prod(chunk[d:]) // f * itemsize < MIN_RUN_BYTES:
                 continue
             pieces = -(-int(shape[d]) // c)
-            wanted = nbytes > target or (pieces < processes and nbytes // f >= FINE_FLOOR_BYTES)
-            if wanted and (best is None or pieces < best[0]):
-                best = (pieces, d, f)
-        if best is None:
+            if pieces < processes and nbytes // f >= FINE_FLOOR_BYTES and (spread is None or pieces < spread[0]):
+                spread = (pieces, d, f)
+            if size is None and nbytes > target:
+                size = (pieces, d, f)
+        cut = spread or size
+        if cut is None:
             return tuple(chunk)
-        chunk[best[1]] //= best[2]
+        chunk[cut[1]] //= cut[2]
 
 
 def assign_writers(chunks: Sequence[tuple[int, Sequence[int]]]) -> list[int]:

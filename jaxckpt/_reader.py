@@ -237,6 +237,13 @@ class Reader:
         """Each chunk the slices need, read once: into place, or into a temporary buffer
         of the whole chunk (an edge chunk, or one several slices share) copied out."""
         storage = _dtypes.DTYPES[rec.storage_dtype]
+        if len(indices) == 1 and len(rec.runs) == 1 and tuple(rec.chunk_shape) == tuple(rec.shape) \
+                and indices[0] == tuple((0, n) for n in rec.shape):  # a small leaf, whole: its one entry
+            index, (process, _, _, offset) = indices[0], rec.runs[0]
+            dest = self._out[(rec.path, index)] = _buffer(self.loc, [rec.path], tuple(rec.shape), storage)
+            entry = (self.streams, process, offset, rec.entry_bytes - _streams.CRC_BYTES, self.man.segment_bytes)
+            ops.append(_Op(dest.nbytes, [rec.path], dest, None, None, index, entry=entry, cell=(0,) * len(index)))
+            return
         users: dict[tuple[int, ...], list[tuple[_layout.Index, _layout.Index]]] = collections.defaultdict(list)
         dests = {}
         for index in indices:

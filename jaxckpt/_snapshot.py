@@ -212,8 +212,7 @@ def _plan(tree: Any, copy_host_arrays: bool | None, group: tuple[int, ...],
         records.append(None)
     _assign(arrays, group)
     if format3:
-        streams = _lay_out_host_streams(arrays, group, groups) if group else _lay_out_streams(arrays)
-        return structure, records, arrays, (), None, streams
+        return structure, records, arrays, (), None, _lay_out_streams(arrays, group, groups)
     packed, packed_buf = _lay_out_packed(arrays, me)
     return structure, records, arrays, packed, packed_buf, None
 
@@ -389,13 +388,30 @@ def _assign(arrays: list[_ArrayLeaf], group: tuple[int, ...]) -> None:
 
 def _group_writers(arrays: list[_ArrayLeaf], group: tuple[int, ...]) -> list[list[int]]:
     """Per leaf, each chunk's writer among ``group``'s processes holding it, balanced
-    over the whole tree (``-1``: nobody in the group holds it)."""
-    members = set(group)
-    chunks = [c for a in arrays for c in a.chunks]
-    held = [tuple(h for h in c.holders if h in members) for c in chunks]
-    picked = iter(_layout.assign_writers([(c.nbytes, h) for c, h in zip(chunks, held) if h]))
-    writers = iter([next(picked) if h else -1 for h in held])
-    return [[next(writers) for _ in a.chunks] for a in arrays]
+    over the whole tree (``-1``: nobody in the group holds it). Leaves whose chunks have
+    one holder each are counted once per kind of leaf (``_fixed_writers``), the rest
+    balanced on top: what ``_layout.assign_writers`` gives for all of them at once."""
+    members, load = set(group), {}
+    out: list[list[int]] = [[] for _ in arrays]
+    kinds: dict[int, list[int]] = {}
+    flexible = []
+    for i, a in enumerate(arrays):
+        fixed = _fixed_writers(a.chunks)
+        if fixed is None:
+            flexible.append(i)
+            continue
+        if id(a.chunks) not in kinds:
+            kinds[id(a.chunks)] = [p if p in members else -1 for p in fixed[0]]
+        out[i] = kinds[id(a.chunks)]  # shared: never mutated
+        for p, n in fixed[1].items():
+            if p in members:
+                load[p] = load.get(p, 0) + n
+    held = {i: [tuple(h for h in c.holders if h in members) for c in arrays[i].chunks] for i in flexible}
+    picked = iter(_layout.assign_with_loads(
+        [(c.nbytes, h) for i in flexible for c, h in zip(arrays[i].chunks, held[i]) if h], load))
+    for i in flexible:
+        out[i] = [next(picked) if h else -1 for h in held[i]]
+    return out
 
 
 def _lay_out_packed(arrays: list[_ArrayLeaf], me: int) -> tuple[tuple[PackedArray, ...], np.ndarray | None]:
@@ -411,31 +427,20 @@ def _lay_out_packed(arrays: list[_ArrayLeaf], me: int) -> tuple[tuple[PackedArra
     return packed, np.zeros(sizes[me], np.uint8) if sizes.get(me) else None
 
 
-def _lay_out_streams(arrays: list[_ArrayLeaf]) -> dict[int, int]:
+def _lay_out_streams(arrays: list[_ArrayLeaf], group: tuple[int, ...] = (),
+                     groups: tuple[tuple[int, ...], ...] = ()) -> dict[int, int]:
     """Format 3: every array leaf's chunks as entries of its writers' streams (recorded in
     its fields: store, codec, entry_bytes, runs), and every writing process's stream
-    length. ``_streams.plan`` of the global tree: the same in every process."""
+    length. ``_streams.plan`` of the global tree: the same in every process. With a
+    directory per host (``group``), the layout of this host's directory: other groups'
+    writers are planned as their processes plan them where it needs them (``_hoststreams``)."""
     payloads = [math.prod(a.fields["chunk_shape"]) * _dtypes.DTYPES[a.fields["storage_dtype"]].itemsize
                 for a in arrays]
-    layout = _streams.plan(zip(payloads, [a.writers for a in arrays]))
-    for a, payload, runs in zip(arrays, payloads, layout.runs):
-        a.fields.update(store="stream", key="", codec=_streams.CODEC_RAW,
-                        entry_bytes=_streams.entry_bytes_for(payload), runs=runs)
-    return layout.streams
-
-
-def _lay_out_host_streams(arrays: list[_ArrayLeaf], group: tuple[int, ...],
-                          groups: tuple[tuple[int, ...], ...]) -> dict[int, int]:
-    """Format 3, a directory per host: ``_lay_out_streams`` for this host's directory.
-    Every group's writers are planned (each as its own processes plan them), so that this
-    group's manifest can locate the chunks it holds no copy of in the other hosts'
-    streams (``_hoststreams``); this group's are ``arrays``' own."""
-    ordered = sorted(groups, key=min)  # the group of process 0 first: its view is the persistent one
-    payloads = [math.prod(a.fields["chunk_shape"]) * _dtypes.DTYPES[a.fields["storage_dtype"]].itemsize
-                for a in arrays]
-    writers = [[np.asarray(a.writers, np.int64) for a in arrays] if g == group
-               else [np.asarray(w, np.int64) for w in _group_writers(arrays, g)] for g in ordered]
-    layout = _hoststreams.plan_view(payloads, writers, ordered.index(group))
+    if group:
+        layout = _hoststreams.lay_out(payloads, [a.chunks for a in arrays], groups, group,
+                                      [a.writers for a in arrays], functools.partial(_group_writers, arrays))
+    else:
+        layout = _streams.plan(zip(payloads, [a.writers for a in arrays]))
     for a, payload, runs in zip(arrays, payloads, layout.runs):
         a.fields.update(store="stream", key="", codec=_streams.CODEC_RAW,
                         entry_bytes=_streams.entry_bytes_for(payload), runs=runs)

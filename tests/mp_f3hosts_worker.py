@@ -4,11 +4,13 @@ local directory per host, with a persistent tier (tests/test_format3_hosts.py).
 Usage: mp_f3hosts_worker.py PORT NPROC PID NDEV SCENARIO JSON_ARGS
 JSON_ARGS: ``hosts`` (each process's host name: processes of one host share its
 directory), ``runs`` (per run a ``local`` root and a ``durable`` persistent directory),
-``save`` (steps). Prints one line `RESULT <json>`.
+``save`` (steps), ``segment_bytes``, ``hostcopy`` (a local root: replicated state saved, host a's directory
+wiped, then restored). Prints one line `RESULT <json>`.
 """
 
 import json
 import os
+import shutil
 import sys
 import traceback
 
@@ -26,7 +28,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
+from jaxckpt import _snapshot
 
+if args.get("segment_bytes"):  # small data objects: streams of several, entries straddling them
+    _snapshot.SEGMENT_BYTES = args["segment_bytes"]
 MESH = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
 N = len(jax.devices())
 
@@ -70,9 +75,29 @@ def run(local, durable):
     return out
 
 
+def hostcopy(local):
+    """Replicated state (every host holds all of it); host a is replaced (its directory
+    wiped): the restore copies host b's step to it first."""
+    from jax.experimental import multihost_utils
+
+    with jaxckpt.CheckpointManager(local, timeout_s=30) as mgr:
+        mgr.save(7, state(7, (None, None)))
+    multihost_utils.sync_global_devices("saved")
+    if pid == 0:
+        shutil.rmtree(local)
+    multihost_utils.sync_global_devices("wiped")
+    with jaxckpt.CheckpointManager(local, timeout_s=30) as mgr:
+        out = {"steps_at_start": mgr.all_steps()}
+        out["restored"] = check(mgr.restore(None, state(0, (None, None))), 7)
+        out["steps"] = mgr.all_steps()
+    return out
+
+
 def main():
     host = args["hosts"][pid]
     out = {"pid": pid, "runs": [run(os.path.join(r["local"], host), r["durable"]) for r in args["runs"]]}
+    if args.get("hostcopy"):
+        out["hostcopy"] = hostcopy(os.path.join(args["hostcopy"], host))
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -10,6 +10,7 @@ import json
 import os
 import weakref
 
+import crc32c
 import jax
 import ml_dtypes
 import numpy as np
@@ -119,30 +120,37 @@ def test_relayout_from_format_1_to_3_and_back(tmp_path, monkeypatch):
     """v1 -> v3 onto column chunks (strided views, cast to bfloat16; segments of 4 KiB, so
     entries straddle data objects) -> v1 onto row chunks: the same values all the way."""
     x = np.random.default_rng(1).standard_normal((96, 80)).astype(np.float32)
-    tree = {"w": sharded(x, (2,), ("x",), ("x", None)), "b": np.arange(5, dtype=np.int32), "step": 3}
+    tree = {"w": sharded(x, (2,), ("x",), ("x", None)), "b": np.arange(5, dtype=np.int32), "step": 3,
+            "lr": np.float32(0.1)}
     jaxckpt.save(tmp_path / "a", tree)
     monkeypatch.setenv("JAXCKPT_FORMAT", "3")
     monkeypatch.setattr(_snapshot, "SEGMENT_BYTES", 4096)
     cols = NamedSharding(AbstractMesh((2, 2), ("a", "b")), P(None, "b"))
-    convert.relayout(tmp_path / "a", tmp_path / "b", shardings={"w": cols, "b": None, "step": None}, dtype="bfloat16")
+    convert.relayout(tmp_path / "a", tmp_path / "b", shardings={"w": cols, "b": None, "step": None, "lr": None},
+                     dtype="bfloat16")
     man = manifest(tmp_path / "b")
     assert man["format_version"] == 3 and man["segment_bytes"] == 4096
     entry = 96 * 40 * 2 + 4  # a column block of bfloat16, then its crc32c
     assert leaves_of(tmp_path / "b")["b"]["runs"] == [[0, 0, 1, 0]]  # 24 bytes, then zeros up to 64
-    assert leaves_of(tmp_path / "b")["w"]["runs"] == [[0, 0, 2, 64]]  # stride: the entry rounded up to 64
-    assert man["streams"] == {"0": 64 + 7744 + entry} and entry == 7684
+    assert leaves_of(tmp_path / "b")["lr"]["runs"] == [[0, 0, 1, 64]]  # a bfloat16 scalar: 6 bytes
+    assert leaves_of(tmp_path / "b")["w"]["runs"] == [[0, 0, 2, 128]]  # stride: the entry rounded up to 64
+    assert man["streams"] == {"0": 128 + 7744 + entry} and entry == 7684
     assert sorted(os.listdir(tmp_path / "b" / "data")) == ["p0.0", "p0.1", "p0.2", "p0.3"]
     cast = x.astype(ml_dtypes.bfloat16)
-    assert check_entries(tmp_path / "b", {"w": cast, "b": tree["b"]}) == 3
+    lr = np.frombuffer((tmp_path / "b/data/p0.0").read_bytes()[64:70], ml_dtypes.bfloat16)
+    assert lr[0] == np.float32(0.1).astype(ml_dtypes.bfloat16)
+    assert (tmp_path / "b/data/p0.0").read_bytes()[66:70] == crc32c.crc32c(lr[:1].tobytes()).to_bytes(4, "little")
     assert jaxckpt.verify(tmp_path / "b").ok
     out = jaxckpt.restore(tmp_path / "b", {"w": jax.ShapeDtypeStruct(x.shape, ml_dtypes.bfloat16,
                                                                     sharding=NamedSharding(mesh((2, 2), ("a", "b")),
                                                                                            P(None, "b"))),
-                                           "b": tree["b"], "step": 0})
+                                           "b": tree["b"], "step": 0, "lr": np.float32(0)})
     assert_bit_equal(out["w"], cast) and out["step"] == 3
+    lr = jaxckpt.restore(tmp_path / "b")["lr"]  # (the target's float32 would cast it back)
+    assert type(lr) is ml_dtypes.bfloat16 and lr == np.float32(0.1).astype(ml_dtypes.bfloat16)
     monkeypatch.delenv("JAXCKPT_FORMAT")
     rows = NamedSharding(AbstractMesh((4,), ("m",)), P("m"))
-    convert.relayout(tmp_path / "b", tmp_path / "c", shardings={"w": rows, "b": None, "step": None})
+    convert.relayout(tmp_path / "b", tmp_path / "c", shardings={"w": rows, "b": None, "step": None, "lr": None})
     assert manifest(tmp_path / "c")["format_version"] == 1
     assert leaves_of(tmp_path / "c")["w"]["chunk_shape"] == [24, 80]
     assert jaxckpt.verify(tmp_path / "c").ok

@@ -2,11 +2,10 @@
 streams hold its group's copies, its manifest locates the rest in the other hosts'
 (``_hoststreams``); a host that lacks a step gets a copy from one that holds all of it;
 the persistent tier gets each stream's designated prefix, byte for byte. Real
-multi-process jobs (tests/mp_f3hosts_worker.py, tests/mp_hosts_worker.py)."""
+multi-process job (tests/mp_f3hosts_worker.py)."""
 
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -45,9 +44,10 @@ def values(i, n=3):
 def test_each_view_locates_held_chunks_in_its_own_streams_and_the_rest_at_the_designated_copy():
     # two leaves; group 0 = processes (0, 1), group 1 = process 2. Leaf a: 4 chunks, rows of
     # processes 0, 1, 2, 2 (sharded); leaf b: 2 chunks held by everyone (replicated)
-    writers = [[np.array([0, 1, -1, -1]), np.array([0, 1])], [np.array([-1, -1, 2, 2]), np.array([2, 2])]]
-    view0 = _hoststreams.plan_view([60, 124], writers, 0)
-    view1 = _hoststreams.plan_view([60, 124], writers, 1)
+    owners = [np.array([0, 0, 1, 1]), np.array([0, 0])]
+    writers = {0: [np.array([0, 1, -1, -1]), np.array([0, 1])], 1: [np.array([-1, -1, 2, 2]), np.array([2, 2])]}
+    view0 = _hoststreams.plan_view([60, 124], owners, writers, 0)
+    view1 = _hoststreams.plan_view([60, 124], owners, writers, 1)
     # group 0's view is the designated one: b's chunks in group 0's streams only
     assert view0.runs == [((0, 0, 1, 0), (1, 1, 1, 0), (2, 2, 2, 0)), ((0, 0, 1, 64), (1, 1, 1, 64))]
     assert view0.streams == {0: 192, 1: 192, 2: 128}
@@ -57,44 +57,88 @@ def test_each_view_locates_held_chunks_in_its_own_streams_and_the_rest_at_the_de
     for view in (view0, view1):  # what a reader accepts
         leaves = [("a", 4, 64, _streams.runs_to_json(view.runs[0])), ("b", 2, 128, _streams.runs_to_json(view.runs[1]))]
         assert _streams.validate(leaves, view.streams, "/ckpt") == view.runs
-    with pytest.raises(ValueError, match="a chunk no group holds"):
-        _hoststreams.plan_view([60], [[np.array([0, -1])], [np.array([1, -1])]], 0)
+    with pytest.raises(ValueError, match="a chunk its designated group holds no copy of"):
+        _hoststreams.plan_view([60], [np.array([0, 1])], {0: [np.array([0, -1])], 1: [np.array([1, -1])]}, 0)
+
+
+def test_a_view_plans_only_the_groups_it_needs():
+    """Replicated chunks: every group holds all of them, so a view needs no other
+    group's writers; a sharded leaf needs the groups holding what it lacks."""
+    class Chunk:
+        def __init__(self, *holders):
+            self.holders = holders
+
+    asked = []
+
+    def writers_of(g):
+        asked.append(g)
+        return [[next((h for h in c.holders if h in g), -1) for c in chunks] for chunks in lists]
+
+    replicated = [Chunk(0, 1, 2), Chunk(0, 1, 2)]
+    lists = [replicated, replicated, []]
+    layout = _hoststreams.lay_out([4, 4, 4], lists, [(2,), (0, 1)], (2,), [[2, 2], [2, 2], []], writers_of)
+    assert asked == [] and layout.streams == {2: 4 * 64 - 56}
+    sharded = [Chunk(0), Chunk(1), Chunk(2)]
+    lists = [sharded]
+    layout = _hoststreams.lay_out([4], lists, [(0, 1), (2,)], (2,), [[-1, -1, 2]], writers_of)
+    assert asked == [(0, 1)] and layout.runs == [((0, 0, 1, 0), (1, 1, 1, 0), (2, 2, 1, 0))]
+    assert layout.streams == {0: 8, 1: 8, 2: 8}
 
 
 # --- real jobs -------------------------------------------------------------------------
 
 
+SEGMENT = 64 << 10  # so each host's streams span several data objects
+
+
 def run_hosts_job(tmp_path, durables):
     runs = [{"local": str(tmp_path / f"local{k}"), "durable": d} for k, d in enumerate(durables)]
-    args = {"hosts": ["a", "a", "b"], "runs": runs, "save": [1, 2]}
+    args = {"hosts": ["a", "a", "b"], "runs": runs, "save": [1, 2], "hostcopy": str(tmp_path / "copy"),
+            "segment_bytes": SEGMENT}
     return run_workers(os.path.join(ROOT, "tests", "mp_f3hosts_worker.py"), 3,
                        lambda i, port: [port, 3, i, 1, "job", json.dumps(args)], 150)
 
 
+def objects_of(files, process):
+    """The sizes of one process's data objects, in order."""
+    names = sorted((n for n in files if n.startswith(f"p{process}.")), key=lambda n: int(n.split(".")[1]))
+    assert names == [f"p{process}.{i}" for i in range(len(names))], names
+    return [files[n] for n in names]
+
+
+def segments_of(length):
+    return [min(SEGMENT, length - i) for i in range(0, length, SEGMENT)]
+
+
 def check_host_copies(local):
     """Host a (processes 0, 1) holds its streams, host b (process 2) its own, which ends
-    with its copies of the replicated leaves; the persistent copy took b's stream only up
-    to its designated entries."""
+    with its copies of the replicated leaves; host a's manifest gives b's stream only up
+    to its designated entries (the rows of 'w' process 2 holds)."""
     a, b = manifest_of(os.path.join(local, "a", "2")), manifest_of(os.path.join(local, "b", "2"))
-    assert a["format_version"] == b["format_version"] == 3
+    assert a["format_version"] == b["format_version"] == 3 and a["segment_bytes"] == SEGMENT
     files_a, files_b = data_files(os.path.join(local, "a", "2")), data_files(os.path.join(local, "b", "2"))
-    assert sorted(files_a) == ["p0.0", "p1.0"] and sorted(files_b) == ["p2.0"]
-    assert {int(k): n for k, n in a["streams"].items()} == {0: files_a["p0.0"], 1: files_a["p1.0"], 2: a["streams"]["2"]}
-    assert b["streams"]["2"] == files_b["p2.0"] > a["streams"]["2"]  # b's copies of r, b, host come last
+    assert {n.split(".")[0] for n in files_a} == {"p0", "p1"} and {n.split(".")[0] for n in files_b} == {"p2"}
+    for p in (0, 1):
+        assert objects_of(files_a, p) == segments_of(a["streams"][str(p)])
+    assert objects_of(files_b, 2) == segments_of(b["streams"]["2"])
+    assert len(files_b) > 1 and b["streams"]["2"] > a["streams"]["2"] == 16 * 96 * 4 + 4
     rb = next(leaf for leaf in b["leaves"] if leaf["path"] == "r")
-    assert [run[0] for run in rb["runs"]] == [2]  # host b reads its own copy
+    assert {run[0] for run in rb["runs"]} == {2}  # host b reads its own copy
     ra = next(leaf for leaf in a["leaves"] if leaf["path"] == "r")
-    assert {run[0] for run in ra["runs"]} <= {0, 1}
+    assert {run[0] for run in ra["runs"]} <= {0, 1}  # host a reads its processes' copy
     return a, files_b
 
 
 def check_persistent(a, loc, read_object, flip):
     """The persistent copy: process 0's manifest, b's stream cut at its designated
     entries; restores bit for bit in this single process; a flipped byte in an entry of
-    'w' in b's object is caught by verify naming the leaf."""
+    'w' in b's object is caught by verify naming the leaf and the chunk."""
     man = jaxckpt.metadata(loc)
     assert man.format_version == 3
     assert len(read_object("p2.0")) == a["streams"]["2"]
+    for p in (0, 1):
+        assert [len(read_object(f"p{p}.{i}")) for i in range(len(segments_of(a["streams"][str(p)])))] == \
+            segments_of(a["streams"][str(p)])
     back = jaxckpt.restore(loc)
     for k, want in values(2).items():
         assert back[k].dtype == want.dtype and back[k].tobytes() == want.tobytes(), k
@@ -123,11 +167,13 @@ def flip_local(path):
     return flip
 
 
-def test_per_host_directories_and_persistent_tiers_local_and_s3(tmp_path, s3_server):
+def test_per_host_directories_persistent_tiers_and_a_replaced_host(tmp_path, s3_server):
     """Three processes, hosts a (0, 1) and b (2), saving steps 1 and 2 (every 2nd is
     persistent) twice: with a local directory, then the local S3 server, as the
     persistent tier. Each run restores step 2 from the hosts' directories, then onto
-    columns (no host holds those: the persistent copy is read), bit for bit."""
+    columns (no host holds those: the persistent copy is read), bit for bit. Then
+    replicated state, and host a replaced: it gets host b's copy (manifest and data
+    objects byte for byte) and every process restores it bit for bit."""
     durable = str(tmp_path / "durable")
     res = run_hosts_job(tmp_path, [durable, s3_server("f3hosts")])
     for p in (0, 1, 2):
@@ -135,12 +181,21 @@ def test_per_host_directories_and_persistent_tiers_local_and_s3(tmp_path, s3_ser
             assert out["groups"] == [[0, 1], [2]]
             assert out["tiers"] == {"1": ["local"], "2": ["local", "persistent"]}
             assert out["restored"] == 2 and out["restored_columns"] == 2
+        assert res[p]["hostcopy"] == {"steps_at_start": [], "restored": 7, "steps": [7]}
+    copy_a, copy_b = tmp_path / "copy" / "a" / "7", tmp_path / "copy" / "b" / "7"
+    names = sorted(os.listdir(copy_b / "data"))
+    assert len(names) > 1 and sorted(os.listdir(copy_a / "data")) == names and names[0] == "p2.0"
+    for name in ["manifest.json"] + [f"data/{n}" for n in names]:
+        assert (copy_a / name).read_bytes() == (copy_b / name).read_bytes()
+    assert jaxckpt.verify(str(copy_a)).ok
     for k in (0, 1):
         a, _ = check_host_copies(str(tmp_path / f"local{k}"))
         # the S3 run uploaded b's object cut at its designated entries through a temporary
         # copy in b's directory: gone
         assert sorted(os.listdir(tmp_path / f"local{k}" / "b")) == ["1", "2"]
     step = os.path.join(durable, "2")
+    assert sorted(os.listdir(os.path.join(step, "data"))) == sorted(
+        [f"p{p}.{i}" for p in (0, 1) for i in range(len(segments_of(a["streams"][str(p)])))] + ["p2.0"])
 
     def read_object(name):
         with open(os.path.join(step, "data", name), "rb") as f:
@@ -164,29 +219,6 @@ def test_per_host_directories_and_persistent_tiers_local_and_s3(tmp_path, s3_ser
         client.put_object(Bucket="jaxckpt-test", Key=key + name, Body=bytes(data))
 
     check_persistent(a, s3_server("f3hosts/2"), read_s3, flip_s3)
-
-
-def test_a_host_that_lacks_a_step_gets_a_copy_of_a_host_that_holds_all_of_it(tmp_path):
-    """Replicated state: each host's directory holds all of it, in its own process's
-    stream. Host 0 is replaced (empty directory): the restore copies host 1's step, its
-    manifest and data object byte for byte, to host 0, and every process restores it
-    bit for bit (host 0 from process 1's stream, in its own directory)."""
-    def job(args):
-        return run_workers(os.path.join(ROOT, "tests", "mp_hosts_worker.py"), 2,
-                           lambda i, port: [port, 2, i, 2, "job", json.dumps(dict(args, path=str(tmp_path)))], 120)
-
-    res = job({"save": [1, 2]})
-    assert res[0]["steps"] == res[1]["steps"] == [1, 2]
-    assert data_files(str(tmp_path / "host1" / "2")) == {"p1.0": manifest_of(str(tmp_path / "host1" / "2"))["streams"]["1"]}
-    shutil.rmtree(tmp_path / "host0")
-    res = job({"restore": None})
-    for p in (0, 1):
-        assert res[p]["restored"] == 2 and res[p]["steps_after_restore"] == [2]
-    assert res[0]["on_disk_after_restore"] == ["2"]
-    for name in ("manifest.json", "data/p1.0"):
-        assert (tmp_path / "host0" / "2" / name).read_bytes() == (tmp_path / "host1" / "2" / name).read_bytes()
-    assert sorted(os.listdir(tmp_path / "host0" / "2" / "data")) == ["p1.0"]
-    assert jaxckpt.verify(str(tmp_path / "host0" / "2")).ok
 
 
 def test_one_process_copies_its_data_objects_to_the_persistent_tier(tmp_path, monkeypatch):

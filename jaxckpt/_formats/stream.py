@@ -289,10 +289,28 @@ def _views_in_place(rec: LeafRecord, data: Callable[[_layout.Index], np.ndarray]
 
 def _write_entry(stream: _dataobjects.StreamWriter, rec: LeafRecord, data: Callable[[_layout.Index], np.ndarray],
                  stride: int, grid: tuple[int, ...], cell: tuple[int, ...], region: _layout.Index) -> None:
-    """Chunk ``cell``: cast, made contiguous and padded to the full chunk (an edge chunk)
-    where it must be, written as its entry."""
+    """Chunk ``cell`` written as its entry."""
     _, offset = _streams.locate(rec.runs, _layout.chunk_flat_index(cell, grid), stride)
-    stream.write_entry(offset, _writer.entry_payload(rec, _stored(rec, _chunk(rec, region, data))))
+    stream.write_entry(offset, entry_payload(rec, _chunk(rec, region, data)))
+
+
+def entry_payload(rec: LeafRecord, piece: np.ndarray) -> np.ndarray:
+    """A chunk's entry payload (the full ``chunk_shape`` in the storage dtype, C order,
+    little endian): ``piece`` itself when it is that already; otherwise one pass that
+    casts, gathers a strided view and pads an edge chunk with zeros into a buffer of its
+    own, an anonymous mapping unmapped when freed (as ``cast_blocks``' scratch: copies
+    freed on a few threads would otherwise stay in malloc's per-thread arenas)."""
+    dtype, storage = _dtypes.DTYPES[rec.dtype], _dtypes.DTYPES[rec.storage_dtype]
+    swap = sys.byteorder != "little" and storage.itemsize > 1
+    if piece.dtype == dtype and piece.flags.c_contiguous and piece.shape == tuple(rec.chunk_shape) and not swap:
+        return piece.view(storage)
+    nbytes = math.prod(rec.chunk_shape) * storage.itemsize
+    full = np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), np.uint8)[:nbytes].view(storage).reshape(rec.chunk_shape)
+    within = tuple(slice(0, n) for n in piece.shape) or ...  # (full[()] of a 0-d array is no view)
+    np.copyto(full[within].view(dtype), piece, casting="unsafe")
+    if swap:
+        full.byteswap(inplace=True)
+    return full
 
 
 def limit_malloc_retention(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
