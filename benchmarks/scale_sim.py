@@ -104,7 +104,9 @@ def llama70b_leaves(layers: int) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
-def plan(processes: int, per_process: int, layers: int) -> tuple[list, list, float, float]:
+def plan(processes: int, per_process: int, layers: int, fine: bool = False) -> tuple[list, list, float, float]:
+    """Every leaf's chunks and writers, as ``_snapshot`` plans them; ``fine``: format 3's
+    chunks (``_layout.fine_chunk_shape`` for ``processes`` saving processes)."""
     devices = [SimDevice(i, per_process) for i in range(processes * per_process)]
     axes = (("fsdp", processes), ("tensor", per_process))
     matrix = SimSharding(devices, axes, ("fsdp", "tensor"))
@@ -116,6 +118,8 @@ def plan(processes: int, per_process: int, layers: int) -> tuple[list, list, flo
             sharding = matrix if kind == "matrix" else norm
             shards = _layout.shards_of(sharding, shape)
             chunk_shape = _layout.chunk_shape_for(sharding, shape, itemsize)
+            if fine:
+                chunk_shape = _layout.fine_chunk_shape(chunk_shape, shape, itemsize, processes)
             nbytes = math.prod(shape) * itemsize
             fields = {"path": f"{tree}/{path}", "kind": "array", "key": str(len(arrays)), "dtype": dtype,
                       "shape": shape, "sharding": {"type": "named", "axis_names": ["fsdp", "tensor"],
@@ -218,14 +222,16 @@ def main() -> None:
     print(f"| files per checkpoint | {files:,} ({files / a.processes:,.0f} per process) | |")
     print(f"| orbax OCDBT files per checkpoint (its layout: a data file or a few per process, "
           f"plus a manifest per process and a few metadata files) | ~{3 * a.processes + 5:,} | |")
-    t_f3, layout, runs_bytes, t_check = format3(arrays, order, a.processes)
+    arrays3 = plan(a.processes, a.per_process, a.layers, fine=True)[0]
+    chunks3 = sum(len(x.chunks) for x in arrays3)
+    t_f3, layout, runs_bytes, t_check = format3(arrays3, order, a.processes)
     per = _streams.objects_per_process(layout.streams)
     f3 = sum(per.values()) + 1  # the data objects and the manifest
     runs = sum(len(r) for r in layout.runs)
     print(f"| format 3: objects per checkpoint (data objects of {_streams.SEGMENT_BYTES >> 20} MiB + the "
           f"manifest) | {f3:,} ({min(per.values())}..{max(per.values())} data objects per process, "
           f"{len(per)} writing; {files / f3:,.0f}× fewer than {files:,}) | ≤ 1,000 |")
-    print(f"| format 3: plan [s] (`_streams.plan`, the whole tree) | {t_f3:.3f} ({chunks:,} chunks, "
+    print(f"| format 3: plan [s] (`_streams.plan`, the whole tree) | {t_f3:.3f} ({chunks3:,} chunks, "
           f"{runs:,} runs) | |")
     print(f"| format 3: runs and streams in the manifest [MiB] | {runs_bytes / 2**20:.2f} | |")
     print(f"| format 3: runs parsed and validated (`json.loads` + `_streams.validate`) [s] | {t_check:.3f} | |")

@@ -2,7 +2,9 @@
 tests/fixtures/ and never regenerated, restore bit for bit (DESIGN.md rule 8).
 
 v1: a local checkpoint (data at its root). v2: data under a prefix the manifest names,
-as object stores are written (the same tree, copied into a local directory).
+as object stores are written (the same tree, copied into a local directory). v3: every
+chunk an entry of its writer's stream of data objects, locally (v3) and under an
+attempt's prefix (v3-store); 384 KiB objects, so the 1 MiB leaf spans three.
 """
 
 import os
@@ -21,7 +23,9 @@ FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 sys.path.insert(0, FIXTURES)
 from make_v1 import expected  # noqa: E402
 
-VERSIONS = [("v1", 1, "tests/fixtures/make_v1.py"), ("v2", 2, "tests/fixtures/make_v2.py")]
+# (fixture, format version, made by, chunks verify reads: v1/v2 pack the small leaves)
+VERSIONS = [("v1", 1, "tests/fixtures/make_v1.py", 5), ("v2", 2, "tests/fixtures/make_v2.py", 5),
+            ("v3", 3, "tests/fixtures/make_v3.py", 10), ("v3-store", 3, "tests/fixtures/make_v3.py", 10)]
 
 
 def assert_fixture(got):
@@ -36,8 +40,8 @@ def assert_fixture(got):
     assert (got["step"], got["name"], got["flag"]) == (1000, "fixture", True)
 
 
-@pytest.mark.parametrize("name,version,made_by", VERSIONS)
-def test_fixture_restores_without_a_target(name, version, made_by):
+@pytest.mark.parametrize("name,version,made_by,chunks", VERSIONS)
+def test_fixture_restores_without_a_target(name, version, made_by, chunks):
     path = os.path.join(FIXTURES, name)
     assert_fixture(jaxckpt.restore(path))
     info = jaxckpt.metadata(path)
@@ -45,8 +49,8 @@ def test_fixture_restores_without_a_target(name, version, made_by):
     assert info.tree["params"]["big"].sharding.mesh_shape == {"x": 4}
 
 
-@pytest.mark.parametrize("name,version,made_by", VERSIONS)
-def test_fixture_restores_onto_another_mesh_and_verifies(name, version, made_by):
+@pytest.mark.parametrize("name,version,made_by,chunks", VERSIONS)
+def test_fixture_restores_onto_another_mesh_and_verifies(name, version, made_by, chunks):
     path = os.path.join(FIXTURES, name)
     s = NamedSharding(mesh((2,), ("y",)), P(None, "y"))
     target = jax.tree.map(lambda x: x, expected(), is_leaf=lambda x: x is None)
@@ -56,5 +60,5 @@ def test_fixture_restores_onto_another_mesh_and_verifies(name, version, made_by)
     assert got["params"]["big"].sharding == s
     assert_bit_equal(got["params"]["big"], expected()["params"]["big"])
     report = jaxckpt.verify(path)
-    assert report.ok and report.leaves == 11 and report.chunks == 5, report.problems
+    assert report.ok and report.leaves == 11 and report.chunks == chunks, report.problems
     assert_bit_equal(jaxckpt.open(path)["params/small"][1], expected()["params"]["small"][1])

@@ -72,13 +72,15 @@ def assert_is(got, v):
 # --- the format-2 fixture (DESIGN.md rule 8) -------------------------------------------
 
 
-def test_v2_fixture_uploaded_to_s3_restores(s3_server):
-    for root, _, files in os.walk(V2):
+@pytest.mark.parametrize("name", ["v2", "v3-store"])
+def test_object_store_fixtures_uploaded_to_s3_restore(s3_server, name):
+    here = os.path.join(FIXTURES, name)
+    for root, _, files in os.walk(here):
         for f in files:
-            rel = os.path.relpath(os.path.join(root, f), V2).replace(os.sep, "/")
+            rel = os.path.relpath(os.path.join(root, f), here).replace(os.sep, "/")
             with open(os.path.join(root, f), "rb") as fh:
-                s3_server.client.put_object(Bucket=BUCKET, Key=f"fixtures/v2/{rel}", Body=fh.read())
-    spec = s3_server("fixtures/v2")
+                s3_server.client.put_object(Bucket=BUCKET, Key=f"fixtures/{name}/{rel}", Body=fh.read())
+    spec = s3_server(f"fixtures/{name}")
     assert_fixture(jaxckpt.restore(spec))
     assert jaxckpt.verify(spec).ok
 

@@ -9,6 +9,7 @@ stores edge chunks at full size, and those go through tensorstore.
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
     On CPU, jax can adopt such a buffer without copying (``device_put(may_alias=True)``).
     """
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize  # (Python ints: no overflow, no numpy call per buffer)
     raw = np.empty(nbytes + 64, np.uint8)
     start = (-raw.ctypes.data) % 64
     return raw[start:start + nbytes].view(dtype).reshape(shape)
