@@ -39,17 +39,28 @@ from ._manifest import MAX_INLINE_BYTES, MAX_INT_DIGITS, STREAMS_VERSION, LeafRe
 # a zarr3 array of their own with one file per shard.
 SMALL_LEAF_BYTES = 1 << 20
 PACK_CHUNK_BYTES = 4 << 20
-# Format 3 (issue 22, being built): written only when this variable is "3" in the saving
-# process (read per snapshot). Every array leaf is then a "stream" leaf: its chunks are
-# entries of its writers' byte streams (``_streams``), no packing. SEGMENT_BYTES is the
-# size of their data objects (settable for tests; at least ``_streams.MIN_SEGMENT_BYTES``).
+# Format 3 (issue 22) is what a save writes: every array leaf is a "stream" leaf, its
+# chunks entries of its writers' byte streams (``_streams``), no packing. The variable
+# set to "1" in the saving process (read per snapshot) writes the layout of formats 1
+# and 2 instead (a chunk file per chunk, small leaves packed), for readers older than
+# format 3. SEGMENT_BYTES is the size of the data objects (settable for tests; at least
+# ``_streams.MIN_SEGMENT_BYTES``).
 FORMAT_ENV = "JAXCKPT_FORMAT"
+LEGACY_FORMAT = "1"
 SEGMENT_BYTES = _streams.SEGMENT_BYTES
 
 
 def streams_wanted() -> bool:
-    """Whether this save writes format 3 (``JAXCKPT_FORMAT=3``)."""
-    return os.environ.get(FORMAT_ENV) == str(STREAMS_VERSION)
+    """Whether this save writes format 3: unless ``JAXCKPT_FORMAT=1`` asks for the layout
+    of formats 1 and 2 (``JAXCKPT_FORMAT`` unset or ``3``: format 3; any other value is
+    refused, so a typo never picks a layout silently)."""
+    value = os.environ.get(FORMAT_ENV, "").strip()
+    if value in ("", str(STREAMS_VERSION)):
+        return True
+    if value == LEGACY_FORMAT:
+        return False
+    raise CheckpointError(f"{FORMAT_ENV}={value!r:.40}: set it to 3 (format 3, the default) or 1 (the layout "
+                          "of formats 1 and 2, for readers older than format 3)")
 
 
 @dataclass

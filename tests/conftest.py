@@ -14,6 +14,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
+@pytest.fixture(autouse=True)
+def _layout_pin(request, monkeypatch):
+    """A test marked ``format1`` is about the layout of formats 1 and 2 (a chunk file per
+    chunk, small leaves packed): its saves write that layout (``JAXCKPT_FORMAT=1``, in its
+    subprocesses too). Every other test saves format 3, the default, unless it sets the
+    variable itself."""
+    if request.node.get_closest_marker("format1") is not None:
+        monkeypatch.setenv("JAXCKPT_FORMAT", "1")
+
+
 @pytest.fixture
 def ckpt(tmp_path):
     """A path for one checkpoint (not yet existing)."""

@@ -81,7 +81,7 @@ def test_ls_advises_a_cadence(run_dir):
 def test_show_prints_the_tree_with_totals(run_dir):
     _, out, _ = cli("show", run_dir / "40", "--json")
     doc = json.loads(out)
-    assert doc["format_version"] == 1 and doc["leaves"] == 5
+    assert doc["format_version"] == 3 and doc["leaves"] == 5
     assert doc["bytes"] == 512 * 256 * 4 + (1 << 22) + 32 + 8
     params = next(c for c in doc["tree"]["children"] if c["path"] == "params")
     assert params["bytes"] == 512 * 256 * 4 + (1 << 22) + 32 and params["leaves"] == 3
@@ -144,6 +144,7 @@ def _flip_a_byte(path):
         f.write(bytes([b[0] ^ 0xFF]))
 
 
+@pytest.mark.format1
 def test_verify_exit_codes_and_names_the_corrupt_chunk(run_dir):
     code, out, err = cli("verify", run_dir / "30", run_dir / "40")
     assert err == ""  # piped: no progress bar

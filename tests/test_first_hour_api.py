@@ -268,7 +268,7 @@ def test_help_lists_each_command_with_its_whole_first_sentence():
 def test_one_leaf_is_one_leaf(tmp_path):
     jaxckpt.save(tmp_path / "one", {"w": np.zeros(3, np.float32)})
     _, out, _ = cli("show", tmp_path / "one")
-    assert out.splitlines()[0] == f"{tmp_path / 'one'}: 1 leaf, 12 B, format version 1"  # 18952db: 1 leaves
+    assert out.splitlines()[0] == f"{tmp_path / 'one'}: 1 leaf, 12 B, format version 3"  # 18952db: 1 leaves
     assert repr(jaxckpt.open(tmp_path / "one")) == f"CheckpointView('{tmp_path / 'one'}', 1 leaf, 12 B)"
     _, out, _ = cli("convert", tmp_path / "one", tmp_path / "copy", "--dtype", "bfloat16")
     assert out.strip() == f"{tmp_path / 'one'} -> {tmp_path / 'copy'}: 1 leaf, 6 B"
@@ -276,5 +276,5 @@ def test_one_leaf_is_one_leaf(tmp_path):
     assert out.splitlines()[-1] == "1 tensor, 12 B"
     jaxckpt.save(tmp_path / "two", {"p": {"a": np.zeros(1, np.int8), "b": np.zeros(1, np.int8)}})
     _, out, _ = cli("show", tmp_path / "two", "--depth", "1")
-    assert out.splitlines()[0] == f"{tmp_path / 'two'}: 2 leaves, 2 B, format version 1"
+    assert out.splitlines()[0] == f"{tmp_path / 'two'}: 2 leaves, 2 B, format version 3"
     assert "\np/  2 leaves, 2 B  …" in out

@@ -228,7 +228,7 @@ def test_bytes_round_trip_with_and_without_a_target(ckpt):
     leaves = {r["path"]: r for r in json.loads((ckpt / "manifest.json").read_bytes())["leaves"]}
     assert leaves["data/not_utf8"] == {"path": "data/not_utf8", "kind": "bytes", "value": "//4AgA=="}
     assert leaves["data/empty"]["value"] == ""
-    assert json.loads((ckpt / "manifest.json").read_bytes())["format_version"] == 1
+    assert json.loads((ckpt / "manifest.json").read_bytes())["format_version"] == 3
 
 
 def test_grain_dataloader_state_through_the_manager(tmp_path):

@@ -53,6 +53,7 @@ def _verify(capsys, path):
     return code, out, out.splitlines()
 
 
+@pytest.mark.format1
 def test_one_bad_byte_in_the_packed_chunk_is_one_entry_naming_its_leaves(saved, capsys):
     _flip(saved / "packed" / "p0" / "c" / "0", 10)
     code, out, lines = _verify(capsys, saved)
@@ -75,6 +76,7 @@ def test_one_bad_byte_in_the_packed_chunk_is_one_entry_naming_its_leaves(saved, 
     assert_bit_equal(jaxckpt.open(saved)["big"][...], np.ones((1024, 1024), np.float32))
 
 
+@pytest.mark.format1
 def test_one_bad_chunk_of_a_big_leaf_keeps_its_one_line(saved, capsys):
     doc = json.loads((saved / "manifest.json").read_text())
     key = next(r["key"] for r in doc["leaves"] if r["path"] == "big")
@@ -85,6 +87,7 @@ def test_one_bad_chunk_of_a_big_leaf_keeps_its_one_line(saved, capsys):
     assert lines[1].startswith(f"  leaf 'big' chunk cell [0, 0]: arrays/{key}/c/0/0: DATA_LOSS"), out
 
 
+@pytest.mark.format1
 @pytest.mark.parametrize("array", ["packed", "big"])
 def test_a_bad_zarr_json_is_one_entry_and_restores_are_unaffected(saved, capsys, array):
     doc = json.loads((saved / "manifest.json").read_text())
@@ -103,6 +106,7 @@ def test_a_bad_zarr_json_is_one_entry_and_restores_are_unaffected(saved, capsys,
     assert_bit_equal(jaxckpt.restore(saved)["layers"]["l07"]["b"], np.arange(16, dtype=np.float32) + 7)
 
 
+@pytest.mark.format1
 def test_a_manifest_checksum_mismatch_is_one_entry_naming_the_file(saved, capsys):
     path = saved / "manifest.json"
     path.write_text(path.read_text().replace('"value":3', '"value":4', 1))  # the step, edited
@@ -114,6 +118,7 @@ def test_a_manifest_checksum_mismatch_is_one_entry_naming_the_file(saved, capsys
     assert lines[2] == "    no leaf can be restored without a valid manifest", out
 
 
+@pytest.mark.format1
 def test_a_stray_file_names_the_file_and_no_leaf(saved, capsys):
     (saved / "packed" / "p0" / "c" / "9").write_bytes(b"stray")
     code, out, lines = _verify(capsys, saved)

@@ -136,7 +136,7 @@ def test_collapsed_below_the_top_level_unless_expanded(saved):
 def test_header(saved):
     page = jaxckpt.open(saved)._repr_html_()
     info = jaxckpt.open(saved).info
-    assert f"7 leaves · <span title=\"{1184:,} bytes\">1.2 KiB</span> · format v1 · saved " in page
+    assert f"7 leaves · <span title=\"{1184:,} bytes\">1.2 KiB</span> · format v3 · saved " in page
     assert info["created"][:10] in page and f"jaxckpt {jaxckpt.__version__}" in page
     assert "<details><summary><b>metadata</b><i>1 key</i>" in page
     assert "<pre>{\n  &quot;lr&quot;: 0.5\n}</pre>" in page

@@ -338,8 +338,8 @@ def test_second_writer_is_refused_and_a_live_save_survives_readers(tmp_path, mon
     release = threading.Event()
     holding = threading.Event()
 
-    def hold(op, key):  # the first writer's async save stays in flight
-        if threading.current_thread() is not threading.main_thread():
+    def hold(op, key):  # the first writer's async save stays in flight (its writes: a reader's reads
+        if op == "write" and threading.current_thread() is not threading.main_thread():  # run on threads too)
             holding.set()
             release.wait(20)
 

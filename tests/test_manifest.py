@@ -78,6 +78,7 @@ BAD = {
 }
 
 
+@pytest.mark.format1
 @pytest.mark.parametrize("name", sorted(BAD))
 def test_bad_manifest_is_refused(saved, name):
     fn, message = BAD[name]
@@ -187,6 +188,7 @@ def _nest_structure(structure, depth):
     return structure
 
 
+@pytest.mark.format1
 @pytest.mark.parametrize("name", sorted(HOSTILE))
 def test_hostile_manifest_fails_only_with_corrupt_checkpoint_error(saved, name):
     edit, message = HOSTILE[name]

@@ -3,6 +3,7 @@
 import dataclasses
 
 import numpy as np
+import pytest
 from conftest import assert_bit_equal, sharded
 
 import jaxckpt
@@ -17,6 +18,7 @@ def _reader_for(ckpt):
     return loc, _commit.read_manifest(loc)
 
 
+@pytest.mark.format1
 def test_packed_ranges_merge_within_a_stored_chunk(ckpt):
     leaves = {f"l{i}": np.full(1000, i, np.float32) for i in range(10)}  # 4000 B each
     jaxckpt.save(ckpt, leaves)
@@ -66,6 +68,7 @@ def test_aligned_empty():
         assert a.size == 0 or a.ctypes.data % 64 == 0
 
 
+@pytest.mark.format1
 def test_edge_chunks_written_by_other_zarr_writers_are_read(ckpt):
     """zarr stores an edge chunk at full size; such chunks must not take the direct path."""
     import json
@@ -100,6 +103,7 @@ def test_a_store_that_fails_is_not_reported_as_corruption():
     assert str(gone) == "Checkpoint 's3://b/ckpt': reading leaf 'params/w' failed: UNAVAILABLE: Failed to connect to 127.0.0.1 port 9"
 
 
+@pytest.mark.format1
 def test_a_0d_leaf_in_the_file_store_is_read(ckpt):
     """No save puts a 0-d leaf in a file of its own (it is packed), but the format allows
     it; the fuzzer (tests/test_fuzz.py) found its read failing with a TypeError."""
@@ -122,6 +126,7 @@ def test_a_0d_leaf_in_the_file_store_is_read(ckpt):
     assert jaxckpt.open(ckpt)["s"][()] == 2.5
 
 
+@pytest.mark.format1
 def test_a_leaf_of_back_to_back_row_chunks_is_one_range_without_assembly(ckpt):
     # a small kernel sharded by rows over 4 devices: 4 packed chunks one after the other
     # in process 0's array, so the whole leaf is one byte range (a view, no copy); by
@@ -146,6 +151,7 @@ def test_a_leaf_of_back_to_back_row_chunks_is_one_range_without_assembly(ckpt):
     assert len(_reader._packed_chunks(recs["rows"], ((16, 48), (0, 48)))) == 2
 
 
+@pytest.mark.format1
 def test_rows_out_of_order_in_the_packed_array_are_assembled(ckpt):
     rows = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
     jaxckpt.save(ckpt, {"rows": sharded(rows, (4,), ("x",), ("x", None))})

@@ -61,6 +61,7 @@ def _flip(file, at):
 # --- verify -------------------------------------------------------------------------
 
 
+@pytest.mark.format1
 def test_verify_ok_on_a_mixed_checkpoint(mixed):
     calls = []
     report = jaxckpt.verify(mixed, progress=lambda done, total: calls.append((done, total)))
@@ -76,6 +77,7 @@ def test_verify_ok_on_a_mixed_checkpoint(mixed):
     assert json.loads(json.dumps(out)) == out and out["path"] == str(mixed) and out["ok"] is True
 
 
+@pytest.mark.format1
 def test_flipped_byte_in_a_direct_chunk_file_names_leaf_and_cell(mixed):
     key = _record(mixed, "params/w")["key"]
     _flip(mixed / "arrays" / key / "c" / "1" / "0", 1000)
@@ -88,6 +90,7 @@ def test_flipped_byte_in_a_direct_chunk_file_names_leaf_and_cell(mixed):
     assert report.bytes_read == (4 << 20) - (512 << 10) + _manifest(mixed)["packed"][0]["nbytes"]
 
 
+@pytest.mark.format1
 def test_flipped_byte_read_through_tensorstore_names_leaf_and_cell(mixed, monkeypatch):
     monkeypatch.setattr(_reader, "DIRECT_READS", False)
     key = _record(mixed, "params/v")["key"]
@@ -97,6 +100,7 @@ def test_flipped_byte_read_through_tensorstore_names_leaf_and_cell(mixed, monkey
     assert problem["message"].startswith(f"arrays/{key}/c/1/1: ") and "digest mismatch" in problem["message"].lower()
 
 
+@pytest.mark.format1
 def test_flipped_byte_in_an_edge_chunk_names_leaf_and_cell(ckpt):
     import tensorstore as ts
 
@@ -115,6 +119,7 @@ def test_flipped_byte_in_an_edge_chunk_names_leaf_and_cell(ckpt):
     assert problem["message"].startswith("arrays/0/c/2/0: ")
 
 
+@pytest.mark.format1
 def test_flipped_byte_in_a_packed_chunk_names_the_leaves_it_holds(mixed):
     man = _manifest(mixed)
     chunk_bytes = man["packed"][0]["chunk_bytes"]
@@ -135,6 +140,7 @@ def test_flipped_byte_in_a_packed_chunk_names_the_leaves_it_holds(mixed):
     assert report.ok is False
 
 
+@pytest.mark.format1
 def test_truncated_deleted_and_stray_chunk_files(mixed):
     key = _record(mixed, "params/w")["key"]
     chunks = mixed / "arrays" / key / "c"
@@ -155,6 +161,7 @@ def test_truncated_deleted_and_stray_chunk_files(mixed):
     assert report.ok is False and report.chunks == 10
 
 
+@pytest.mark.format1
 def test_overlapping_packed_offsets_are_reported(mixed):
     doc = _manifest(mixed)
     by_path = {r["path"]: r for r in doc["leaves"]}
@@ -189,6 +196,7 @@ def test_not_a_checkpoint_raises(tmp_path):
         jaxckpt.verify(tmp_path / "nothing-here")
 
 
+@pytest.mark.format1
 def test_verify_on_an_object_store_reads_through_tensorstore():
     x = np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024)
     jaxckpt.save("memory://scan/ckpt", {"x": sharded(x, (4,), ("x",), ("x", None)), "s": np.ones(3)},
@@ -374,6 +382,7 @@ _PEAK_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.format1
 def test_verify_memory_stays_within_a_few_chunks(tmp_path):  # Linux /proc (CI and this machine)
     # 256 MiB in 8 chunks of 32 MiB: the budget holds two chunk buffers at once
     big = {f"w{i}": sharded(np.full((4096, 8192), i, np.float32), (4,), ("x",), ("x", None)) for i in range(2)}

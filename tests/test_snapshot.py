@@ -2,11 +2,13 @@
 
 import jax
 import numpy as np
+import pytest
 from conftest import sharded
 
 from jaxckpt import _layout, _snapshot, _writer
 
 
+@pytest.mark.format1
 def test_small_leaves_are_packed_aligned_with_zero_padding():
     tree = {"a": np.arange(3, dtype=np.int8), "b": sharded(np.arange(16, dtype=np.float32), (4,), ("x",), ("x",)),
             "c": np.ones((2, 2), np.float64), "step": 5}
@@ -24,6 +26,7 @@ def test_small_leaves_are_packed_aligned_with_zero_padding():
     assert snap.file_shards == {}
 
 
+@pytest.mark.format1
 def test_big_leaves_keep_one_host_buffer_per_replica0_shard():
     x = sharded(np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024), (4, 2), ("a", "b"), ("a", None))
     snap = _snapshot.snapshot({"x": x}, copy_host_arrays=False)
@@ -43,6 +46,7 @@ def test_prng_keys_and_scalars():
     assert s.scalar and s.shape == () and s.dtype == "float16"
 
 
+@pytest.mark.format1
 def test_direct_chunk_writes_match_tensorstore_byte_for_byte(tmp_path, monkeypatch):
     import os
 

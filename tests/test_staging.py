@@ -74,6 +74,7 @@ def _writes_observed(monkeypatch, budget):
     return seen
 
 
+@pytest.mark.format1
 def test_waves_write_a_bit_exact_checkpoint_within_the_budget(tmp_path, monkeypatch):
     tree = _mixed_state()
     budget = _snapshot.StagingBudget(BUDGET)
@@ -128,6 +129,7 @@ def test_a_device_chunk_smaller_than_its_shard_is_staged_from_a_slice():
     assert_bit_equal(np.asarray(own), np.asarray(x)[32:])
 
 
+@pytest.mark.format1
 def test_mutating_host_arrays_once_save_returns_changes_nothing_saved(tmp_path, monkeypatch):
     tree = {f"a{i}": np.full(300_000, i, np.float32) for i in range(8)}
     expected = {k: v.copy() for k, v in tree.items()}
@@ -151,6 +153,7 @@ def test_mutating_host_arrays_once_save_returns_changes_nothing_saved(tmp_path, 
     assert budget.peak <= BUDGET
 
 
+@pytest.mark.format1
 def test_a_failure_in_wave_two_commits_nothing_and_leaves_no_staging(tmp_path, monkeypatch):
     tree = {f"a{i}": np.full(300_000, i, np.float32) for i in range(8)}
     keys = {path: str(i) for i, (path, _) in enumerate(_tree.flatten(tree)[0])}
@@ -203,6 +206,7 @@ def test_a_writer_in_the_callers_thread_stages_the_waves_itself(tmp_path):
     assert tree["fortran"].nbytes <= budget.peak <= BUDGET // 2 and budget.in_flight == 0
 
 
+@pytest.mark.format1
 def test_each_array_is_created_once(tmp_path, monkeypatch):
     created = []
     real = _zarr.open_array
@@ -272,6 +276,7 @@ def test_manager_saves_in_waves(tmp_path, monkeypatch):
     assert mgr.info(1)["blocking_seconds"] > 0
 
 
+@pytest.mark.format1
 def test_manager_failure_in_a_wave_surfaces_later_and_commits_nothing(tmp_path, monkeypatch):
     tree = {f"a{i}": np.full(300_000, i, np.float32) for i in range(8)}
     keys = {path: str(i) for i, (path, _) in enumerate(_tree.flatten(tree)[0])}

@@ -15,7 +15,7 @@ import pytest
 from conftest import assert_bit_equal, sharded
 
 import jaxckpt
-from jaxckpt import _storage
+from jaxckpt import _snapshot, _storage
 
 EXE = os.path.join(os.path.dirname(sys.executable), "jaxckpt")
 URL = "s3://jaxckpt-test/"
@@ -24,6 +24,13 @@ URL = "s3://jaxckpt-test/"
 def state(i):
     return {"w": sharded(np.full((256, 64), i, np.float32), (4,), ("x",), ("x", None)),
             "b": np.arange(8, dtype=np.int32) + i, "step": i}
+
+
+@pytest.fixture(autouse=True)
+def _small_data_objects(monkeypatch):
+    """Format 3 keeps this small state in one data object; 16 KiB objects make it several,
+    so the copy can be held with one file of its attempt written."""
+    monkeypatch.setattr(_snapshot, "SEGMENT_BYTES", 16 << 10)
 
 
 class HoldCopy:

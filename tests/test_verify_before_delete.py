@@ -31,6 +31,7 @@ def flip_a_byte(step_dir):
     raise AssertionError("no chunk file")
 
 
+@pytest.mark.format1
 @pytest.mark.parametrize("async_save", [True, False])
 def test_a_step_that_fails_verification_is_reported_deleted_and_not_the_latest(tmp_path, monkeypatch, async_save):
     real_verify = _verify.verify
@@ -62,6 +63,7 @@ def test_a_step_that_fails_verification_is_reported_deleted_and_not_the_latest(t
         assert_bit_equal(reader.restore()["w"], state(3)["w"])
 
 
+@pytest.mark.format1
 def test_without_verification_a_corrupt_step_would_have_replaced_the_good_one(tmp_path):
     """The failure mode the option exists for: retention trusts the commit."""
     with jaxckpt.CheckpointManager(tmp_path, max_to_keep=1) as mgr:
