@@ -3,16 +3,12 @@
 this process writes (``snapshot``). ``_writer`` writes them.
 
 After ``snapshot`` returns the caller may donate, delete or overwrite what it passed:
-big shards are host views jax keeps alive for us (on CPU zero-copy; a jitted call does
-not donate a buffer a view still holds), small leaves are copied into one packed
-buffer, and numpy leaves are copied when the save continues in the background.
-
-With a ``StagingBudget`` (the manager's ``max_staging_bytes``) a snapshot is staged in
-waves instead, so that host memory stays within the budget: see ``snapshot``.
-
-In format 3 (``JAXCKPT_FORMAT=3``, issue 22) nothing is packed: every array leaf's
-chunks, small ones too, are host buffers like big shards', laid out as entries of their
-writers' streams (``_streams.plan``, recorded in the leaf's runs).
+shards are host views jax keeps alive for us (on CPU zero-copy; a jitted call does not
+donate a buffer a view still holds), laid out as entries of their writers' streams
+(format 3: ``_streams.plan``, recorded in the leaf's runs); numpy leaves are copied when
+the save continues in the background. (With ``JAXCKPT_FORMAT=1``, small leaves are
+copied into one packed buffer per process.) With a ``StagingBudget`` (the manager's
+``max_staging_bytes``) a snapshot is staged in waves, within the budget: see ``snapshot``.
 """
 
 from __future__ import annotations
@@ -39,21 +35,17 @@ from ._manifest import MAX_INLINE_BYTES, MAX_INT_DIGITS, STREAMS_VERSION, LeafRe
 # a zarr3 array of their own with one file per shard.
 SMALL_LEAF_BYTES = 1 << 20
 PACK_CHUNK_BYTES = 4 << 20
-# Format 3 (issue 22) is what a save writes: every array leaf is a "stream" leaf, its
-# chunks entries of its writers' byte streams (``_streams``), no packing. The variable
-# set to "1" in the saving process (read per snapshot) writes the layout of formats 1
-# and 2 instead (a chunk file per chunk, small leaves packed), for readers older than
-# format 3. SEGMENT_BYTES is the size of the data objects (settable for tests; at least
-# ``_streams.MIN_SEGMENT_BYTES``).
+# Format 3 is what a save writes (every array leaf's chunks entries of its writers' streams,
+# ``_streams``; no packing); JAXCKPT_FORMAT=1, read per snapshot, the layout of formats 1 and 2.
+# SEGMENT_BYTES: the data objects' size (settable for tests; >= ``_streams.MIN_SEGMENT_BYTES``).
 FORMAT_ENV = "JAXCKPT_FORMAT"
 LEGACY_FORMAT = "1"
 SEGMENT_BYTES = _streams.SEGMENT_BYTES
 
 
 def streams_wanted() -> bool:
-    """Whether this save writes format 3: unless ``JAXCKPT_FORMAT=1`` asks for the layout
-    of formats 1 and 2 (``JAXCKPT_FORMAT`` unset or ``3``: format 3; any other value is
-    refused, so a typo never picks a layout silently)."""
+    """Whether this save writes format 3: unless ``JAXCKPT_FORMAT=1`` (unset or ``3``: yes;
+    any other value is refused, so a typo never picks a layout silently)."""
     value = os.environ.get(FORMAT_ENV, "").strip()
     if value in ("", str(STREAMS_VERSION)):
         return True
