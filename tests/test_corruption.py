@@ -11,6 +11,11 @@ rewritten to another shape or dtype.
 Reads: ``restore`` without a target (numpy), with a sharded target (the chunk read once
 for two devices), a view's whole-leaf and partial reads (the partial one through
 tensorstore), ``verify`` and the ``jaxckpt verify`` command.
+
+The chunk files, ``packed/p0`` and ``zarr.json`` are the layout of format 1
+(``JAXCKPT_FORMAT=1``): those tests save it. The damaged data of format 3 (entries of
+data objects) is tests/test_format3_faults.py's matrix; the manifest's damage here is
+tried on both layouts.
 """
 
 import collections
@@ -39,12 +44,23 @@ ZARR_JSON = {"big": "arrays/0/zarr.json", "small": "packed/p0/zarr.json"}
 READS = ("restore", "restore_target", "view", "view_slice", "verify", "cli")
 
 
+# the files of the checkpoint saved in each layout (``JAXCKPT_FORMAT``)
+FILES = {"1": ["arrays/0/c/0/0", "arrays/0/zarr.json", "manifest.json", "packed/p0/c/0", "packed/p0/zarr.json"],
+         "3": ["data/p0.0", "manifest.json"]}
+BOTH = pytest.mark.parametrize("pristine", ["1", "3"], indirect=True)  # a test of either layout
+
+
 @pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    path = tmp_path_factory.mktemp("pristine") / "ckpt"
-    jaxckpt.save(path, {"big": BIG, "small": SMALL, "step": 3})
-    assert sorted(os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs) == [
-        "arrays/0/c/0/0", "arrays/0/zarr.json", "manifest.json", "packed/p0/c/0", "packed/p0/zarr.json"]
+def pristine(request, tmp_path_factory):
+    """The checkpoint, saved in layout ``request.param`` (format 1 unless parametrized:
+    the chunk files and ``zarr.json`` the matrix damages are that layout's)."""
+    layout = getattr(request, "param", "1")
+    path = tmp_path_factory.mktemp(f"pristine{layout}") / "ckpt"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAXCKPT_FORMAT", layout)
+        jaxckpt.save(path, {"big": BIG, "small": SMALL, "step": 3})
+    assert sorted(os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs) == FILES[layout]
+    assert json.loads((path / "manifest.json").read_text())["format_version"] == int(layout)
     return path
 
 
@@ -98,6 +114,7 @@ CHUNK_DAMAGE = {
 }
 
 
+@pytest.mark.format1
 @pytest.mark.parametrize("how", READS)
 @pytest.mark.parametrize("damage", sorted(CHUNK_DAMAGE))
 @pytest.mark.parametrize("leaf", ["big", "small"])
@@ -144,12 +161,13 @@ MANIFEST_DAMAGE = {
     "truncate": (_truncate, jaxckpt.CorruptCheckpointError, "invalid manifest: not JSON"),
     "empty": (lambda f: f.write_bytes(b""), jaxckpt.CorruptCheckpointError,
               r"invalid manifest: not JSON \(Expecting value: line 1 column 1 \(char 0\)\)"),
-    "flip": (lambda f: f.write_bytes(f.read_bytes().replace(b'"format_version":1', b'"format_version":4')),
+    "flip": (lambda f: f.write_bytes(re.sub(rb'"format_version":[13],', b'"format_version":4,', f.read_bytes())),
              jaxckpt.CorruptCheckpointError, "invalid manifest: format_version 4 is not supported"),
     "delete": (lambda f: f.unlink(), jaxckpt.CheckpointNotFoundError, "manifest.json is missing"),
 }
 
 
+@BOTH
 @pytest.mark.parametrize("how", READS)
 @pytest.mark.parametrize("damage", sorted(MANIFEST_DAMAGE))
 def test_a_damaged_manifest_is_refused(ckpt, damage, how, capsys):
@@ -175,8 +193,10 @@ def test_a_damaged_manifest_is_refused(ckpt, damage, how, capsys):
     assert re.search(said, str(err.value)), str(err.value)
 
 
+@pytest.mark.parametrize("layout", ["1", "3"])
 @pytest.mark.parametrize("damage", sorted(MANIFEST_DAMAGE))
-def test_a_manager_does_not_list_a_step_whose_manifest_is_damaged(tmp_path, damage, caplog):
+def test_a_manager_does_not_list_a_step_whose_manifest_is_damaged(tmp_path, damage, layout, caplog, monkeypatch):
+    monkeypatch.setenv("JAXCKPT_FORMAT", layout)
     directory = tmp_path / "run"
     for step in (1, 2):
         jaxckpt.save(directory / str(step), {"small": SMALL + step, "step": step})
@@ -237,22 +257,40 @@ def test_a_manager_never_restores_a_step_under_a_manifest_copied_from_another(tm
     assert "records step 1, but it is the directory of step 2" in report.problems[0]["message"]
 
 
-def test_a_manifest_from_another_checkpoint_with_another_layout_is_corrupt(tmp_path):
+@pytest.mark.parametrize("layout", ["1", "3"])
+def test_a_manifest_from_another_checkpoint_with_another_layout_is_corrupt(tmp_path, layout, monkeypatch):
     """Without a recorded step, a foreign manifest is caught by the data it describes:
-    here the big leaf is twice as long as the chunk file on disk."""
+    here the big leaf is twice as long as the chunk file on disk (format 1), as the data
+    object its entry lies in (format 3; the small leaf's entry, after it, is then past the
+    end too)."""
+    monkeypatch.setenv("JAXCKPT_FORMAT", layout)
     jaxckpt.save(tmp_path / "a", {"big": np.concatenate([BIG, BIG]), "small": SMALL, "step": 3})
     jaxckpt.save(tmp_path / "b", {"big": BIG, "small": SMALL, "step": 3})
     shutil.copy(tmp_path / "a" / "manifest.json", tmp_path / "b" / "manifest.json")
-    chunk = tmp_path / "b" / CHUNK["big"]
-    for how in ("restore", "view_slice"):
-        with pytest.raises(jaxckpt.CorruptCheckpointError) as err:
-            _read(tmp_path / "b", how, "big")
-        assert type(err.value) is jaxckpt.CorruptCheckpointError
-        assert f"leaf 'big' could not be read: DATA_LOSS: chunk file {chunk} has {BIG.nbytes + 4} bytes, " \
-               f"expected {2 * BIG.nbytes + 4}" in str(err.value)
+    if layout == "1":
+        chunk = tmp_path / "b" / CHUNK["big"]
+        said = {"big": f"leaf 'big' could not be read: DATA_LOSS: chunk file {chunk} has {BIG.nbytes + 4} bytes, "
+                       f"expected {2 * BIG.nbytes + 4}"}
+        problems = [("big", f"{CHUNK['big']} has {BIG.nbytes + 4} bytes, expected {2 * BIG.nbytes + 4}")]
+    else:
+        obj = tmp_path / "b" / "data" / "p0.0"
+        has = BIG.nbytes + 4 + 60 + SMALL.nbytes + 4  # b's stream: big's entry, padding, small's
+        assert obj.stat().st_size == has
+        small_at = 2 * BIG.nbytes + 64  # in a's stream
+        lost = {"big": (0, 2 * BIG.nbytes + 4), "small": (small_at, small_at + SMALL.nbytes + 4)}
+        said = {leaf: f"leaf '{leaf}' chunk cell [0, 0] could not be read: DATA_LOSS: data object {obj} ended "
+                      f"early: it has {has} bytes, the entry needs bytes [{a}, {b}) (entry at offset {a} of stream p0)"
+                for leaf, (a, b) in lost.items()}
+        problems = [(leaf, f"data/p0.0: {said[leaf].split(' could not be read: ')[1]}") for leaf in ("big", "small")]
+        problems.append((None, f"data/p0.0 has {has} bytes, expected {small_at + SMALL.nbytes + 4}"))
+    for how in ("restore", "view_slice", "view"):
+        for leaf in said if how == "view" else ["big"]:
+            with pytest.raises(jaxckpt.CorruptCheckpointError) as err:
+                _read(tmp_path / "b", how, leaf)
+            assert type(err.value) is jaxckpt.CorruptCheckpointError
+            assert str(err.value) == f"Checkpoint '{tmp_path / 'b'}': {said[leaf]}"
     report = jaxckpt.verify(tmp_path / "b")
-    assert [(p["leaf"], p["message"]) for p in report.problems] == [
-        ("big", f"{CHUNK['big']} has {BIG.nbytes + 4} bytes, expected {2 * BIG.nbytes + 4}")]
+    assert [(p["leaf"], p["message"]) for p in report.problems] == problems
 
 
 # --- zarr.json ---------------------------------------------------------------------------
@@ -282,6 +320,7 @@ ZARR_DAMAGE = {
 }
 
 
+@pytest.mark.format1
 @pytest.mark.parametrize("how", ("restore", "restore_target", "view", "view_slice"))
 @pytest.mark.parametrize("damage", sorted(ZARR_DAMAGE))
 @pytest.mark.parametrize("leaf", ["big", "small"])
@@ -293,6 +332,7 @@ def test_a_rewritten_zarr_json_never_changes_the_values(ckpt, leaf, damage, how)
     assert_bit_equal(_read(ckpt, how, leaf), _expected(how, leaf))
 
 
+@pytest.mark.format1
 @pytest.mark.parametrize("damage", sorted(ZARR_DAMAGE))
 @pytest.mark.parametrize("leaf", ["big", "small"])
 def test_the_metadata_check_finds_a_rewritten_zarr_json(ckpt, leaf, damage):
@@ -315,15 +355,24 @@ def test_the_metadata_check_finds_a_rewritten_zarr_json(ckpt, leaf, damage):
         file=ckpt / ZARR_JSON[leaf])
 
 
-def test_every_single_bit_flip_in_the_manifest_is_refused_or_harmless(ckpt):
-    """Flip each bit of ``manifest.json`` in turn. The reader refuses the result; or it
+@BOTH
+@pytest.mark.parametrize("checksum", ["kept", "dropped"])
+def test_every_single_bit_flip_in_the_manifest_is_refused_or_harmless(ckpt, checksum):
+    """Flip each bit of ``manifest.json`` in turn. With its checksum, the reader refuses
+    every one. Without (an older writer's manifest), the reader refuses the result; or it
     describes the same data (a flip in a creation time, in the library version); or it
     changes an inline value, the one change no check can see (JSON values are the
     manifest's own, and it carries no checksum of itself); or it describes the data
-    otherwise and a restore fails or still returns exactly the saved arrays (a flip in
-    the key of a packed leaf, which its chunks' offsets make unused). A flip never makes
-    a restore return other bytes."""
+    otherwise and a restore fails or still returns exactly the saved arrays (format 1: a
+    flip in the key of a packed leaf, which its chunks' offsets make unused; format 3: a
+    flip in ``segment_bytes`` that leaves it at least the stream's length, which then
+    still lies in the one data object ``p0.0``). A flip never makes a restore return
+    other bytes."""
     path = ckpt / "manifest.json"
+    if checksum == "dropped":  # as an older writer's: the flips then reach the checks past the checksum's
+        doc = json.loads(path.read_bytes())
+        del doc["checksum"]
+        path.write_text(json.dumps(doc, separators=(",", ":")))
     original = path.read_bytes()
     base = _manifest.parse(original, "x")
     outcomes = collections.Counter()
@@ -335,22 +384,33 @@ def test_every_single_bit_flip_in_the_manifest_is_refused_or_harmless(ckpt):
         except jaxckpt.CorruptCheckpointError:
             outcomes["refused"] += 1
             continue
-        if (man.structure, man.packed, man.data) == (base.structure, base.packed, base.data) and all(
-                a == b or (a.kind == b.kind == "value" and a.path == b.path) for a, b in zip(man.leaves, base.leaves)):
+        same = (man.structure, man.packed, man.data, man.streams) == (
+            base.structure, base.packed, base.data, base.streams) and all(
+            a == b or (a.kind == b.kind == "value" and a.path == b.path) for a, b in zip(man.leaves, base.leaves))
+        if same and man.segment_bytes == base.segment_bytes:
             outcomes["same data" if man.leaves == base.leaves else "inline value"] += 1
             continue
         path.write_bytes(bytes(data))
-        try:
+        if same and man.segment_bytes >= max(base.streams.values()):  # still one data object per stream
             out = jaxckpt.restore(ckpt)
-        except jaxckpt.CheckpointError:
-            outcomes["read fails"] += 1
-            continue
+            outcomes["one object still"] += 1
+        else:
+            try:
+                out = jaxckpt.restore(ckpt)
+            except jaxckpt.CheckpointError:
+                outcomes["read fails"] += 1
+                continue
+            outcomes["same values"] += 1
         assert_bit_equal(out["big"], BIG)
         assert_bit_equal(out["small"], SMALL)
-        outcomes["same values"] += 1
+    if checksum == "kept":
+        assert outcomes == {"refused": len(original) * 8}, outcomes
+        return
     assert outcomes["refused"] > 0.75 * len(original) * 8, outcomes
     # the bits of "step": 3 that leave a digit, and of "key": "1" that leave a safe key character
     assert outcomes["inline value"] <= 8 and outcomes["same values"] <= 8, outcomes
+    # the bits of segment_bytes' 10 digits that leave a digit (and not a leading 0): 2 to 4 each
+    assert outcomes["one object still"] == (31 if base.streams else 0), outcomes
 
 
 def test_a_manifest_recording_another_step_is_refused_on_an_object_store_too():
@@ -371,6 +431,7 @@ def test_a_manifest_recording_another_step_is_refused_on_an_object_store_too():
         jaxckpt.restore("memory://copied/2")
 
 
+@pytest.mark.format1
 @pytest.mark.parametrize("damage", sorted(ZARR_DAMAGE))
 @pytest.mark.parametrize("leaf", ["big", "small"])
 def test_verify_reports_a_rewritten_zarr_json(ckpt, leaf, damage):
