@@ -169,8 +169,8 @@ def _check_streams(data: Location, snap: Snapshot) -> None:
         else:
             wrote = bool(_dataobjects.stored_sizes(data.child(STREAM_DIR)))
         if wrote:
-            raise CheckpointError(f"a process of the job wrote format 3's data objects ({FORMAT_ENV}=3), "
-                                  "process 0 did not: set it alike in every process")
+            raise CheckpointError(f"a process of the job wrote format 3's data objects, process 0 did not "
+                                  f"({FORMAT_ENV}=1): set {FORMAT_ENV} alike in every process of the job")
         return
     stored = _dataobjects.stored_sizes(data.child(STREAM_DIR))
     for p, length in snap.streams.items():
@@ -181,7 +181,7 @@ def _check_streams(data: Location, snap: Snapshot) -> None:
             got = "is missing" if name not in stored else f"has {stored[name]} bytes"
             if got != f"has {size} bytes" and not (name in stored and stored[name] is None):
                 raise CheckpointError(f"process {p}'s data object {STREAM_DIR}/{name} {got}, its layout {size}: "
-                                      f"was {FORMAT_ENV}=3 set in every process of the job?")
+                                      f"was {FORMAT_ENV} set alike in every process of the job?")
 
 
 def _save_as_follower(op: _distributed.Operation, final: Location, snap: Snapshot,

@@ -228,22 +228,23 @@ def test_process_0_checks_the_data_objects_before_the_manifest(s3_server, monkey
     spec = s3_server("f3/check")
     client = s3_server.client
 
-    def cut(staging, snap):  # what process 0 sees when a process of the job saved without the switch
+    def cut(staging, snap):  # what process 0 sees when a process of the job saved with JAXCKPT_FORMAT=1
         _writer.write_data(staging, snap)
         key = staging.child("data").kvstore["path"] + "p0.0"
         client.put_object(Bucket=BUCKET, Key=key, Body=b"short")
 
     monkeypatch.setattr(_checkpoint, "write_data", cut)
     with pytest.raises(jaxckpt.CheckpointError, match=r"^process 0's data object data/p0.0 has 5 bytes, its layout "
-                                                     r"\d+: was JAXCKPT_FORMAT=3 set in every process of the job\?$"):
+                                                     r"\d+: was JAXCKPT_FORMAT set alike in every process of the job\?$"):
         jaxckpt.save(spec, tree(1))
 
-    def extra(staging, snap):  # and without the switch, when another process had it
+    def extra(staging, snap):  # and with JAXCKPT_FORMAT=1, when another process wrote format 3
         _writer.write_data(staging, snap)
         client.put_object(Bucket=BUCKET, Key=staging.child("data").kvstore["path"] + "p1.0", Body=b"x")
 
-    monkeypatch.delenv("JAXCKPT_FORMAT")
+    monkeypatch.setenv("JAXCKPT_FORMAT", "1")
     monkeypatch.setattr(_checkpoint, "write_data", extra)
-    with pytest.raises(jaxckpt.CheckpointError, match=r"^a process of the job wrote format 3's data objects"):
+    with pytest.raises(jaxckpt.CheckpointError, match=r"^a process of the job wrote format 3's data objects, process 0 "
+                                                     r"did not \(JAXCKPT_FORMAT=1\)"):
         jaxckpt.save(spec, tree(1))
     assert keys(client, "f3/check/") == []

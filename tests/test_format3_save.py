@@ -1,4 +1,4 @@
-"""Format 3's save path (issue 22) behind ``JAXCKPT_FORMAT=3``: the files written, the
+"""Format 3's save path (issue 22; the default, ``JAXCKPT_FORMAT=3`` here): the files written, the
 manifest's stream fields (exact runs for hand-computed trees), every entry's bytes (the
 chunk's C-order bytes and their crc32c), segments, waves, faults, the switch, and round
 trips once restored."""
@@ -187,33 +187,35 @@ def test_a_stream_missing_at_the_commit_fails_the_save(tmp_path, monkeypatch):
         os.remove(os.path.join(staging.local, "data", "p0.0"))
 
     monkeypatch.setattr(_checkpoint, "write_data", write_data)
-    with pytest.raises(jaxckpt.CheckpointError, match="process 0's data object data/p0.0 is missing, its "
-                                                     "layout 452: was JAXCKPT_FORMAT=3 set in every process"):
+    with pytest.raises(jaxckpt.CheckpointError, match=r"^process 0's data object data/p0.0 is missing, its "
+                                                     r"layout 452: was JAXCKPT_FORMAT set alike in every process "
+                                                     r"of the job\?$"):
         jaxckpt.save(str(tmp_path / "ckpt"), small_tree())
     assert os.listdir(tmp_path) == []
 
 
 def test_streams_process_0_did_not_write_fail_the_save(tmp_path, monkeypatch):
-    # what process 0 sees without the switch when another process of the job had it
+    # what process 0 sees with JAXCKPT_FORMAT=1 when another process of the job wrote format 3
     def write_data(staging, snap):
         _writer.write_data(staging, snap)
         os.makedirs(os.path.join(staging.local, "data"))
 
-    monkeypatch.delenv("JAXCKPT_FORMAT")
+    monkeypatch.setenv("JAXCKPT_FORMAT", "1")
     monkeypatch.setattr(_checkpoint, "write_data", write_data)
-    with pytest.raises(jaxckpt.CheckpointError, match=r"a process of the job wrote format 3's data objects "
-                                                     r"\(JAXCKPT_FORMAT=3\), process 0 did not"):
+    with pytest.raises(jaxckpt.CheckpointError, match=r"^a process of the job wrote format 3's data objects, process 0 "
+                                                     r"did not \(JAXCKPT_FORMAT=1\): set JAXCKPT_FORMAT alike in "
+                                                     r"every process of the job$"):
         jaxckpt.save(str(tmp_path / "ckpt"), small_tree())
     assert os.listdir(tmp_path) == []
 
 
-def test_directories_per_host_are_refused_with_the_switch():
-    with pytest.raises(jaxckpt.CheckpointError, match="per host"):
+def test_directories_per_host_need_every_hosts_group():
+    with pytest.raises(jaxckpt.CheckpointError, match="per host needs every host's group"):
         _snapshot.snapshot({"a": np.ones(3)}, copy_host_arrays=False, group=(0,))
 
 
-@pytest.mark.parametrize("value", [None, "2", "3 ", "1"])
-def test_without_the_switch_the_format_is_unchanged(tmp_path, monkeypatch, value):
+@pytest.mark.parametrize("value", [None, "", "3", " 3 "])
+def test_format_3_unless_the_switch_says_1(tmp_path, monkeypatch, value):
     if value is None:
         monkeypatch.delenv("JAXCKPT_FORMAT")
     else:
@@ -221,8 +223,28 @@ def test_without_the_switch_the_format_is_unchanged(tmp_path, monkeypatch, value
     path = str(tmp_path / "ckpt")
     jaxckpt.save(path, small_tree())
     man = manifest_of(path)
+    assert man["format_version"] == 3 and man["streams"] == {"0": 452} and "segment_bytes" in man
+    assert files_under(path) == ["data/p0.0", "manifest.json"] and not man["packed"]
+
+
+def test_the_switch_set_to_1_writes_the_older_layout(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXCKPT_FORMAT", "1")
+    path = str(tmp_path / "ckpt")
+    jaxckpt.save(path, small_tree())
+    man = manifest_of(path)
     assert man["format_version"] == 1 and "streams" not in man and "segment_bytes" not in man
     assert not os.path.exists(os.path.join(path, "data")) and man["packed"]
+    assert {f.split(os.sep)[0] for f in files_under(path)} == {"packed", "manifest.json"}  # all small leaves
+
+
+@pytest.mark.parametrize("value", ["2", "yes", "1.0"])
+def test_any_other_value_of_the_switch_is_refused_before_anything_is_written(tmp_path, monkeypatch, value):
+    monkeypatch.setenv("JAXCKPT_FORMAT", value)
+    with pytest.raises(jaxckpt.CheckpointError) as e:
+        jaxckpt.save(str(tmp_path / "ckpt"), small_tree())
+    assert str(e.value) == (f"JAXCKPT_FORMAT='{value}': set it to 3 (format 3, the default) or 1 (the layout of "
+                            "formats 1 and 2, for readers older than format 3)")
+    assert os.listdir(tmp_path) == []
 
 
 def test_an_edge_chunk_is_padded_to_the_full_chunk_with_zeros():
@@ -378,8 +400,8 @@ MISMATCH_WORKER = '''
 import json, os, sys
 port, pid, switch = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-if switch == "3":
-    os.environ["JAXCKPT_FORMAT"] = "3"
+if switch:
+    os.environ["JAXCKPT_FORMAT"] = switch
 import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid, initialization_timeout=60)
@@ -396,14 +418,18 @@ except jaxckpt.CheckpointError as e:
 '''
 
 
-@pytest.mark.parametrize("switches", [("", "3"), ("3", "")])
+@pytest.mark.parametrize("switches", [("1", ""), ("", "1")])
 def test_a_job_whose_processes_disagree_on_the_switch_commits_nothing(tmp_path, monkeypatch, switches):
+    # one process unset (format 3, the default), the other JAXCKPT_FORMAT=1
     monkeypatch.delenv("JAXCKPT_FORMAT")
     worker = tmp_path / "worker.py"
     worker.write_text(MISMATCH_WORKER)
     path = tmp_path / "ckpt"
     res = run_workers(str(worker), 2, lambda i, port: [port, i, switches[i], path], 90, "a mismatched job")
-    want = ("a process of the job wrote format 3's data objects" if switches[0] == ""
-            else "process 1's data object data/p1.0 is missing")
+    want = ("a process of the job wrote format 3's data objects, process 0 did not (JAXCKPT_FORMAT=1): "
+            "set JAXCKPT_FORMAT alike in every process of the job" if switches[0] == "1"
+            else "process 1's data object data/p1.0 is missing, its layout 65604: was JAXCKPT_FORMAT set alike "
+            "in every process of the job?")
+    assert res[0]["error"] is not None and res[1]["error"] is not None, res
     assert want in res[0]["error"] and want in res[1]["error"], res
     assert os.listdir(tmp_path) == ["worker.py"]  # nothing committed, the staging directory removed
