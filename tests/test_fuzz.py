@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _dtypes, _manifest, _tree
+from jaxckpt import _dtypes, _layout, _manifest, _snapshot, _streams, _tree
 from jaxckpt.inspect import LazyArray
 
 _ENV = os.environ.get("JAXCKPT_FUZZ_EXAMPLES")
@@ -115,7 +115,7 @@ LEAF_FIELDS = {
     "shape": [[], [0], [1], [3, 4], [4, 3], [2, 6], [512, 512], [2, 2], [4, 2], [1 << 40], [2**44, 0]],
     "chunk_shape": [[], [1], [3, 4], [1, 4], [2, 2], [256, 512], [512, 256], [1, 1], [1 << 40]],
     "nbytes": [0, 8, 16, 48, 1 << 20, 2**44],
-    "store": ["file", "packed", "orbax", "safetensors"],
+    "store": ["file", "packed", "stream", "orbax", "safetensors"],
     "key": ["0", "1", "8", "9", "10", "0/c", "../0", "a" * 300, "s3://b/k", "http://127.0.0.1:9/k"],
     "chunks": [[[0, 0]], [[0, 64]], [[0, 128]], [[0, 320]], [[0, 300]], [[1, 0]], [[0, 0], [0, 0]],
                [[0, 192], [0, 256]]],
@@ -126,6 +126,12 @@ LEAF_FIELDS = {
     "scalar": [True, False, 1],
     "value": [1, "two", None, 2.5, True, [1], 10**40 - 1],
     "type": ["numpy.str_", "numpy.bytes_", "builtins.eval"],
+    # format 3's
+    "codec": ["raw", "zstd", "", 0],
+    "entry_bytes": [5, 12, 20, 52, 1048580, 2**44 + 4, 0, -4],
+    "runs": [[], [[0, 0, 1, 0]], [[0, 0, 1, 64]], [[0, 0, 1, 1048640]], [[0, 0, 2, 1048896]], [[1, 0, 1, 0]],
+             [[0, 1, 1, 0]], [[0, 0, 1, -64]], [[0, 0, 1, 1]], [[0, 0, 1, 2**62]], [[0, 0, 1, 0, 7]],
+             [[0, 0, 1, 1048896], [0, 1, 1, 1048896]], [[0, 0, 1, 1048960], [0, 1, 1, 1048896]]],
 }
 DOC_FIELDS = {
     "format_version": [1, 2, 3, 0],
@@ -137,6 +143,9 @@ DOC_FIELDS = {
                [{"process": 0, "nbytes": 320, "chunk_bytes": 320}, {"process": 0, "nbytes": 9, "chunk_bytes": 9}]],
     "kvstore": [{"driver": "http", "base_url": "http://127.0.0.1:9/"}, {"driver": "s3", "bucket": "b"}],
     "structure": [{"leaf": 0}, {"dict": []}, {"list": [{"leaf": 0}]}],
+    "segment_bytes": [4096, 4095, 1 << 20, 1 << 30, 5 << 40, (5 << 40) + 1, 0, 2**63],
+    "streams": [{}, {"0": 1048972}, {"0": 1048973}, {"0": 0}, {"1": 1048972}, {"0": 2**62}, {"x": 1},
+                {"0": 1048972, "1": 64}],
 }
 
 
@@ -201,33 +210,91 @@ def _rename(doc, old, new):
             rec["path"] = new + rec["path"][len(old):]
 
 
+def _stream_leaf(doc, path, **fields):
+    """Change fields of format-3 leaf ``path`` and its run to match (one run of its
+    chunks' entries): where its entries were, or past the end of the stream where they
+    would overlap another leaf's (the stream's length then grows)."""
+    def span(rec):
+        [[_, _, count, offset]] = rec["runs"]
+        return offset, offset + (count - 1) * _streams.stride_for(rec["entry_bytes"]) + rec["entry_bytes"]
+
+    recs = [r for r in doc["leaves"] if r["path"] == path]
+    for rec in recs:
+        rec.update(fields)
+        count = int(np.prod(_layout.chunk_grid_shape(tuple(rec["shape"]), tuple(rec["chunk_shape"]))))
+        entry = int(np.prod(rec["chunk_shape"])) * _dtypes.DTYPES[rec["dtype"]].itemsize + 4
+        others = [span(r) for r in doc["leaves"] if r.get("runs") and r is not rec]
+        start = rec["runs"][0][3]
+        end = start + (count - 1) * _streams.stride_for(entry) + entry
+        if any(a < end and start < b for a, b in others):
+            start = -(-max(b for _, b in others) // _streams.ALIGN) * _streams.ALIGN
+        rec.update(entry_bytes=entry, runs=[[0, 0, count, start]])
+    if recs:
+        doc["streams"] = {"0": max(span(r)[1] for r in doc["leaves"] if r.get("runs"))}
+
+
+def _swap_runs(doc, a, b):
+    """Swap the runs of leaves ``a`` and ``b`` (format 3; entries of the same size)."""
+    ra, rb = (next((r for r in doc["leaves"] if r["path"] == p), None) for p in (a, b))
+    if ra is not None and rb is not None:
+        ra["runs"], rb["runs"] = rb["runs"], ra["runs"]
+
+
+def _swap_chunks(doc, path):
+    """Swap the entries of the two chunks of format-3 leaf ``path`` (one run of two)."""
+    for rec in doc["leaves"]:
+        if rec["path"] == path and len(rec["runs"]) == 1 and rec["runs"][0][2] == 2:
+            p, _, _, offset = rec["runs"][0]
+            rec["runs"] = [[p, 0, 1, offset + _streams.stride_for(rec["entry_bytes"])], [p, 1, 1, offset]]
+
+
 # Changes that keep a manifest valid (or nearly): reads then reach the data with a
-# record that describes it differently (other bytes, another dtype or shape, another chunk grid).
-COHERENT = {
+# record that describes it differently (other bytes, another dtype or shape, another
+# chunk grid), in either layout (format 1's packed leaves and chunk files, format 3's
+# runs of entries).
+COMMON = {
     "same_size_dtype": lambda d, x: _update(d, "packed", dtype=["int32", "uint32"][x % 2]),
     "int_to_float": lambda d, x: _update(d, "file", dtype="float32"),
     "reshape_packed": lambda d, x: _update(d, "packed", shape=[[12], [2, 6], [6, 2], [1, 12]][x % 4],
                                            chunk_shape=[[12], [2, 6], [6, 2], [1, 12]][x % 4]),
-    "other_offset": lambda d, x: _update(d, "packed", chunks=[[0, 64 * (x % 6)]]),
-    "other_offsets": lambda d, x: _update(d, "sharded", chunks=[[0, 320], [0, 64 * (x % 6)]]),
-    "finer_chunks": lambda d, x: _update(d, "file", chunk_shape=[[256, 512], [512, 1], [1, 512]][x % 3]),
-    "one_sharded_chunk": lambda d, x: _update(d, "sharded", chunk_shape=[4, 2], chunks=[[0, 320]]),
     "reshape_file": lambda d, x: _update(d, "file", shape=[256, 1024], chunk_shape=[256, 1024]),
     "other_value": lambda d, x: _update(d, "nested/0/0", value=x),
     "no_sharding": lambda d, x: _update(d, "sharded", sharding=None),
     "rename": lambda d, x: _rename(d, ["packed", "file", "nested", "sharded"][x % 4], f"renamed{x}"),
     "other_impl": lambda d, x: _update(d, "key", impl="philox4x32"),
-    "wider_key": lambda d, x: _update(d, "key", impl="rbg", shape=[4], chunk_shape=[4], nbytes=16),
     "metadata": lambda d, x: d.update(metadata={"x": x}, created=x),
-    "0d_leaf_in_a_file": lambda d, x: _update(d, "ordered/3", store="file", key=f"f{x}", chunks=[]),  # found so
+}
+COHERENT = {
+    1: {
+        **COMMON,
+        "other_offset": lambda d, x: _update(d, "packed", chunks=[[0, 64 * (x % 6)]]),
+        "other_offsets": lambda d, x: _update(d, "sharded", chunks=[[0, 320], [0, 64 * (x % 6)]]),
+        "finer_chunks": lambda d, x: _update(d, "file", chunk_shape=[[256, 512], [512, 1], [1, 512]][x % 3]),
+        "one_sharded_chunk": lambda d, x: _update(d, "sharded", chunk_shape=[4, 2], chunks=[[0, 320]]),
+        "wider_key": lambda d, x: _update(d, "key", impl="rbg", shape=[4], chunk_shape=[4], nbytes=16),
+        "0d_leaf_in_a_file": lambda d, x: _update(d, "ordered/3", store="file", key=f"f{x}", chunks=[]),  # found so
+    },
+    3: {
+        **COMMON,
+        "finer_chunks": lambda d, x: _stream_leaf(d, "file", chunk_shape=[[256, 512], [512, 1], [1, 512]][x % 3]),
+        "one_sharded_chunk": lambda d, x: _stream_leaf(d, "sharded", chunk_shape=[4, 2]),
+        "finer_sharded_chunks": lambda d, x: _stream_leaf(d, "sharded", chunk_shape=[[1, 2], [2, 1], [1, 1]][x % 3]),
+        "wider_key": lambda d, x: _stream_leaf(d, "key", impl="rbg", shape=[4], chunk_shape=[4], nbytes=16),
+        "0d_leaf_wider": lambda d, x: _stream_leaf(d, "ordered/3", dtype=["int32", "float32", "uint16"][x % 3],
+                                                   nbytes=[4, 4, 2][x % 3]),
+        # entries of the same size, each intact: their checksums hold whoever reads them
+        "swapped_entries": lambda d, x: _swap_runs(d, "key", "scalar"),
+        "swapped_chunks": lambda d, x: _swap_chunks(d, "sharded"),
+    },
 }
 
 
 @st.composite
 def coherent(draw, base):
     doc = copy.deepcopy(base)
-    for name in draw(st.lists(st.sampled_from(sorted(COHERENT)), min_size=1, max_size=2, unique=True)):
-        COHERENT[name](doc, draw(st.integers(0, 40)))
+    mutations = COHERENT[base["format_version"]]
+    for name in draw(st.lists(st.sampled_from(sorted(mutations)), min_size=1, max_size=2, unique=True)):
+        mutations[name](doc, draw(st.integers(0, 40)))
     return doc
 
 
@@ -270,11 +337,16 @@ def _parse_or_corrupt(data):
     return man
 
 
+LAYOUTS = pytest.mark.parametrize("saved", [3, 1], indirect=True)  # the fuzzed manifest: format 3's, 1's
+
+
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """A small checkpoint of every kind of leaf and container: its path, what it restores
-    to, its manifest and the tree saved."""
-    path = tmp_path_factory.mktemp("fuzz") / "ckpt"
+def saved(request, tmp_path_factory):
+    """A small checkpoint of every kind of leaf and container, in format ``request.param``
+    (3, the default, unless parametrized; 1 is format 1's layout, ``JAXCKPT_FORMAT=1``):
+    its path, what it restores to, its manifest and the tree saved."""
+    layout = getattr(request, "param", 3)
+    path = tmp_path_factory.mktemp(f"fuzz{layout}") / "ckpt"
     m = mesh((2,), ("x",))
     tree = {
         "packed": np.arange(12, dtype=np.float32).reshape(3, 4),
@@ -285,7 +357,10 @@ def saved(tmp_path_factory):
         "scalar": np.float64(1.5),
         "ordered": collections.OrderedDict([("z", 1), (3, np.int8(2))]),  # mixed keys: jax keeps the order
     }
-    jaxckpt.save(path, tree, metadata={"run": "fuzz", "lr": 0.1})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAXCKPT_FORMAT", str(layout))
+        jaxckpt.save(path, tree, metadata={"run": "fuzz", "lr": 0.1})
+    assert json.loads((path / "manifest.json").read_bytes())["format_version"] == layout
     return path, jaxckpt.restore(path), (path / "manifest.json").read_bytes(), tree
 
 
@@ -314,27 +389,30 @@ def test_parse_random_json(doc):
 
 @pytest.mark.slow
 @_settings(EXAMPLES, 2000)
-@given(doc=st.fixed_dictionaries({"format": st.just("jaxckpt"), "format_version": st.sampled_from([1, 2])},
+@given(doc=st.fixed_dictionaries({"format": st.just("jaxckpt"), "format_version": st.sampled_from([1, 2, 3])},
                                   optional={k: json_values for k in ("data", "process_count", "packed",
-                                                                     "metadata", "structure", "leaves")}))
+                                                                     "metadata", "structure", "leaves",
+                                                                     "segment_bytes", "streams")}))
 def test_parse_random_json_that_claims_to_be_a_manifest(doc):
     _parse_or_corrupt(_dump(doc))
 
 
 @pytest.mark.slow
+@LAYOUTS
 @_settings(EXAMPLES, 5000)
 @given(data=st.data())
 def test_parse_mutated_manifests(base_doc, data):
     _parse_or_corrupt(data.draw(mutated_bytes(base_doc)))
 
 
-@pytest.mark.parametrize("name", sorted(COHERENT))
+@pytest.mark.parametrize("saved,name", [(v, n) for v in COHERENT for n in sorted(COHERENT[v])],
+                         indirect=["saved"])
 def test_the_coherent_mutations_stay_valid(base_doc, name):
     """The end-to-end property reaches the reads through these: each must keep the
     manifest valid while it describes the data otherwise."""
     for x in (0, 5):
         doc = copy.deepcopy(base_doc)
-        COHERENT[name](doc, x)
+        COHERENT[base_doc["format_version"]][name](doc, x)
         assert doc != base_doc
         assert _parse_or_corrupt(_dump(doc)) is not None, (name, x)
 
@@ -349,7 +427,8 @@ def _same_bytes(a, b):
 
 def _data_key(rec):
     """What decides which bytes an array leaf reads and how they are viewed."""
-    fields = ("kind", "dtype", "shape", "store", "key", "chunk_shape", "chunks", "storage_dtype", "scalar")
+    fields = ("kind", "dtype", "shape", "store", "key", "chunk_shape", "chunks", "storage_dtype", "scalar",
+              "codec", "entry_bytes", "runs")
     return json.dumps({k: rec.get(k) for k in fields})
 
 
@@ -399,6 +478,7 @@ def _target(original):
 
 
 @pytest.mark.slow
+@LAYOUTS
 @_settings(E2E_EXAMPLES, 5000)
 @given(data=st.data())
 def test_reading_a_mutated_manifest_gives_right_values_or_checkpoint_error(saved, base_doc, scratch, data):
@@ -439,8 +519,18 @@ def test_reading_a_mutated_manifest_gives_right_values_or_checkpoint_error(saved
 # --- the hostile cases of the issue, by hand ---------------------------------------------
 
 
+SPLIT = 1048640  # format 3's data objects: "big"'s entry in data/p0.0, "small"'s in data/p0.1
+BY_LAYOUT = pytest.mark.parametrize("small_ckpt", [3, 1], indirect=True)
+
+
 @pytest.fixture
-def small_ckpt(tmp_path):
+def small_ckpt(request, tmp_path, monkeypatch):
+    """A checkpoint of a 1 MiB leaf, a small one and a value; in format ``request.param``
+    where parametrized (1: format 1's layout, ``JAXCKPT_FORMAT=1``, for the test's later
+    saves too), else the default's (3). Format 3's leaves lie in data objects of their own."""
+    if hasattr(request, "param"):
+        monkeypatch.setenv("JAXCKPT_FORMAT", str(request.param))
+    monkeypatch.setattr(_snapshot, "SEGMENT_BYTES", SPLIT)
     path = tmp_path / "ckpt"
     jaxckpt.save(path, {"big": np.arange(1 << 18, dtype=np.float32).reshape(512, 512),
                         "small": np.arange(12, dtype=np.int32).reshape(3, 4), "step": 3})
@@ -485,8 +575,6 @@ REFUSED = {
     "version_0": (_edit(lambda d: d.update(format_version=0)), "format_version 0 is not supported"),
     "version_2_without_data": (_edit(lambda d: d.update(format_version=2)), "data prefix None is not"),
     "version_negative": (_edit(lambda d: d.update(format_version=-1)), "format_version -1 is not supported"),
-    "key_is_a_url": (_edit(lambda d: _leaf(d, "big").update(key="http://127.0.0.1:9/x")),
-                     "data key 'http://127.0.0.1:9/x' is not a relative path inside the checkpoint"),
     "key_is_s3": (_edit(lambda d: _leaf(d, "big").update(key="s3://bucket/x")), "data key 's3://bucket/x'"),
     "data_is_a_url": (_edit(lambda d: d.update(format_version=2, data="s3://bucket/x")),
                       "data prefix 's3://bucket/x' is not 'd/<name>'"),
@@ -497,6 +585,45 @@ REFUSED = {
                                                                          impl="threefry2x32", key_ndim=1)),
                                 "threefry2x32 keys are uint32 data of trailing shape (2,), not uint32 of shape (4,)"),
     "scalar_of_a_matrix": (_edit(lambda d: _leaf(d, "small").update(scalar=True)), "scalar True"),
+}
+# the cases of one layout (its fields, its messages): {format_version: {name: (edit, what is said)}}
+REFUSED_IN = {
+    1: {
+        "key_is_a_url": (_edit(lambda d: _leaf(d, "big").update(key="http://127.0.0.1:9/x")),
+                         "data key 'http://127.0.0.1:9/x' is not a relative path inside the checkpoint"),
+    },
+    3: {
+        "key_is_a_url": (_edit(lambda d: _leaf(d, "big").update(key="http://127.0.0.1:9/x")),
+                         "leaf 'big': data key 'http://127.0.0.1:9/x' (a 'stream' leaf has none)"),
+        "store_file": (_edit(lambda d: _leaf(d, "big").update(store="file", key="0")),
+                       "leaf 'big': store 'file' in format_version 3 (its array leaves are 'stream')"),
+        "codec_unknown": (_edit(lambda d: _leaf(d, "big").update(codec="zstd")),
+                          "leaf 'big': codec 'zstd' (this jaxckpt reads raw)"),
+        "entry_bytes_of_the_payload": (_edit(lambda d: _leaf(d, "big").update(entry_bytes=1 << 20)),
+                                       "leaf 'big': entry_bytes 1048576, but its chunks are 1048576 bytes and a "
+                                       "crc32c of 4"),
+        "huge_segment_bytes": (_edit(lambda d: d.update(segment_bytes=1 << 50)),
+                               f"segment_bytes {1 << 50} is not between 4096 and {5 << 40}"),
+        "tiny_segment_bytes": (_edit(lambda d: d.update(segment_bytes=64)),
+                               f"segment_bytes 64 is not between 4096 and {5 << 40}"),
+        "huge_run_offset": (_edit(lambda d: _leaf(d, "small").update(runs=[[0, 0, 1, 1 << 62]])),
+                            f"leaf 'small': run #0 [0, 0, 1, {1 << 62}]: its entries end at byte {(1 << 62) + 52}, "
+                            "past the end of process 0's stream (1048692 bytes)"),
+        "negative_run_offset": (_edit(lambda d: _leaf(d, "small").update(runs=[[0, 0, 1, -64]])),
+                                "leaf 'small': run #0 [0, 0, 1, -64]: offset -64 is not a non-negative multiple of 64"),
+        "run_of_another_process": (_edit(lambda d: _leaf(d, "small").update(runs=[[1, 0, 1, 1048640]])),
+                                   "leaf 'small': run #0 [1, 0, 1, 1048640]: process 1 has no stream"),
+        "runs_cover_nothing": (_edit(lambda d: _leaf(d, "small").update(runs=[])),
+                               "leaf 'small': runs cover 0 chunks, but the leaf has 1"),
+        "stream_key_is_a_url": (_edit(lambda d: d.update(streams={"http://127.0.0.1:9/x": 1048692})),
+                                "streams: key 'http://127.0.0.1:9/x' is not a process below process_count 1"),
+        "huge_stream": (_edit(lambda d: d.update(streams={"0": 1 << 62})),
+                        f"streams: process 0's length {1 << 62} is not between 1 and {1 << 50}"),
+        "stream_of_another_process": (_edit(lambda d: d.update(streams={"0": 1048692, "1": 64})),
+                                      "2 streams for 1 processes"),
+        "streams_in_version_1": (_edit(lambda d: d.update(format_version=1)),
+                                 "field 'segment_bytes' needs format_version 3"),
+    },
 }
 
 
@@ -509,11 +636,15 @@ def no_data_io(monkeypatch):
         monkeypatch.setattr(f"jaxckpt._storage.zarr.{name}", refuse)
     for name in ("read_chunk_file", "aligned_empty"):
         monkeypatch.setattr(f"jaxckpt._storage.chunkfiles.{name}", refuse)
+    monkeypatch.setattr("jaxckpt._storage.dataobjects.read_entry", refuse)  # format 3's entries
+    monkeypatch.setattr("jaxckpt._reader._pread_segment", refuse)  # (consecutive ones read at once)
 
 
-@pytest.mark.parametrize("name", sorted(REFUSED))
+@pytest.mark.parametrize("small_ckpt,name", [(v, n) for v in REFUSED_IN for n in sorted({**REFUSED, **REFUSED_IN[v]})],
+                         indirect=["small_ckpt"])
 def test_hostile_manifest_is_refused_before_any_data_is_touched(small_ckpt, name, no_data_io):
-    edit, said = REFUSED[name]
+    layout = json.loads((small_ckpt / "manifest.json").read_text())["format_version"]
+    edit, said = {**REFUSED, **REFUSED_IN[layout]}[name]
     path = small_ckpt / "manifest.json"
     path.write_text(edit(path.read_text()))
     for read in (jaxckpt.restore, jaxckpt.metadata, jaxckpt.open):
