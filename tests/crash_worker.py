@@ -8,7 +8,8 @@ saves steps 1..``steps``; ``overwrite``: ``jaxckpt.save(path, state(value),
 overwrite=True)``; ``resume``: a fresh manager lists, restores the latest step, checks it
 bit for bit and saves ``next``), ``path``, and for a real multi-process job ``port``,
 ``nproc``, ``pid`` (gloo CPU collectives on 127.0.0.1, 2 devices per process); ``format``:
-3 to save in format 3 (``JAXCKPT_FORMAT=3``).
+the format to save (``JAXCKPT_FORMAT``: 1 for the layout of formats 1 and 2, 3), else the
+default (the environment's).
 
 Prints ``COMMITTED <step>`` as saves commit and one last line ``RESULT <json>`` when it
 was not killed; it leaves with ``os._exit`` (jax's distributed shutdown would wait for a
@@ -111,8 +112,8 @@ def run(args):
 def main(args):
     multi = "port" in args
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={2 if multi else 4}"
-    if args.get("format") == 3:  # saves write format 3 (issue 22); read per save
-        os.environ["JAXCKPT_FORMAT"] = "3"
+    if "format" in args:  # read per save
+        os.environ["JAXCKPT_FORMAT"] = str(args["format"])
     import jax
 
     if multi:

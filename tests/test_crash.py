@@ -9,8 +9,9 @@ happened there), a reader lists exactly the committed steps, a fresh writer mana
 lists the same and cleans every leftover, the latest step restores bit for bit and
 verifies, and the next save works. In a single process and in a real 2-process job.
 
-Then full disks, denied permissions and read-only file systems, injected at the chunk
-file writes, the tensorstore writes and the manifest write (and, unless running as
+Then full disks, denied permissions and read-only file systems, injected at the data
+writes (format 3's stream entries; with ``JAXCKPT_FORMAT=1`` the chunk files and the
+tensorstore writes), the manifest write and the commit's points (and, unless running as
 root, a real ``chmod 0o500``): the save raises a ``CheckpointError`` with the cause,
 commits nothing, leaves no staging directory, and the previous step still restores.
 """
@@ -100,16 +101,20 @@ def check_recovered(path, steps, values=None, read=None):
 
 # --- a single process ---------------------------------------------------------------------
 
-# Steps 1, 2, 3 with max_to_keep=2: step 3's save is killed (4 chunk files of the big leaf
-# and one tensorstore write of the packed small leaves per step), or the retention delete
-# of step 1 that follows its commit.
+# Steps 1, 2, 3 with max_to_keep=2: step 3's save is killed, or the retention delete of
+# step 1 that follows its commit. Format 3 (what a save writes): one stream of 5 entries per
+# step, big's 4 chunks of 262,144 bytes at stride 262,208, then small's; "mid-data" is
+# killed before big's third entry. The ``FORMAT1`` cases save the layout of formats 1 and 2
+# (``JAXCKPT_FORMAT=1``): killed after 1 of big's 4 chunk files (jaxckpt's own writer), or
+# in the tensorstore write of the packed small leaves.
 # case -> (fault, async_save, the committed steps after the kill)
-V3_STRIDE = 262208  # format 3: big's entries (a chunk's 262,144 bytes + crc32c, rounded up to 64)
+V3_STRIDE = 262208  # big's entries (a chunk's 262,144 bytes + crc32c, rounded up to 64)
 V3_STREAM = 4 * V3_STRIDE + 52  # then small's entry (12 int32 + crc32c)
 SINGLE = {
     "before-data": ("data:start:3", False, [1, 2]),
-    "mid-data": ("write@0:10", False, [1, 2]),
-    "mid-data-async": ("write@0:10", True, [1, 2]),
+    "mid-data": (f"write@p0@{2 * V3_STRIDE}:3", False, [1, 2]),
+    "mid-data-async": (f"write@p0@{2 * V3_STRIDE}:3", True, [1, 2]),
+    "f1-mid-data": ("write@0:10", False, [1, 2]),
     "mid-tensorstore-data": ("write@packed/p0:3", False, [1, 2]),
     "after-data": ("commit:before-manifest:3", False, [1, 2]),
     "mid-manifest": ("manifest:partial:3", False, [1, 2]),
@@ -119,22 +124,14 @@ SINGLE = {
     "delete-after-rename": ("delete:after-rename:1", False, [2, 3]),
     "mid-delete": ("delete:middle:1", False, [2, 3]),
     "mid-delete-async": ("delete:middle:1", True, [2, 3]),
-    # format 3 where it differs: one stream of 5 entries per step (big's 4 chunks of 262,144
-    # bytes at stride 262,208, then small's), killed before big's third entry, after the
-    # last, in the background writer's manifest, deleting a format-3 step. (The points
-    # before any data and after the manifest run the same code in every format; errors
-    # there in format 3: test_storage_errors_fail_the_save_cleanly's v3 cases.)
-    "v3-mid-data": (f"write@p0@{2 * V3_STRIDE}:3", False, [1, 2]),
-    "v3-after-data": ("commit:before-manifest:3", False, [1, 2]),
-    "v3-mid-manifest-async": ("manifest:partial:3", True, [1, 2]),
-    "v3-mid-delete": ("delete:middle:1", True, [2, 3]),
 }
+FORMAT1 = {"f1-mid-data", "mid-tensorstore-data"}
 
 # An overwrite of committed step 2 (value 2) with value 20, by ``jaxckpt.save(...,
 # overwrite=True)``, with the atomic exchange or with two renames.
 # case -> (fault, exchange, the value step 2 restores after the kill)
 OVERWRITE = {
-    "overwrite-mid-data": ("write@0:2", True, 2),
+    "overwrite-mid-data": (f"write@p0@{2 * V3_STRIDE}", True, 2),
     "overwrite-mid-manifest": ("manifest:partial", True, 2),
     "overwrite-after-manifest": ("commit:after-manifest", True, 2),
     "overwrite-between-renames": ("commit:between-renames", False, 2),
@@ -157,12 +154,14 @@ def single_runs(tmp_path_factory):
     jobs = {}
     for case, (fault, async_save, _) in SINGLE.items():
         jobs[case] = (str(base / case), {"scenario": "manager", "steps": 3, "async": async_save,
-                                         "format": 3 if case.startswith("v3-") else 1}, fault)
-    for case, (fault, exchange, _) in OVERWRITE.items():
-        path = str(base / case)
-        _prepare_overwrite(path)
-        jobs[case] = (path, {"scenario": "overwrite", "value": 20, "exchange": exchange,
-                             "path": os.path.join(path, "2")}, fault)
+                                         "format": 1 if case in FORMAT1 else 3}, fault)
+    with pytest.MonkeyPatch.context() as mp:  # a module fixture: conftest's pin does not reach it
+        mp.setenv("JAXCKPT_FORMAT", "3")
+        for case, (fault, exchange, _) in OVERWRITE.items():
+            path = str(base / case)
+            _prepare_overwrite(path)
+            jobs[case] = (path, {"scenario": "overwrite", "value": 20, "exchange": exchange, "format": 3,
+                                 "path": os.path.join(path, "2")}, fault)
 
     def run(item):
         case, (path, args, fault) = item
@@ -175,19 +174,19 @@ def single_runs(tmp_path_factory):
 def _check_leftovers_single(case, path):
     """What the kill left is what its fault point says (so the kill happened there)."""
     staging = [os.path.join(path, n) for n in hidden(path, ".3.jaxckpt-tmp-")]
-    v3, case = case.startswith("v3-"), case.removeprefix("v3-")
+    v3, case = case not in FORMAT1, case.removeprefix("f1-")
     if case.startswith(("before-data", "mid-data", "mid-tensorstore", "after-data", "mid-manifest",
                         "after-manifest")):
         files = files_under(only(staging))
         assert "3" not in os.listdir(path) and hidden(path) == [os.path.basename(staging[0])]
         if case == "before-data":
             assert files == []
-        elif v3 and case in ("mid-data", "after-data"):  # the data object is made at its full size up front
+        elif v3 and case.startswith(("mid-data", "after-data")):  # the data object is made at its full size up front
             assert files == ["data/p0.0"] and os.path.getsize(os.path.join(staging[0], files[0])) == V3_STREAM
             with open(os.path.join(staging[0], files[0]), "rb") as f:
                 f.seek(2 * V3_STRIDE)
                 third = f.read(V3_STRIDE)
-            assert (third.count(0) == V3_STRIDE) == (case == "mid-data")  # killed before it was written
+            assert (third.count(0) == V3_STRIDE) == case.startswith("mid-data")  # killed before it was written
         elif case.startswith(("mid-data", "mid-tensorstore")):
             chunks = [f for f in files if f.startswith("arrays/0/c/")]
             assert files and "manifest.json" not in files and len(chunks) < 4, files
@@ -205,14 +204,15 @@ def _check_leftovers_single(case, path):
     elif case == "delete-after-rename":  # step 1 renamed aside, nothing of it deleted yet
         doomed = os.path.join(path, only(hidden(path, ".1.jaxckpt-old-")))
         assert "1" not in os.listdir(path)
-        assert sorted(os.listdir(doomed)) == ["arrays", "manifest.json", "packed"]
+        assert sorted(os.listdir(doomed)) == ["data", "manifest.json"]
     else:  # killed deleting step 1: renamed aside, its manifest gone, its data not yet
         doomed = os.path.join(path, only(hidden(path, ".1.jaxckpt-old-")))
         assert "1" not in os.listdir(path)
-        assert sorted(os.listdir(doomed)) == (["data"] if v3 else ["arrays", "packed"])
+        assert sorted(os.listdir(doomed)) == ["data"]
 
 
-@pytest.mark.parametrize("case", sorted(SINGLE))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.format1) if c in FORMAT1 else c
+                                  for c in sorted(SINGLE)])
 def test_single_process_manager_killed_at_each_point(single_runs, case):
     run = single_runs[case]
     assert run["rc"] == -signal.SIGKILL, run
@@ -383,30 +383,41 @@ def test_two_process_job_with_one_process_killed(tmp_path, case):
 # --- full disks, denied permissions, read-only file systems -------------------------------
 
 ERRNOS = [errno.ENOSPC, errno.EACCES, errno.EROFS]
-# where the error strikes: (fault point, key) and the message the save fails with
+# where the error strikes: (fault point, key) and the message the save fails with. Format 3
+# (what a save writes): the first entry of the stream; with ``JAXCKPT_FORMAT=1``
+# (``WHERE_FORMAT1``): the first chunk file (jaxckpt's own writer), the tensorstore write of
+# the packed small leaves. The manifest and the commit's points: every format.
+WRITING, COMMITTING = "Writing checkpoint '{staging}' failed: [Errno {n}] {text}", \
+    "Committing checkpoint '{final}' failed: [Errno {n}] {text}"
 WHERE = {
-    "chunk-file": (("write", "0"), "Writing checkpoint '{staging}' failed: [Errno {n}] {text}"),
-    "tensorstore": (("write", "packed/p0"), "Writing checkpoint '{staging}' failed: [Errno {n}] {text}"),
-    "manifest": (("manifest:partial", "manifest.json"), "Committing checkpoint '{final}' failed: [Errno {n}] {text}"),
+    "entry": (("write", "p0@0"), WRITING),
+    "chunk-file": (("write", "0"), WRITING),
+    "tensorstore": (("write", "packed/p0"), WRITING),
+    "manifest": (("manifest:partial", "manifest.json"), COMMITTING),
 }
+WHERE_FORMAT1 = {"chunk-file", "tensorstore"}
 MODES = ["save", "manager-sync", "manager-async"]
-CASES = [pytest.param(m, w, n, id=f"{m}-{w}-{errno.errorcode[n]}") for m in MODES for w in WHERE for n in ERRNOS]
-# format 3: the first entry of the stream, the manifest (and each of the commit's points)
-WHERE["v3-entry"] = (("write", "p0@0"), "Writing checkpoint '{staging}' failed: [Errno {n}] {text}")
-WHERE["v3-manifest"] = WHERE["manifest"]
-WHERE["v3-data:start"] = (("data:start", None), WHERE["v3-entry"][1])
+CASES = [pytest.param(m, w, n, id=f"{m}-{w}-{errno.errorcode[n]}",
+                      marks=[pytest.mark.format1] if w in WHERE_FORMAT1 else [])
+         for m in MODES for w in WHERE for n in ERRNOS]
+# each of the commit's points (one errno)
+WHERE["data:start"] = (("data:start", None), WRITING)
 for point in ("commit:before-manifest", "commit:after-manifest"):
-    WHERE[f"v3-{point}"] = ((point, None), "Committing checkpoint '{final}' failed: [Errno {n}] {text}")
-CASES += [pytest.param(m, w, errno.ENOSPC, id=f"{m}-{w}-ENOSPC") for m in MODES for w in WHERE if w.startswith("v3-")]
+    WHERE[point] = ((point, None), COMMITTING)
+CASES += [pytest.param(m, w, errno.ENOSPC, id=f"{m}-{w}-ENOSPC") for m in MODES
+          for w in ("data:start", "commit:before-manifest", "commit:after-manifest")]
+WHERE_FORMAT1.add("chmod-f1")
 if os.geteuid() != 0:  # root is never denied by a mode: then only the injected errors
     CASES += [pytest.param(m, "chmod", errno.EACCES, id=f"{m}-chmod-0o500") for m in MODES]
+    CASES += [pytest.param("save", "chmod-f1", errno.EACCES, id="save-chmod-0o500-format1",
+                           marks=pytest.mark.format1)]
 
 
 def _inject(monkeypatch, where, code):
     """Fail the save's first write at ``where``: an injected ``OSError(code)``, or (``chmod``)
     a real one: the staging directory made read-only once it exists (before any data)."""
     def hook(op, key):
-        if where == "chmod":
+        if where.startswith("chmod"):
             if op == "data:start":
                 os.chmod(key, 0o500)
         elif (op, key) == WHERE[where][0] or (op, None) == WHERE[where][0]:
@@ -448,8 +459,8 @@ def _innermost(e):
 @pytest.mark.parametrize("mode,where,code", CASES)
 def test_storage_errors_fail_the_save_cleanly(tmp_path, monkeypatch, mode, where, code):
     path = str(tmp_path)
-    if where.startswith("v3-"):
-        monkeypatch.setenv("JAXCKPT_FORMAT", "3")
+    layout = 1 if where in WHERE_FORMAT1 else 3
+    monkeypatch.setenv("JAXCKPT_FORMAT", str(layout))  # (format1: what conftest sets too)
     err, final = _failing_save(mode, path, monkeypatch, where, code)
     text = os.strerror(code)
     message = str(err)
@@ -458,7 +469,12 @@ def test_storage_errors_fail_the_save_cleanly(tmp_path, monkeypatch, mode, where
         assert message.startswith(prefix), message
         message = message[len(prefix):]
     staging = re.escape(os.path.join(path, f".{os.path.basename(final)}{_commit.TMP_MARK}")) + "[0-9a-f]{12}"
-    if where == "chmod":  # tensorstore cannot create the first array's zarr.json
+    if where == "chmod":  # format 3: the first data object cannot be created
+        assert re.fullmatch(f"Writing checkpoint '({staging})' failed: \\[Errno 13\\] Permission denied: "
+                            "'\\1/data'", message), message
+        cause = _innermost(err)
+        assert isinstance(cause, PermissionError) and cause.errno == errno.EACCES
+    elif where == "chmod-f1":  # tensorstore cannot create the first array's zarr.json
         assert re.match(f"Opening array '{staging}/", message) and message.endswith(": Permission denied"), message
     else:
         want = re.escape(WHERE[where][1]).replace(re.escape("{staging}"), staging)
@@ -467,7 +483,7 @@ def test_storage_errors_fail_the_save_cleanly(tmp_path, monkeypatch, mode, where
         cause = _innermost(err)
         assert isinstance(cause, OSError) and cause.errno == code and cause.strerror == text
     kept = final if mode == "save" else os.path.join(path, "1")
-    assert jaxckpt.metadata(kept).format_version == (3 if where.startswith("v3-") else 1)
+    assert jaxckpt.metadata(kept).format_version == layout
     if mode == "save":
         assert os.listdir(path) == ["ckpt"]  # the staging directory is gone
         assert same(jaxckpt.restore(final), 1) and jaxckpt.verify(final).ok

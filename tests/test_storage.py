@@ -148,7 +148,8 @@ def test_storage_errors_keep_a_short_cause(message, cause):
     assert str(err) == f"Reading 'manifest.json' in 's3://bucket/runs/a' failed: {cause}"
 
 
-def test_fault_hook_set_on_storage_reaches_the_io_layer(tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", [pytest.param(1, marks=pytest.mark.format1), 3])
+def test_fault_hook_set_on_storage_reaches_the_io_layer(tmp_path, monkeypatch, layout):
     # tests (and older callers) set _storage.fault_hook; the fault points live in _iostats
     import jaxckpt
     from jaxckpt import _storage
@@ -157,6 +158,12 @@ def test_fault_hook_set_on_storage_reaches_the_io_layer(tmp_path, monkeypatch):
     monkeypatch.setattr(_storage, "fault_hook", lambda op, key: seen.append((op, key)))
     assert _storage.fault_hook is _storage.fault_hook
     jaxckpt.save(tmp_path / "c", {"big": np.zeros(1 << 18, np.float32), "small": np.ones(3)})
-    assert ("write", "0") in seen and any(k.startswith("packed/p0") for _, k in seen)
+    if layout == 1:  # big's chunk file (jaxckpt's own writer), the packed small leaf (tensorstore)
+        assert ("write", "0") in seen and any(k.startswith("packed/p0") for _, k in seen)
+    else:  # format 3: each entry of process 0's stream, big's (1 MiB + crc32c, rounded up to 64) then small's
+        assert [k for op, k in seen if op == "write"] == ["p0@0", f"p0@{(1 << 20) + 64}"]
+        seen.clear()
+        jaxckpt.restore(tmp_path / "c")
+        assert sorted(k for op, k in seen if op == "read") == ["p0@0", f"p0@{(1 << 20) + 64}"]
     monkeypatch.undo()
     assert _storage.fault_hook is None
