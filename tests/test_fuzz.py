@@ -19,6 +19,10 @@ end-to-end one N // 3, e.g. ``JAXCKPT_FUZZ_EXAMPLES=20000 pytest -m slow tests/t
 (a failure prints the ``@reproduce_failure`` decorator that replays it).
 
 The second half of the module tries the hostile cases of the issue by hand.
+
+Both layouts are tried: format 3's manifest (the default: runs of entries in data
+objects) and format 1's (``JAXCKPT_FORMAT=1``: chunk files, packed leaves), which this
+version still reads; the fields and mutations of each are in the tables below.
 """
 
 import collections
@@ -519,6 +523,8 @@ def test_reading_a_mutated_manifest_gives_right_values_or_checkpoint_error(saved
 # --- the hostile cases of the issue, by hand ---------------------------------------------
 
 
+SMALL_CKPT = {"big": np.arange(1 << 18, dtype=np.float32).reshape(512, 512),
+              "small": np.arange(12, dtype=np.int32).reshape(3, 4)}
 SPLIT = 1048640  # format 3's data objects: "big"'s entry in data/p0.0, "small"'s in data/p0.1
 BY_LAYOUT = pytest.mark.parametrize("small_ckpt", [3, 1], indirect=True)
 
@@ -532,8 +538,7 @@ def small_ckpt(request, tmp_path, monkeypatch):
         monkeypatch.setenv("JAXCKPT_FORMAT", str(request.param))
     monkeypatch.setattr(_snapshot, "SEGMENT_BYTES", SPLIT)
     path = tmp_path / "ckpt"
-    jaxckpt.save(path, {"big": np.arange(1 << 18, dtype=np.float32).reshape(512, 512),
-                        "small": np.arange(12, dtype=np.int32).reshape(3, 4), "step": 3})
+    jaxckpt.save(path, {**SMALL_CKPT, "step": 3})
     return path
 
 
@@ -700,11 +705,35 @@ def opened(monkeypatch):
     return seen
 
 
-def test_other_drivers_and_urls_in_the_checkpoint_are_never_followed(small_ckpt, listener, opened):
+@pytest.fixture
+def streamed(monkeypatch):
+    """Format 3: the data object (local path or URL) of every entry read."""
+    from jaxckpt import _reader
+    from jaxckpt._storage import dataobjects as _dataobjects
+
+    seen, read_entry, pread_segment = [], _dataobjects.read_entry, _reader._pread_segment
+
+    def entry(root, process, *args, **kwargs):
+        seen.append(root.local if root.local is not None else root.url)
+        return read_entry(root, process, *args, **kwargs)
+
+    def segment(path, *args, **kwargs):
+        seen.append(os.path.dirname(path))
+        return pread_segment(path, *args, **kwargs)
+
+    monkeypatch.setattr(_dataobjects, "read_entry", entry)
+    monkeypatch.setattr(_reader, "_pread_segment", segment)
+    return seen
+
+
+@BY_LAYOUT
+def test_other_drivers_and_urls_in_the_checkpoint_are_never_followed(small_ckpt, listener, opened, streamed):
     """A kvstore spec or URL in the manifest (where the format has none) or in a
-    ``zarr.json`` (which a reader never consults) leads nowhere: the reads stay in the
-    checkpoint's own files and return its values."""
+    ``zarr.json`` (which a reader never consults; format 3 has none, they are stray
+    files there) leads nowhere: the reads stay in the checkpoint's own files and return
+    its values."""
     url, connected = listener
+    v3 = (small_ckpt / "data").exists()
     spec = {"driver": "http", "base_url": url}
     path = small_ckpt / "manifest.json"
     doc = json.loads(path.read_text())
@@ -714,6 +743,7 @@ def test_other_drivers_and_urls_in_the_checkpoint_are_never_followed(small_ckpt,
         rec.update(kvstore=spec, url=url, driver="http") if rec["kind"] == "array" else None
     path.write_text(json.dumps(doc))
     for z in ("arrays/0/zarr.json", "packed/p0/zarr.json"):
+        (small_ckpt / z).parent.mkdir(parents=True, exist_ok=True)
         (small_ckpt / z).write_text(json.dumps({"driver": "zarr3", "kvstore": spec, "zarr_format": 3,
                                                 "node_type": "array", "shape": [1], "data_type": "uint8"}))
     out = jaxckpt.restore(small_ckpt)
@@ -721,41 +751,64 @@ def test_other_drivers_and_urls_in_the_checkpoint_are_never_followed(small_ckpt,
     np.testing.assert_array_equal(out["big"], np.arange(1 << 18, dtype=np.float32).reshape(512, 512))
     np.testing.assert_array_equal(view["big"][3:5, 7], [3 * 512 + 7, 4 * 512 + 7])
     np.testing.assert_array_equal(out["small"], np.arange(12, dtype=np.int32).reshape(3, 4))
-    report = jaxckpt.verify(small_ckpt)  # reads each zarr.json (locally) and reports both
-    assert {"arrays/0/zarr.json", "packed/p0/zarr.json"} <= {p["chunk"] for p in report.problems}
+    np.testing.assert_array_equal(view["small"][1:, 2], [6, 10])
+    report = jaxckpt.verify(small_ckpt)  # reads each zarr.json (locally) and reports both (format 3: as strays)
+    assert {"arrays/0/zarr.json", "packed/p0/zarr.json"} <= {p["chunk"] for p in report.problems}, report.problems
     assert not connected()
-    assert opened and all(kv["driver"] == "file" and kv["path"].startswith(f"{small_ckpt}/") for kv in opened)
+    assert all(kv["driver"] == "file" and kv["path"].startswith(f"{small_ckpt}/") for kv in opened)
+    if v3:
+        assert len(streamed) >= 5  # restore, 2 views, verify: entries, each in data/
+        assert set(streamed) == {str(small_ckpt / "data")}, streamed
+    else:
+        assert opened and streamed == []
 
 
+@BY_LAYOUT
 @pytest.mark.parametrize("kind", ["fifo", "directory", "link_to_dev_zero", "link_outside"])
 @pytest.mark.parametrize("leaf", ["big", "small"])
 def test_a_chunk_that_is_not_a_regular_file_is_corrupt_and_never_blocks(small_ckpt, tmp_path, leaf, kind):
-    chunk = small_ckpt / ("arrays/0/c/0/0" if leaf == "big" else "packed/p0/c/0")
+    """The file of a leaf's chunk (format 1: its chunk file; format 3: the data object
+    its entry lies in) replaced by something a read must not follow or wait on."""
+    v3 = (small_ckpt / "data").exists()
+    chunk = small_ckpt / ({"big": "data/p0.0", "small": "data/p0.1"} if v3 else
+                          {"big": "arrays/0/c/0/0", "small": "packed/p0/c/0"})[leaf]
     outside = tmp_path / "outside"
-    outside.write_bytes(chunk.read_bytes()[:-1] + b"\x00")  # a regular file, not the chunk
+    data = chunk.read_bytes()  # a regular file, not the chunk: its checksum (format 3: its first byte) differs
+    outside.write_bytes(bytes([data[0] ^ 0x10]) + data[1:] if v3 else data[:-1] + b"\x00")
     chunk.unlink()
     {"fifo": lambda: os.mkfifo(chunk), "directory": chunk.mkdir,
      "link_to_dev_zero": lambda: chunk.symlink_to("/dev/zero"), "link_outside": lambda: chunk.symlink_to(outside),
      }[kind]()
     said = "[Dd]igest mismatch" if kind == "link_outside" else "is not a regular file"
+    named = f"leaf '{leaf}' chunk cell [0, 0] could not be read" if v3 else f"leaf '{leaf}' could not be read"
     for read in (lambda: jaxckpt.restore(small_ckpt), lambda: jaxckpt.open(small_ckpt)[leaf][1:2, 1:2]):
         with pytest.raises(jaxckpt.CorruptCheckpointError) as err:
             read()
         assert type(err.value) is jaxckpt.CorruptCheckpointError
-        assert f"leaf '{leaf}' could not be read" in str(err.value) and str(chunk) in str(err.value)
+        assert named in str(err.value) and str(chunk) in str(err.value), str(err.value)
         assert re.search(said, str(err.value)), str(err.value)
-    assert not jaxckpt.verify(small_ckpt).ok
+    report = jaxckpt.verify(small_ckpt)
+    assert not report.ok
+    if v3:  # the other leaf's data object is intact
+        assert report.unrestorable == [leaf], report.summary()
+        other = "small" if leaf == "big" else "big"
+        np.testing.assert_array_equal(jaxckpt.open(small_ckpt)[other][...], SMALL_CKPT[other])
 
 
 def _declare_huge(loc, monkeypatch):
     """The big leaf's manifest record promises a 16 TiB leaf in one chunk, on a machine
-    that cannot allocate more than 1 GiB at once."""
+    that cannot allocate more than 1 GiB at once. (Format 3: its entry after the small
+    leaf's, the stream as long as that makes it: a valid manifest.)"""
     from jaxckpt._storage import chunkfiles as _chunkfiles
     from jaxckpt._storage import kvstore as _kvstore
 
     doc = json.loads(_kvstore.read_blob(loc, "manifest.json"))
     del doc["checksum"]  # edited: read as a manifest written before checksums
     _leaf(doc, "big").update(shape=[1 << 42], chunk_shape=[1 << 42], nbytes=1 << 44)
+    if doc["format_version"] == 3:
+        assert _leaf(doc, "small")["runs"] == [[0, 0, 1, SPLIT]] and doc["streams"] == {"0": SPLIT + 52}
+        _leaf(doc, "big").update(entry_bytes=(1 << 44) + 4, runs=[[0, 0, 1, SPLIT + 64]])
+        doc["streams"] = {"0": SPLIT + 64 + (1 << 44) + 4}
     _kvstore.write_blob(loc, "manifest.json", json.dumps(doc).encode())
     real = _chunkfiles.aligned_empty
 
@@ -767,15 +820,19 @@ def _declare_huge(loc, monkeypatch):
     monkeypatch.setattr(_chunkfiles, "aligned_empty", small_machine)
 
 
+@BY_LAYOUT
 @pytest.mark.parametrize("where", ["local", "memory"])
 def test_a_promised_leaf_too_big_to_allocate_is_an_error_not_a_crash(small_ckpt, where, monkeypatch):
     """tensorstore allocates a whole chunk before reading any byte of it and aborts the
-    process when it cannot; the reader checks first. On a local disk the chunk file's
-    size already gives the lie away; on an object store (here memory://) it cannot."""
+    process when it cannot; the reader checks first. On a local disk in format 1 the
+    chunk file's size already gives the lie away; on an object store (here memory://) it
+    cannot; format 3 reads a whole entry into a buffer of its own, allocated first
+    (there, locally too)."""
     from jaxckpt._storage import location as _location
     from jaxckpt._storage import zarr as _zarr
 
-    path = str(small_ckpt) if where == "local" else "memory://hostile/ckpt"
+    v3 = (small_ckpt / "data").exists()
+    path = str(small_ckpt) if where == "local" else f"memory://hostile{3 if v3 else 1}/ckpt"
     if where == "memory":
         jaxckpt.save(path, jaxckpt.restore(small_ckpt))
     _declare_huge(_location.resolve(path), monkeypatch)
@@ -784,11 +841,11 @@ def test_a_promised_leaf_too_big_to_allocate_is_an_error_not_a_crash(small_ckpt,
         jaxckpt.restore(path)
     assert type(err.value) is jaxckpt.CheckpointError
     assert str(err.value) == f"Checkpoint '{path}': leaf 'big': could not allocate {1 << 44} bytes to read it into"
-    error = jaxckpt.CorruptCheckpointError if where == "local" else jaxckpt.CheckpointError
-    with pytest.raises(error) as err:  # three elements: only tensorstore would allocate the chunk
+    error = jaxckpt.CorruptCheckpointError if where == "local" and not v3 else jaxckpt.CheckpointError
+    with pytest.raises(error) as err:  # three elements: format 1: only tensorstore would allocate the chunk
         jaxckpt.open(path)["big"][:3]
     assert type(err.value) is error
-    if where == "local":
+    if where == "local" and not v3:
         chunk = os.path.join(path, "arrays", "0", "c", "0")
         assert f"chunk file {chunk} is not a regular file" in str(err.value)  # c/0 is a directory of 2-d chunks
     else:
