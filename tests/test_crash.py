@@ -336,11 +336,12 @@ def run_job(args, faults=None, timeout=90):
 
 # case -> (the process killed, fault, the committed steps after). Process 1 is killed in
 # its part of step 3's data; process 0 in its data, or where only it goes: the commit and
-# the retention delete.
+# the retention delete. Each process's stream starts with its 2 of big's 4 entries: "mid-data"
+# is killed before its second.
 MULTI = {
     "p1-before-data": (1, "data:start:3", [1, 2]),
-    "p1-mid-data": (1, "write@0:5", [1, 2]),
-    "p0-mid-data": (0, "write@0:5", [1, 2]),
+    "p1-mid-data": (1, f"write@p1@{V3_STRIDE}:3", [1, 2]),
+    "p0-mid-data": (0, f"write@p0@{V3_STRIDE}:3", [1, 2]),
     "p0-mid-manifest": (0, "manifest:partial:3", [1, 2]),
     "p0-after-manifest": (0, "commit:after-manifest:3", [1, 2]),
     "p0-after-rename": (0, "commit:after-rename:3", [1, 2, 3]),
