@@ -65,7 +65,7 @@ from .. import _storage
 from .._errors import CheckpointError, CorruptCheckpointError
 from . import kvstore as _kvstore
 from . import s3 as _s3
-from .bounds import DEFAULT_IO_TIMEOUT_S, IO_TIMEOUT_ENV, io_timeout_s
+from .bounds import DEFAULT_IO_TIMEOUT_S, io_timeout_s
 from .location import Location
 
 CRC_BYTES = 4
@@ -437,8 +437,7 @@ class _Uploads:
     def submit(self, fn: Any, nbytes: int) -> None:
         self.check()
         if not self._slots.acquire(timeout=_upload_bound(nbytes)):
-            raise CheckpointError(f"Writing '{self.what}' failed: no upload ended in "
-                                  f"{_upload_bound(nbytes):.3g} s ({IO_TIMEOUT_ENV})")
+            raise CheckpointError(f"Writing '{self.what}' failed: {_s3.no_answer(_upload_bound(nbytes))}")
         thread = threading.Thread(target=self._run, args=(fn,), name="jaxckpt-upload", daemon=True)
         with self._lock:
             self._threads.append((thread, nbytes))
@@ -464,8 +463,7 @@ class _Uploads:
         for thread, nbytes in threads:
             thread.join(_upload_bound(nbytes))
             if thread.is_alive():
-                raise CheckpointError(f"Writing '{self.what}' failed: an upload did not end in "
-                                      f"{_upload_bound(nbytes):.3g} s ({IO_TIMEOUT_ENV})")
+                raise CheckpointError(f"Writing '{self.what}' failed: {_s3.no_answer(_upload_bound(nbytes))}")
         self.check()
 
 

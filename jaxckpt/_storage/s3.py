@@ -18,14 +18,39 @@ import json
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 from .._errors import CheckpointError
 from . import kvstore as _kvstore
-from .bounds import DEFAULT_IO_TIMEOUT_S, io_timeout_s
+from .bounds import DEFAULT_IO_TIMEOUT_S, IO_TIMEOUT_ENV, io_timeout_s
 from .location import Location
 
 _log = logging.getLogger("jaxckpt")
+
+
+def no_answer(seconds: float) -> str:
+    """The cause of a request the store did not answer in ``seconds``, in ``kvstore.wait``'s
+    words: ``no answer from the store in N s (JAXCKPT_IO_TIMEOUT_S=B)``."""
+    bound = io_timeout_s()
+    setting = f"{IO_TIMEOUT_ENV}={bound:g}" if bound is not None else \
+        f"{IO_TIMEOUT_ENV}=0: boto3's requests keep the default {DEFAULT_IO_TIMEOUT_S:g} s"
+    return f"no answer from the store in {seconds:.3g} s ({setting})"
+
+
+def _cause(error: Exception, started: float) -> str:
+    """A botocore error (not a ``ClientError``) as a short cause. A request boto3 gave up
+    on because the store did not answer (its connect or read timeout, after its retries:
+    within the I/O bound, ``new_client``; or a body the store stopped taking) reads as
+    ``no_answer``, the time since ``started``; anything else (an unreachable endpoint,
+    missing credentials) as botocore says it."""
+    import botocore.exceptions as bx
+
+    timed_out = isinstance(error, (bx.ReadTimeoutError, bx.ConnectTimeoutError))
+    if isinstance(error, bx.ConnectionClosedError):  # urllib3: ProtocolError('...', TimeoutError())
+        inner = getattr(error, "kwargs", {}).get("error")
+        timed_out = any(isinstance(a, TimeoutError) for a in getattr(inner, "args", ()))
+    return no_answer(time.monotonic() - started) if timed_out else str(error)
 
 
 def children(root: Location) -> list[str] | None:
@@ -39,6 +64,7 @@ def children(root: Location) -> list[str] | None:
     spec = root.kvstore
     prefix = spec.get("path", "")
     names: set[str] = set()
+    started = time.monotonic()
     try:
         client = client_for(root)
         if client is None:
@@ -56,7 +82,7 @@ def children(root: Location) -> list[str] | None:
             botocore.exceptions.ProfileNotFound):
         return None
     except botocore.exceptions.BotoCoreError as e:  # unreachable, timed out, ...
-        raise CheckpointError(f"Listing '{root.url}' failed: {e}") from None
+        raise CheckpointError(f"Listing '{root.url}' failed: {_cause(e, started)}") from None
     return sorted(n for n in names if n)
 
 
@@ -126,6 +152,7 @@ def delete_batched(root: Location) -> bool:
     except ImportError:
         return False
     spec = root.kvstore
+    started = time.monotonic()
     try:
         client = client_for(root)
         if client is None:
@@ -145,7 +172,7 @@ def delete_batched(root: Location) -> bool:
         err = e.response.get("Error", {})
         raise CheckpointError(f"Deleting '{root.url}' failed: {err.get('Code', '?')}: {err.get('Message', '')}") from None
     except botocore.exceptions.BotoCoreError as e:
-        raise CheckpointError(f"Deleting '{root.url}' failed: {e}") from None
+        raise CheckpointError(f"Deleting '{root.url}' failed: {_cause(e, started)}") from None
     return True
 
 
@@ -187,13 +214,14 @@ class ObjectUpload:
     def _call(self, doing: str, fn: Any, **kw: Any) -> Any:
         import botocore.exceptions
 
+        started = time.monotonic()
         try:
             return fn(Bucket=self.bucket, Key=self.key, **kw)
         except botocore.exceptions.ClientError as e:
             err = e.response.get("Error", {})
             cause = f"{err.get('Code', '?')}: {err.get('Message', '')}".rstrip(": ")
         except botocore.exceptions.BotoCoreError as e:  # unreachable, timed out, no credentials
-            cause = str(e)
+            cause = _cause(e, started)
         raise CheckpointError(f"{doing.capitalize()} '{self.url}' failed: {cause}") from None
 
     def put(self, data: Any) -> None:
@@ -261,6 +289,7 @@ def sizes(root: Location) -> dict[str, int] | None:
     spec = root.kvstore
     prefix = spec.get("path", "")
     out: dict[str, int] = {}
+    started = time.monotonic()
     try:
         client = client_for(root)
         if client is None:
@@ -274,5 +303,5 @@ def sizes(root: Location) -> dict[str, int] | None:
         err = e.response.get("Error", {})
         raise CheckpointError(f"Listing '{root.url}' failed: {err.get('Code', '?')}: {err.get('Message', '')}") from None
     except botocore.exceptions.BotoCoreError as e:
-        raise CheckpointError(f"Listing '{root.url}' failed: {e}") from None
+        raise CheckpointError(f"Listing '{root.url}' failed: {_cause(e, started)}") from None
     return out
