@@ -13,6 +13,7 @@ from conftest import assert_bit_equal, sharded
 from test_storage import count_handles, save_restore_and_read
 
 import jaxckpt
+from jaxckpt import _snapshot
 
 
 def keys(s3, prefix):
@@ -61,13 +62,16 @@ def test_manager_on_s3(s3_server):
     assert_bit_equal(mgr.restore()["x"], np.full(3, 3))
 
 
-def test_one_context_per_store_on_s3(s3_server, monkeypatch):
+@pytest.mark.parametrize("handles", [pytest.param(1, marks=pytest.mark.format1), 2])
+def test_one_context_per_store_on_s3(s3_server, monkeypatch, handles):
     counts = count_handles(monkeypatch)
-    save_restore_and_read(s3_server("runs/d/ckpt"))
-    assert counts == {"contexts": 1, "kvstores": 1}
+    save_restore_and_read(s3_server(f"runs/d{handles}/ckpt"))
+    # a handle per location, opened once: the checkpoint, and in format 3 its data objects'
+    # prefix (d/<token>/data, read by byte range; formats 1/2 open their arrays through zarr)
+    assert counts == {"contexts": 1, "kvstores": handles}
     # another prefix of the same bucket: its own KvStore handle, the same context
-    jaxckpt.save(s3_server("runs/e/ckpt"), {"x": np.arange(3)})
-    assert counts == {"contexts": 1, "kvstores": 2}
+    jaxckpt.save(s3_server(f"runs/e{handles}/ckpt"), {"x": np.arange(3)})
+    assert counts == {"contexts": 1, "kvstores": handles + 1}
 
 
 MISSING = "NOT_FOUND: NoSuchBucket: The specified bucket does not exist"
@@ -126,7 +130,7 @@ def test_discovery_lists_one_level_on_s3(s3_server, monkeypatch):
     for step in (1, 2, 3):
         jaxckpt.save(dict(spec, path=f"runs/listing/{step}"),
                      {f"w{i}": sharded(np.full(1 << 18, i, np.float32), (8,), ("x",), ("x",)) for i in range(4)})
-    assert len(keys(s3_server, "runs/listing/")) == 3 * (1 + 4 * 9)  # manifest; zarr.json + 8 chunks per leaf
+    assert len(keys(s3_server, "runs/listing/")) == 3 * (1 + 1)  # manifest; one data object (4 MiB)
     calls = []
     real = botocore.client.BaseClient._make_api_call
 
@@ -139,7 +143,7 @@ def test_discovery_lists_one_level_on_s3(s3_server, monkeypatch):
     monkeypatch.setattr(botocore.client.BaseClient, "_make_api_call", spy)
     with jaxckpt.CheckpointManager(spec, read_only=True) as mgr:
         assert mgr.all_steps() == [1, 2, 3]
-    # one request, the three step prefixes: not the 111 keys under them
+    # one request, the three step prefixes: not the keys under them
     assert calls == [("/", 0, 3)]
 
 
@@ -182,15 +186,20 @@ def test_retention_deletes_a_step_in_one_batch_request(s3_server, monkeypatch):
         return real(self, name, params)
 
     monkeypatch.setattr(botocore.client.BaseClient, "_make_api_call", spy)
+    monkeypatch.setattr(_snapshot, "SEGMENT_BYTES", 1 << 19)  # 4 MiB of entries: 9 data objects
     tree = {f"w{i}": sharded(np.full(1 << 18, i, np.float32), (8,), ("x",), ("x",)) for i in range(4)}
     with jaxckpt.CheckpointManager(spec, max_to_keep=1) as mgr:
         mgr.save(1, tree)
+        mgr.wait_until_finished()
+        step_1 = keys(s3_server, "runs/batched/1/")
         mgr.save(2, tree)
         mgr.wait_until_finished()
         assert mgr.all_steps() == [2]
     assert not keys(s3_server, "runs/batched/1/")
-    # step 1: 4 leaves x (zarr.json + 8 chunks) under its data prefix, removed in one request
-    assert calls == [36]
+    data = [k for k in step_1 if "/data/p0." in k]
+    assert len(data) == 9 and len(step_1) == 10  # and the manifest, unlisted first
+    # step 1: its data objects under its data prefix, removed in one request
+    assert calls == [9]
 
 
 def test_dead_data_prefixes_are_listed_as_attempts_and_collected(s3_server):
