@@ -88,29 +88,36 @@ def test_object_store_fixtures_uploaded_to_s3_restore(s3_server, name):
 # --- layout ------------------------------------------------------------------------------
 
 
-def test_s3_data_lies_under_the_prefix_the_manifest_names(s3_server, tmp_path):
-    spec = s3_server("layout/ckpt")
+@pytest.mark.parametrize("version", [pytest.param(2, marks=pytest.mark.format1), 3])
+def test_s3_data_lies_under_the_prefix_the_manifest_names(s3_server, tmp_path, version):
+    # format 3: d/<token>/data/p<k>.<n>; with JAXCKPT_FORMAT=1, format 2: d/<token>/arrays, packed
+    under, local = ({"arrays", "packed"}, ["arrays", "manifest.json", "packed"]) if version == 2 else (
+        {"data"}, ["data", "manifest.json"])
+    spec = s3_server(f"layout{version}/ckpt")
     jaxckpt.save(spec, tree(1))
     man = _commit.read_manifest(_location.resolve(spec))
-    assert man.format_version == 2 and man.data.startswith("d/")
-    top = {k.split("/")[2] for k in keys(s3_server, "layout/ckpt/")}
+    assert man.format_version == version and man.data.startswith("d/")
+    top = {k.split("/")[2] for k in keys(s3_server, f"layout{version}/ckpt/")}
     assert top == {"manifest.json", "d"}
-    assert {k.split("/", 4)[4].split("/")[0] for k in keys(s3_server, f"layout/ckpt/{man.data}/")} == {
-        "arrays", "packed"}
+    assert {k.split("/", 4)[4].split("/")[0] for k in keys(s3_server, f"layout{version}/ckpt/{man.data}/")} == under
     assert_is(jaxckpt.restore(spec), 1)
-    assert jaxckpt.verify(spec).ok and jaxckpt.metadata(spec).format_version == 2
+    assert jaxckpt.verify(spec).ok and jaxckpt.metadata(spec).format_version == version
     assert_bit_equal(jaxckpt.open(spec)["big"][2, :5], values(1)["big"][2, :5])
     # convert writes a data prefix too, reading one
-    dest = s3_server("layout/relaid")
+    dest = s3_server(f"layout{version}/relaid")
     convert.relayout(spec, dest, shardings=NamedSharding(mesh((2,), ("y",)), P(None, "y")))
-    assert _commit.read_manifest(_location.resolve(dest)).data.startswith("d/")
+    relaid = _commit.read_manifest(_location.resolve(dest))
+    assert relaid.data.startswith("d/") and relaid.format_version == version
     assert_is(jaxckpt.restore(dest), 1)
     assert jaxckpt.verify(dest).ok
-    convert.relayout(spec, tmp_path / "local")  # and onto a local disk: format 1
-    assert sorted(os.listdir(tmp_path / "local")) == ["arrays", "manifest.json", "packed"]
+    convert.relayout(spec, tmp_path / "local")  # and onto a local disk: format 1 or 3, at the root
+    assert sorted(os.listdir(tmp_path / "local")) == local
+    assert _commit.read_manifest(_location.resolve(str(tmp_path / "local"))).format_version == (
+        1 if version == 2 else 3)
     assert_is(jaxckpt.restore(tmp_path / "local"), 1)
 
 
+@pytest.mark.format1
 def test_local_checkpoints_keep_format_1_and_its_layout(tmp_path):
     jaxckpt.save(tmp_path / "c", tree(1))
     assert sorted(os.listdir(tmp_path / "c")) == ["arrays", "manifest.json", "packed"]
@@ -331,7 +338,7 @@ def test_delete_unlists_the_step_before_deleting_its_data(s3_server, monkeypatch
 
         monkeypatch.setattr(_storage, "fault_hook", hook)
         mgr.delete(1)
-        assert seen == [([2, 3], 2)]  # unlisted while its data (zarr.json + chunk) was still there
+        assert seen == [([2, 3], 1)]  # unlisted while its data (its one data object) was still there
         assert keys(s3_server, "del/1/") == []
         with pytest.raises(OSError, match="killed while deleting"):
             mgr.delete(2)
