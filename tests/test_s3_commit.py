@@ -1,8 +1,9 @@
 """Crash-safe commit, overwrite and delete on an object store (a local moto S3 server).
 
 Each save attempt writes under its own data prefix ``<ckpt>/d/<token>/`` and the
-manifest, written last, names it (format version 2); the replaced data is deleted only
-after the new manifest (docs/format.md, "Commit"). Here: the format-2 fixture, the
+manifest, written last, names it (format version 3; 2 with ``JAXCKPT_FORMAT=1``); the
+replaced data is deleted only after the new manifest (docs/format.md, "Commit"). Here:
+the object-store fixtures (format 2 and 3), the
 layout, an overwrite killed (SIGKILL) at every phase, concurrent writers of one
 checkpoint, deleting a step, and dead attempts removed by the next writer manager only.
 """
