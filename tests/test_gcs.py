@@ -21,6 +21,7 @@ import pytest
 from conftest import assert_bit_equal, sharded
 
 import jaxckpt
+from jaxckpt import _commit
 from jaxckpt._storage import location as _location
 
 
@@ -35,8 +36,8 @@ def test_gs_url_resolves_to_a_gcs_kvstore():
 
 def test_save_restore_metadata_verify_on_gcs(gcs_server):
     url = gcs_server("run/1")
-    big = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)  # 4 MiB: its own sharded array
-    small = {f"s{i}": np.arange(5 + i, dtype=np.int32) * i for i in range(4)}  # packed together
+    big = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)  # 4 MiB, in 8 shards
+    small = {f"s{i}": np.arange(5 + i, dtype=np.int32) * i for i in range(4)}
     tree = {
         "big": sharded(big, (4, 2), ("x", "y"), ("x", "y")),
         "small": small,
@@ -45,9 +46,11 @@ def test_save_restore_metadata_verify_on_gcs(gcs_server):
         "step": 3, "lr": 0.25, "name": "adam", "none": None,  # inline values
     }
     jaxckpt.save(url, tree)
-    keys = gcs_server.keys("run/1/")
-    assert "run/1/manifest.json" in keys
-    assert len(keys) > 8  # the manifest and the chunks of the big leaf, at least
+    man = jaxckpt.metadata(url)
+    assert man.format_version == 3
+    data = _commit.read_manifest(_location.resolve(url)).data
+    # the manifest and one data object, uploaded whole (every chunk an entry of process 0's stream)
+    assert gcs_server.keys("run/1/") == [f"run/1/{data}/data/p0.0", "run/1/manifest.json"]
 
     back = jaxckpt.restore(url, tree)
     assert_bit_equal(back["big"], big)
