@@ -62,7 +62,8 @@ def test_a_copy_killed_midway_leaves_no_persistent_step(tmp_path, s3_server):
         import os, threading
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
         import numpy as np, jaxckpt
-        from jaxckpt import _storage
+        from jaxckpt import _snapshot, _storage
+        _snapshot.SEGMENT_BYTES = 1 << 19  # step 2's 2 MiB in 5 data objects: a copy of several files
         durable = {durable!r}
         copied = []
         lock = threading.Lock()
@@ -123,9 +124,12 @@ def test_ls_says_which_tier_holds_each_step(tmp_path, s3_server):
     assert step3.split()[0] == "3" and step3.split()[-1] == "local"
 
 
-def test_expected_files_are_exactly_the_files_a_save_writes(tmp_path):
-    from jaxckpt import _commit, _verify
+@pytest.mark.parametrize("version", [pytest.param(1, marks=pytest.mark.format1), 3])
+def test_expected_files_are_exactly_the_files_a_save_writes(tmp_path, monkeypatch, version):
+    from jaxckpt import _commit, _snapshot, _verify
     from jaxckpt._manager import tiers as _tiers
+
+    monkeypatch.setattr(_snapshot, "SEGMENT_BYTES", 1 << 20)  # format 3: several data objects
 
     tree = {"big": sharded(np.arange(600 * 1000, dtype=np.float32).reshape(600, 1000), (4,), ("x",), ("x", None)),
             "edge": np.ones((1030, 300), np.float32),  # a host array split in pieces with an edge
@@ -135,7 +139,12 @@ def test_expected_files_are_exactly_the_files_a_save_writes(tmp_path):
     loc = jaxckpt._storage.location.resolve(str(tmp_path / "c"))
     man = _commit.read_manifest(loc)
     assert set(_tiers.list_files(loc)) == set(_verify.expected_files(man))
-    assert any(p.startswith("packed/") for p in _verify.expected_files(man))
+    assert man.format_version == version
+    if version == 1:
+        assert any(p.startswith("packed/") for p in _verify.expected_files(man))
+    else:  # process 0's stream, cut in 1 MiB objects (the manifest is not among them)
+        objects = -(-man.streams[0] // (1 << 20))
+        assert objects > 1 and set(_verify.expected_files(man)) == {f"data/p0.{n}" for n in range(objects)}
 
 
 def test_copies_are_assigned_once_each_to_a_process_that_holds_them():
@@ -156,7 +165,7 @@ def test_a_copy_missing_a_file_fails_and_leaves_no_persistent_step(tmp_path):
     jaxckpt.save(tmp_path / "local" / "1", state(1))
     loc = jaxckpt._storage.location.resolve(str(tmp_path / "local" / "1"))
     man = _commit.read_manifest(loc)
-    chunk = next(p for p in sorted(_tiers.list_files(loc)) if "/c/" in p)
+    chunk = next(p for p in sorted(_tiers.list_files(loc)) if p.startswith("data/p0."))  # a data object
     os.remove(tmp_path / "local" / "1" / chunk)  # the only copy of it is gone
     dest = jaxckpt._storage.location.resolve(str(tmp_path / "durable" / "1"))
     with pytest.raises(jaxckpt.CheckpointError, match=f"no process's local directory holds 1 of its files "
