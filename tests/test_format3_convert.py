@@ -1,5 +1,5 @@
-"""The convert and relayout writer in format 3 (issue 22, item 5; jaxckpt/_formats/stream.py
-with ``JAXCKPT_FORMAT=3``): imports of jaxckpt, orbax and safetensors sources and
+"""The convert and relayout writer in format 3 (issue 22, item 5; jaxckpt/_formats/stream.py;
+the default, ``JAXCKPT_FORMAT=3`` here, format-1 sources with ``JAXCKPT_FORMAT=1``): imports of jaxckpt, orbax and safetensors sources and
 relayouts write one stream of entries for process 0, byte for byte what ``save`` writes
 for the same layout, restore bit for bit and verify; relayout goes from format 1 to 3
 and back; the writer still holds one leaf at a time and leaves nothing behind when it
@@ -53,9 +53,10 @@ def same_values(a, b):
 def test_an_import_writes_what_save_writes(tmp_path, format3):
     """A format-1 checkpoint imported in format 3 is one data object whose entries and
     runs are exactly those ``save`` lays out for the same tree (process 0 writes all)."""
-    jaxckpt.save(tmp_path / "v3", state(), metadata={"run": "a"})  # the switch is on: format 3
-    os.environ.pop("JAXCKPT_FORMAT")
+    jaxckpt.save(tmp_path / "v3", state(), metadata={"run": "a"})  # format 3
+    os.environ["JAXCKPT_FORMAT"] = "1"
     jaxckpt.save(tmp_path / "v1", state(), metadata={"run": "a"})
+    assert manifest(tmp_path / "v1")["format_version"] == 1
     os.environ["JAXCKPT_FORMAT"] = "3"
     _storage.reset_io_stats()
     convert.import_source(_formats.open_source(tmp_path / "v1"), tmp_path / "b")
@@ -122,7 +123,9 @@ def test_relayout_from_format_1_to_3_and_back(tmp_path, monkeypatch):
     x = np.random.default_rng(1).standard_normal((96, 80)).astype(np.float32)
     tree = {"w": sharded(x, (2,), ("x",), ("x", None)), "b": np.arange(5, dtype=np.int32), "step": 3,
             "lr": np.float32(0.1)}
+    monkeypatch.setenv("JAXCKPT_FORMAT", "1")
     jaxckpt.save(tmp_path / "a", tree)
+    assert manifest(tmp_path / "a")["format_version"] == 1
     monkeypatch.setenv("JAXCKPT_FORMAT", "3")
     monkeypatch.setattr(_snapshot, "SEGMENT_BYTES", 4096)
     cols = NamedSharding(AbstractMesh((2, 2), ("a", "b")), P(None, "b"))
@@ -148,7 +151,7 @@ def test_relayout_from_format_1_to_3_and_back(tmp_path, monkeypatch):
     assert_bit_equal(out["w"], cast) and out["step"] == 3
     lr = jaxckpt.restore(tmp_path / "b")["lr"]  # (the target's float32 would cast it back)
     assert type(lr) is ml_dtypes.bfloat16 and lr == np.float32(0.1).astype(ml_dtypes.bfloat16)
-    monkeypatch.delenv("JAXCKPT_FORMAT")
+    monkeypatch.setenv("JAXCKPT_FORMAT", "1")
     rows = NamedSharding(AbstractMesh((4,), ("m",)), P("m"))
     convert.relayout(tmp_path / "b", tmp_path / "c", shardings={"w": rows, "b": None, "step": None, "lr": None})
     assert manifest(tmp_path / "c")["format_version"] == 1
@@ -159,8 +162,9 @@ def test_relayout_from_format_1_to_3_and_back(tmp_path, monkeypatch):
 
 def test_relayout_in_place_from_format_1_to_3(tmp_path, format3):
     x = np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024)
-    os.environ.pop("JAXCKPT_FORMAT")
+    os.environ["JAXCKPT_FORMAT"] = "1"
     jaxckpt.save(tmp_path / "a", {"w": x, "n": np.int64(4)})
+    assert manifest(tmp_path / "a")["format_version"] == 1
     os.environ["JAXCKPT_FORMAT"] = "3"
     convert.relayout(tmp_path / "a", tmp_path / "a", shardings={"w": NamedSharding(AbstractMesh((4,), ("m",)), P("m")),
                                                                 "n": None}, overwrite=True)
