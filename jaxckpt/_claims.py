@@ -213,13 +213,14 @@ def remove_dead_data(loc: Location, keep: str | None, grace_s: float | None, *, 
             if grace_s is None or (age is not None and age > grace_s):
                 removed.append(key)
         orphans = [c for t, c in claims.items() if t not in names and t + "/" not in names
+                   and (grace_s is None or (_attempt_age(t, now) or float("-inf")) > grace_s)
                    and not claim_alive(_read_claim(loc, c), lease_token)]
     for key in () if dry_run else removed:
         _kvstore.delete_tree(loc.child(key))
         token = key.split("/", 1)[1] if key.startswith(f"{DATA_PREFIX_DIR}/") else None
         if token in claims:
             _kvstore.delete_blob(loc, f"{DATA_PREFIX_DIR}/{claims[token]}")
-    for name in () if dry_run or grace_s is not None else orphans:  # a writer's clean-up: claims of the gone
+    for name in () if dry_run else orphans:  # claims of the gone (a format-3 attempt killed before its first upload)
         _kvstore.delete_blob(loc, f"{DATA_PREFIX_DIR}/{name}")
     return removed
 

@@ -203,8 +203,10 @@ def _child(**args):
 
 
 # (fault point, which call of it, what restores after the kill: 1 = old, 2 = new, and how
-# many data prefixes no manifest names are left: the killed attempt's, or the old data)
-PHASES = [("write", 3, 1, 1), ("commit:before-manifest", 1, 1, 1), ("commit:after-manifest", 1, 2, 1),
+# many data prefixes no manifest names are left: the killed attempt's, or the old data).
+# Killed at its third entry, an attempt has uploaded nothing yet but its claim: its data
+# object is one part (4 MiB), sent once all five entries are in.
+PHASES = [("write", 3, 1, 0), ("commit:before-manifest", 1, 1, 1), ("commit:after-manifest", 1, 2, 1),
           ("commit:after-old-delete", 1, 2, 0)]
 
 
