@@ -12,9 +12,10 @@ multi-process job, ``_distributed``'s collective sequence number (every process 
 it in the same order) and heartbeat thread; and switches read when used, module flags
 (``_writer.DIRECT_WRITES``, ``_commit.RENAME_EXCHANGE``) and environment variables
 (``JAXCKPT_STALL_S``, ``JAXCKPT_IO_TIMEOUT_S``), which choose how bytes are written and
-how long a wait may last, never which bytes. One does choose the bytes, while format 3
-is being built (issue 22): ``JAXCKPT_FORMAT=3``, read by each snapshot, lays the save
-out in streams (``_snapshot``, ``_writer``); every process of a job must set it alike.
+how long a wait may last, never which bytes. One does choose the bytes:
+``JAXCKPT_FORMAT=1``, read by each snapshot, writes the layout of formats 1 and 2
+instead of format 3's streams (``_snapshot``, ``_writer``); every process of a job must
+set it alike.
 """
 
 from __future__ import annotations
@@ -46,10 +47,11 @@ _log = logging.getLogger("jaxckpt")
 
 def build_manifest(snap: Snapshot, metadata: dict[str, Any] | None,
                    extra_info: dict[str, Any] | None = None, data: str = "") -> Manifest:
-    """The manifest of a save; ``data`` is its data prefix (``_commit.data_key``): a
-    checkpoint with one is format version 2, one without (local disks) version 1. A
-    snapshot laid out in streams (``JAXCKPT_FORMAT=3``) is format version 3: its
-    records carry their runs, the manifest every process's stream length."""
+    """The manifest of a save; ``data`` is its data prefix (``_commit.data_key``). A
+    snapshot laid out in streams (format 3, the default) is format version 3: its
+    records carry their runs, the manifest every process's stream length. With
+    ``JAXCKPT_FORMAT=1``, a checkpoint with a data prefix is version 2, one without
+    (local disks) version 1."""
     from importlib.metadata import version as dist_version  # ~10 ms to import: only when saving
 
     from ._version import __version__

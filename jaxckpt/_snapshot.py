@@ -173,7 +173,7 @@ def _plan(tree: Any, copy_host_arrays: bool | None, group: tuple[int, ...],
     format 3 instead (no packing) every writing process's stream length."""
     format3 = streams_wanted()
     if format3 and group and group not in groups:
-        raise CheckpointError(f"format 3 ({FORMAT_ENV}=3) in directories of their own per host needs "
+        raise CheckpointError(f"format 3 in directories of their own per host needs "
                               f"every host's group (groups=...), got {groups!r} for group {group!r}")
     flat, _ = _tree.flatten(tree)
     structure = _tree.describe(tree)

@@ -18,7 +18,7 @@ host memory stays near the largest leaf plus a few bounded write buffers:
 * small leaves: laid out as ``_snapshot`` lays them out (``_layout.pack_offsets``, one
   writing process), streamed into the packed array one stored chunk at a time.
 
-With ``JAXCKPT_FORMAT=3`` (``_snapshot.streams_wanted``, as for ``save``) the checkpoint
+Unless ``JAXCKPT_FORMAT=1`` (``_snapshot.streams_wanted``, as for ``save``) the checkpoint
 is format 3 instead: every array leaf, small ones too (no packing), is a stream leaf whose
 chunks are entries of process 0's one stream (``_streams.plan``, computed from the shapes
 and chunk shapes before any data is read), written leaf after leaf, chunk by chunk,
