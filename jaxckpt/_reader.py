@@ -325,6 +325,11 @@ def _corrupt(loc: Location, op: _Op, e: BaseException) -> CheckpointError:
 
 def _direct_task(op: _Op, loc: Location) -> Callable[[], None]:
     def task() -> None:
+        if op.entry is not None and not isinstance(op.dest, np.ndarray):  # a buffer of the entry's own:
+            try:  # first see that the data objects hold it (the manifest may lie about its size)
+                _dataobjects.check_entry(*op.entry)
+            except CorruptCheckpointError as e:
+                raise _corrupt(loc, op, e) from e
         buf = op.buffer()
         try:
             if op.entry is not None:

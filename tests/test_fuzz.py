@@ -824,10 +824,10 @@ def _declare_huge(loc, monkeypatch):
 @pytest.mark.parametrize("where", ["local", "memory"])
 def test_a_promised_leaf_too_big_to_allocate_is_an_error_not_a_crash(small_ckpt, where, monkeypatch):
     """tensorstore allocates a whole chunk before reading any byte of it and aborts the
-    process when it cannot; the reader checks first. On a local disk in format 1 the
-    chunk file's size already gives the lie away; on an object store (here memory://) it
-    cannot; format 3 reads a whole entry into a buffer of its own, allocated first
-    (there, locally too)."""
+    process when it cannot; the reader checks first. On a local disk the chunk file's
+    (format 1) or the data object's (format 3) size already gives the lie away; on an
+    object store (here memory://) it cannot, and format 3's buffer for the entry is
+    refused by its allocation."""
     from jaxckpt._storage import location as _location
     from jaxckpt._storage import zarr as _zarr
 
@@ -841,12 +841,14 @@ def test_a_promised_leaf_too_big_to_allocate_is_an_error_not_a_crash(small_ckpt,
         jaxckpt.restore(path)
     assert type(err.value) is jaxckpt.CheckpointError
     assert str(err.value) == f"Checkpoint '{path}': leaf 'big': could not allocate {1 << 44} bytes to read it into"
-    error = jaxckpt.CorruptCheckpointError if where == "local" and not v3 else jaxckpt.CheckpointError
+    error = jaxckpt.CorruptCheckpointError if where == "local" else jaxckpt.CheckpointError
     with pytest.raises(error) as err:  # three elements: format 1: only tensorstore would allocate the chunk
         jaxckpt.open(path)["big"][:3]
     assert type(err.value) is error
     if where == "local" and not v3:
         chunk = os.path.join(path, "arrays", "0", "c", "0")
         assert f"chunk file {chunk} is not a regular file" in str(err.value)  # c/0 is a directory of 2-d chunks
+    elif where == "local":  # format 3: the data object's size gives the lie away before the entry's buffer
+        assert f"leaf 'big' chunk cell [0] could not be read: DATA_LOSS: data object {os.path.join(path, 'data', 'p0.1')} ended early: it has 52 bytes" in str(err.value)
     else:
         assert f"could not allocate {1 << 44} bytes" in str(err.value)

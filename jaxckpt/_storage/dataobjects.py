@@ -313,6 +313,27 @@ def read_entry(root: Location, process: int, offset: int, payload_nbytes: int, d
                                      f"0x{stored:08x} but computed digest is 0x{computed:08x}")
 
 
+def check_entry(root: Location, process: int, offset: int, payload_nbytes: int, segment_bytes: int) -> None:
+    """On a local disk, before a buffer for the entry is allocated: the data objects it
+    lies in exist, are regular files and hold its bytes (a manifest may promise an entry
+    of any size; the objects' sizes give that lie away before memory is spent on it).
+    Raises ``read_entry``'s ``CorruptCheckpointError``; nothing on object stores."""
+    if root.local is None:
+        return
+    spans = list(pieces(offset, payload_nbytes + CRC_BYTES, segment_bytes))
+    where = _Where(root, process, offset, spans)
+    for n, start, stop in spans:
+        try:
+            st = os.stat(where.object(n))
+        except (FileNotFoundError, NotADirectoryError):
+            raise where.error("NOT_FOUND", n, "is missing") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise where.error("DATA_LOSS", n, "is not a regular file")
+        if st.st_size < stop:
+            raise where.error("DATA_LOSS", n, f"ended early: it has {st.st_size} bytes, the entry "
+                                              f"needs bytes [{start}, {stop})")
+
+
 class _Where:
     """An entry's place, for error messages: its stream offset and the byte ranges of
     the data objects it lies in."""
