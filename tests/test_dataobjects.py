@@ -116,6 +116,35 @@ def test_many_threads_write_one_stream(root):
     assert_same(read_all(root, arrays, offsets, 4096 + 13), arrays)
 
 
+@pytest.mark.parametrize("where", ["local", "memory", "s3"])
+def test_an_entry_written_in_blocks_is_the_entry_written_whole(tmp_path, where, request):
+    # blocks of 7, 100 and 193 bytes straddling 64-byte segments: the same bytes and crc32c
+    # as write_entry of their concatenation (S3's multipart parts keep views: joined first)
+    payloads = payloads_of([300, 45], seed=5)
+    offsets, length = layout(payloads)
+
+    def at(name):
+        if where == "s3":
+            return resolve(request.getfixturevalue("s3_server")(f"blocks-{tmp_path.name}/{name}")).child("data")
+        return resolve(str(tmp_path / name) if where == "local" else f"memory://{tmp_path.name}/{name}").child("data")
+
+    whole, blocks = at("whole"), at("blocks")
+    write(whole, payloads, 64)
+    with do.StreamWriter(blocks, 0, length, 64) as w:
+        assert w.blockwise == (where != "s3")
+        w.write_entry_blocks(offsets[0], iter([payloads[0][:7], payloads[0][7:107], payloads[0][107:]]), 300)
+        w.write_entry_blocks(offsets[1], iter([payloads[1]]), 45)
+        with pytest.raises(ValueError, match=r"the blocks of entry p0@0 hold 7 bytes, not 300"):
+            w.write_entry_blocks(0, iter([payloads[0][:7]]), 300)
+        with pytest.raises(ValueError, match=r"the blocks of entry p0@0 hold more than 5 bytes"):
+            w.write_entry_blocks(0, iter([payloads[0][:7]]), 5)
+    assert_same(read_all(blocks, payloads, offsets, 64), payloads)
+    for n in range(len(do.segment_sizes(length, 64))):
+        name = do.segment_name(0, n)
+        if where == "local":
+            assert read_file(os.path.join(blocks.local, name)) == read_file(os.path.join(whole.local, name))
+
+
 def test_an_empty_stream_makes_no_object_and_two_processes_do_not_meet(root):
     write(root, [], 64, process=1)
     assert not os.listdir(root.local)

@@ -273,8 +273,10 @@ def _write_stream_leaf(stream: _dataobjects.StreamWriter, rec: LeafRecord,
         return
     chunk_bytes = rec.entry_bytes - _streams.CRC_BYTES
     threads = _writer.WRITE_THREADS
-    if not (held and _views_in_place(rec, data, cells[0][1])):
-        threads = max(1, min(threads, STREAM_BUDGET_BYTES // max(1, chunk_bytes)))
+    if not (held and _views_in_place(rec, data, cells[0][1])):  # copies: BLOCK_BYTES each where
+        whole = not (stream.blockwise and _no_edge_chunks(rec))  # written block by block, else whole
+        copy = chunk_bytes if whole else min(chunk_bytes, BLOCK_BYTES)
+        threads = max(1, min(threads, STREAM_BUDGET_BYTES // max(1, copy)))
     _tasks.run_tasks([functools.partial(_write_entry, stream, rec, data, stride, grid, cell, region)
                       for cell, region in cells], threads)
 
@@ -287,11 +289,26 @@ def _views_in_place(rec: LeafRecord, data: Callable[[_layout.Index], np.ndarray]
     return piece.dtype == _dtypes.DTYPES[rec.dtype] and piece.flags.c_contiguous
 
 
+def _no_edge_chunks(rec: LeafRecord) -> bool:
+    """Whether every chunk of ``rec`` is whole (its chunk shape divides its shape)."""
+    return all(n % c == 0 for n, c in zip(rec.shape, rec.chunk_shape))
+
+
 def _write_entry(stream: _dataobjects.StreamWriter, rec: LeafRecord, data: Callable[[_layout.Index], np.ndarray],
                  stride: int, grid: tuple[int, ...], cell: tuple[int, ...], region: _layout.Index) -> None:
-    """Chunk ``cell`` written as its entry."""
+    """Chunk ``cell`` written as its entry: a whole chunk that needs a copy (a cast, a
+    strided view) ``BLOCK_BYTES`` at a time where the stream takes blocks (as format 1's
+    chunk files are written), anything else in one piece (``entry_payload``)."""
     _, offset = _streams.locate(rec.runs, _layout.chunk_flat_index(cell, grid), stride)
-    stream.write_entry(offset, entry_payload(rec, _chunk(rec, region, data)))
+    piece = _chunk(rec, region, data)
+    dtype, storage = _dtypes.DTYPES[rec.dtype], _dtypes.DTYPES[rec.storage_dtype]
+    in_place = piece.dtype == dtype and piece.flags.c_contiguous
+    swap = sys.byteorder != "little" and storage.itemsize > 1
+    if stream.blockwise and not in_place and not swap and piece.shape == tuple(rec.chunk_shape):
+        blocks = (b.view(storage) for b in cast_blocks(piece, dtype, BLOCK_BYTES))
+        stream.write_entry_blocks(offset, blocks, piece.size * storage.itemsize)
+        return
+    stream.write_entry(offset, entry_payload(rec, piece))
 
 
 def entry_payload(rec: LeafRecord, piece: np.ndarray) -> np.ndarray:

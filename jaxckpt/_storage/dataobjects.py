@@ -55,7 +55,7 @@ import functools
 import os
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import crc32c
@@ -181,20 +181,65 @@ class StreamWriter:
         and their crc32c at stream offset ``offset``. Fault point ``write``, key
         ``p<k>@<offset>``."""
         view = _bytes_of(payload, "an entry's payload")
-        end = offset + len(view) + CRC_BYTES
+        self._begin(offset, len(view))
+        trailer = memoryview(crc32c.crc32c(view).to_bytes(CRC_BYTES, "little"))
+        if self._parts is not None:
+            self._parts.add(offset, [view, trailer])
+            return
+        self._put(offset, [view, trailer])
+
+    @property
+    def blockwise(self) -> bool:
+        """Whether ``write_entry_blocks`` writes block by block (not on S3's multipart
+        uploads, whose parts keep views of what they are given: it joins the blocks)."""
+        return self._parts is None
+
+    def write_entry_blocks(self, offset: int, blocks: Iterable[np.ndarray], nbytes: int) -> None:
+        """The entry ``write_entry`` writes of the blocks' bytes one after the other
+        (``nbytes`` in all), written as the blocks come: each block (C-contiguous) is
+        needed only until the next one is asked for, so a chunk made of copies (a cast,
+        a strided view, ``BLOCK_BYTES`` at a time) costs a block of memory, not the
+        chunk. Where not ``blockwise``, the blocks are joined first."""
+        if not self.blockwise:
+            joined = np.empty(nbytes, np.uint8)
+            for at, view in self._blocks(offset, blocks, nbytes):
+                joined[at:at + len(view)] = np.frombuffer(view, np.uint8)
+            self.write_entry(offset, joined)
+            return
+        self._begin(offset, nbytes)
+        crc = 0
+        for at, view in self._blocks(offset, blocks, nbytes):
+            crc = crc32c.crc32c(view, crc)
+            self._put(offset + at, [view])
+        self._put(offset + nbytes, [memoryview(crc.to_bytes(CRC_BYTES, "little"))])
+
+    def _blocks(self, offset: int, blocks: Iterable[np.ndarray], nbytes: int) -> Iterator[tuple[int, memoryview]]:
+        """``(position in the payload, bytes)`` of each block, checked to make ``nbytes`` in all."""
+        at = 0
+        for block in blocks:
+            view = _bytes_of(block, "a block of an entry")
+            if at + len(view) > nbytes:
+                raise ValueError(f"the blocks of entry p{self.process}@{offset} hold more than {nbytes} bytes")
+            yield at, view
+            at += len(view)
+        if at != nbytes:
+            raise ValueError(f"the blocks of entry p{self.process}@{offset} hold {at} bytes, not {nbytes}")
+
+    def _begin(self, offset: int, nbytes: int) -> None:
+        """An entry of ``nbytes`` payload bytes at ``offset``: checked, the fault point, counted."""
+        end = offset + nbytes + CRC_BYTES
         if offset < 0 or end > self.length:
             raise ValueError(f"entry [{offset}, {end}) lies outside stream p{self.process} "
                              f"of {self.length} bytes")
         if self._closed:
             raise ValueError(f"stream p{self.process} is closed")
         _storage.fault("write", f"p{self.process}@{offset}")
-        _storage.count(bytes_written=len(view), writes=1)
-        trailer = memoryview(crc32c.crc32c(view).to_bytes(CRC_BYTES, "little"))
-        if self._parts is not None:
-            self._parts.add(offset, [view, trailer])
-            return
-        spans = list(pieces(offset, len(view) + CRC_BYTES, self.segment_bytes))
-        groups = _split([view, trailer], [stop - start for _, start, stop in spans])
+        _storage.count(bytes_written=nbytes, writes=1)
+
+    def _put(self, position: int, parts: list[memoryview]) -> None:
+        """``parts``' bytes at stream ``position``: into the segment files (or buffers)."""
+        spans = list(pieces(position, sum(map(len, parts)), self.segment_bytes))
+        groups = _split(parts, [stop - start for _, start, stop in spans])
         for (n, start, stop), group in zip(spans, groups):
             if self._fds:
                 _pwrite_all(self._fds[n], group, start)
