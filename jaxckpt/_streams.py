@@ -138,6 +138,15 @@ streams={0: 128, 1: 136})
     for payload, writers in leaves:
         if payload < 0:
             raise ValueError(f"payload of {payload} bytes")
+        if len(writers) == 1 and int(writers[0]) >= 0:  # one chunk (a small leaf): no numpy per leaf
+            p, step = int(writers[0]), stride_for(entry_bytes_for(payload))
+            pos, pad = _grown(pos, p + 1), _grown(pad, p + 1)
+            offset = int(pos[p])
+            if offset + entry_bytes_for(payload) > MAX_STREAM_BYTES:
+                raise ValueError(f"a stream of more than {MAX_STREAM_BYTES} bytes")
+            pos[p], pad[p] = offset + step, step - entry_bytes_for(payload)
+            tables.append(np.array([[p, 0, 1, offset]], np.int64))
+            continue
         hit = patterns.get(id(writers))
         if hit is None or hit[0] is not writers:
             hit = patterns[id(writers)] = (writers, _pattern(writers))

@@ -154,8 +154,7 @@ def _write_entries(stream: _dataobjects.StreamWriter | None,
 
 
 def _write_batch(stream: _dataobjects.StreamWriter, batch: list[_Entry]) -> None:
-    for e in batch:
-        stream.write_entry(e.offset, entry_payload(e.rec, e.data))
+    stream.write_entries([(e.offset, entry_payload(e.rec, e.data)) for e in batch])
 
 
 def entry_payload(rec: LeafRecord, data: np.ndarray) -> np.ndarray:

@@ -12,6 +12,7 @@ from jaxckpt import _storage
 from jaxckpt._errors import CheckpointError, CorruptCheckpointError
 from jaxckpt._storage import dataobjects as do
 from jaxckpt._storage import s3 as _s3
+from jaxckpt._storage import uploads
 from jaxckpt._storage.chunkfiles import aligned_empty
 from jaxckpt._storage.location import resolve
 
@@ -317,7 +318,7 @@ def s3_requests(root):
 
 
 def test_upload_file_in_parts_and_in_one_put(s3_server, tmp_path, monkeypatch):
-    monkeypatch.setattr(do, "PART_BYTES", 1 << 20)  # raised to S3's minimum, 5 MiB
+    monkeypatch.setattr(uploads, "PART_BYTES", 1 << 20)  # raised to S3's minimum, 5 MiB
     root = resolve(s3_server("uploads/ckpt")).child("data")
     big, small = tmp_path / "big", tmp_path / "small"
     data = np.random.default_rng(3).integers(0, 256, (11 << 20) + 123, dtype=np.uint8).tobytes()
@@ -325,8 +326,8 @@ def test_upload_file_in_parts_and_in_one_put(s3_server, tmp_path, monkeypatch):
     small.write_bytes(data[:1000])
     sent, stop = s3_requests(root)
     try:
-        do.upload_file(root, "p0.0", str(big))
-        do.upload_file(root, "p1.0", str(small))
+        uploads.upload_file(root, "p0.0", str(big))
+        uploads.upload_file(root, "p1.0", str(small))
     finally:
         stop()
     assert sorted(sent) == sorted(["CreateMultipartUpload"] + ["UploadPart"] * 3
@@ -337,7 +338,7 @@ def test_upload_file_in_parts_and_in_one_put(s3_server, tmp_path, monkeypatch):
 
 
 def test_a_failed_part_aborts_the_upload(s3_server, tmp_path, monkeypatch):
-    monkeypatch.setattr(do, "PART_BYTES", 5 << 20)
+    monkeypatch.setattr(uploads, "PART_BYTES", 5 << 20)
     root = resolve(s3_server("uploads-failed/ckpt")).child("data")
     path = tmp_path / "big"
     path.write_bytes(bytes(12 << 20))
@@ -350,7 +351,7 @@ def test_a_failed_part_aborts_the_upload(s3_server, tmp_path, monkeypatch):
 
     monkeypatch.setattr(_s3.ObjectUpload, "part", part)
     with pytest.raises(CheckpointError, match="^part 2 refused$"):
-        do.upload_file(root, "p0.0", str(path))
+        uploads.upload_file(root, "p0.0", str(path))
     client = s3_server.client
     assert client.list_multipart_uploads(Bucket="jaxckpt-test", Prefix="uploads-failed/").get("Uploads", []) == []
     assert client.list_objects_v2(Bucket="jaxckpt-test", Prefix="uploads-failed/").get("Contents", []) == []
@@ -360,11 +361,11 @@ def test_upload_file_to_memory_and_to_a_local_directory(tmp_path):
     path = tmp_path / "src"
     path.write_bytes(b"entry bytes" * 100)
     mem = resolve(f"memory://upload-{os.getpid()}/ckpt").child("data")
-    do.upload_file(mem, "p2.1", str(path))
+    uploads.upload_file(mem, "p2.1", str(path))
     assert _storage.kvstore.read_blob(mem, "p2.1") == path.read_bytes()
     local = resolve(str(tmp_path / "dest")).child("data")
     os.makedirs(local.local)
-    do.upload_file(local, "p2.1", str(path))
+    uploads.upload_file(local, "p2.1", str(path))
     assert read_file(os.path.join(local.local, "p2.1")) == path.read_bytes()
 
 
@@ -372,7 +373,7 @@ def test_upload_file_to_memory_and_to_a_local_directory(tmp_path):
 def test_a_complete_whose_answer_was_lost(s3_server, tmp_path, monkeypatch, landed):
     import botocore.exceptions
 
-    monkeypatch.setattr(do, "PART_BYTES", 5 << 20)
+    monkeypatch.setattr(uploads, "PART_BYTES", 5 << 20)
     root = resolve(s3_server(f"uploads-lost-{landed}/ckpt")).child("data")
     path = tmp_path / "big"
     data = np.random.default_rng(4).integers(0, 256, 11 << 20, dtype=np.uint8).tobytes()
@@ -388,10 +389,10 @@ def test_a_complete_whose_answer_was_lost(s3_server, tmp_path, monkeypatch, land
     monkeypatch.setattr(client, "complete_multipart_upload", complete)
     key = f"uploads-lost-{landed}/ckpt/data/p0.0"
     if landed:  # the object is there, made of our parts: done
-        do.upload_file(root, "p0.0", str(path))
+        uploads.upload_file(root, "p0.0", str(path))
         assert s3_server.client.get_object(Bucket="jaxckpt-test", Key=key)["Body"].read() == data
     else:
         with pytest.raises(CheckpointError, match=rf"^Completing the upload of 's3://jaxckpt-test/{key}' failed: "
                                                   r"no answer from the store in [\d.e-]+ s \(JAXCKPT_IO_TIMEOUT_S="):
-            do.upload_file(root, "p0.0", str(path))
+            uploads.upload_file(root, "p0.0", str(path))
         assert s3_server.client.list_multipart_uploads(Bucket="jaxckpt-test", Prefix=key).get("Uploads", []) == []

@@ -17,8 +17,8 @@ from conftest import MotoServer, assert_bit_equal, sharded
 
 import jaxckpt
 from jaxckpt import _checkpoint, _claims, _commit, _snapshot, _storage, _writer
-from jaxckpt._storage import dataobjects as do
 from jaxckpt._storage import location as _location
+from jaxckpt._storage import uploads as _uploads
 
 BUCKET = "jaxckpt-test"
 
@@ -86,7 +86,7 @@ def test_memory_store_round_trip():
 def test_a_big_stream_goes_up_in_multipart_segments(s3_server, monkeypatch):
     # 2 MiB per row, 4 rows: 8 MiB + the small leaves in segments of 6 MiB and parts of 5 MiB
     monkeypatch.setattr(_snapshot, "SEGMENT_BYTES", 6 << 20)
-    monkeypatch.setattr(do, "PART_BYTES", 1)  # raised to S3's minimum part, 5 MiB
+    monkeypatch.setattr(_uploads, "PART_BYTES", 1)  # raised to S3's minimum part, 5 MiB
     spec = s3_server("f3/multipart")
     sent = boto_calls(spec)
     jaxckpt.save(spec, tree(3, n=1 << 19))
@@ -139,7 +139,7 @@ def test_overwrite_and_a_crashed_attempt_never_mix(s3_server, monkeypatch):
 
 def test_a_failed_upload_leaves_the_old_checkpoint_and_no_upload(s3_server, monkeypatch):
     monkeypatch.setattr(_snapshot, "SEGMENT_BYTES", 6 << 20)
-    monkeypatch.setattr(do, "PART_BYTES", 1)
+    monkeypatch.setattr(_uploads, "PART_BYTES", 1)
     spec = s3_server("f3/failed")
     jaxckpt.save(spec, tree(1))
     real = _storage.s3.ObjectUpload.part

@@ -20,7 +20,7 @@ and in an agreement lane of its own (``"persist"``):
 A copy killed midway leaves no persistent step: its manifest is written last.
 
 Format 3 (issue 22) copies data objects the same way, streamed from the file (a block at
-a time to a local tier, ``dataobjects.upload_file``'s parallel parts to an object store),
+a time to a local tier, ``uploads.upload_file``'s parallel parts to an object store),
 never whole in memory. With a directory per host, process 0's manifest locates every
 chunk at one host's copy (``_hoststreams``) and is the persistent one: it names the
 objects and their sizes, posted to every process, and a host's object is copied only
@@ -42,9 +42,9 @@ from typing import Any
 from .. import _commit, _distributed, _layout, _manifest, _storage, _tasks, _verify
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._manifest import Manifest
-from .._storage import dataobjects as _dataobjects
 from .._storage import kvstore as _kvstore
 from .._storage import location as _location
+from .._storage import uploads as _uploads
 from .._storage.location import Location
 from . import retention as _retention
 
@@ -110,7 +110,7 @@ def _copy_files(src: Location, dest: Location, paths: list[str], sizes: Mapping[
 
 def copy_object(src: str, dest: Location, path: str, size: int, scratch: str) -> None:
     """The first ``size`` bytes of the local file ``src`` as ``dest/path``: to a local
-    tier a block at a time (fsynced), to an object store by ``dataobjects.upload_file``
+    tier a block at a time (fsynced), to an object store by ``uploads.upload_file``
     (a longer file through a temporary copy of its first ``size`` bytes, made in the
     local directory ``scratch``: the manager's, beside its steps)."""
     _storage.count(bytes_written=size, writes=1)
@@ -125,13 +125,13 @@ def copy_object(src: str, dest: Location, path: str, size: int, scratch: str) ->
     folder, name = os.path.split(path)
     root = dest.child(folder) if folder else dest
     if os.stat(src).st_size == size:
-        _dataobjects.upload_file(root, name, src)
+        _uploads.upload_file(root, name, src)
         return
     fd, tmp = tempfile.mkstemp(prefix=".jaxckpt-upload-", dir=scratch)
     try:
         with open(src, "rb") as f, os.fdopen(fd, "wb") as out:
             _copy_bytes(f, out, size, path)
-        _dataobjects.upload_file(root, name, tmp)
+        _uploads.upload_file(root, name, tmp)
     finally:
         os.remove(tmp)
 

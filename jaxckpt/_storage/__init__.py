@@ -93,6 +93,13 @@ def fault(op: str, key: str) -> None:
         _maybe_kill(op, key)
 
 
+def faults_armed() -> bool:
+    """Whether a fault point may act (a test's hook, or ``JAXCKPT_FAULT``): then writers
+    that gather several items into one call take them one at a time, so each point
+    falls between the items it names, as without gathering."""
+    return fault_hook is not None or _kill_at is not None
+
+
 def _maybe_kill(op: str, key: str) -> None:
     global _kill_hits
     point, part, nth = _kill_at

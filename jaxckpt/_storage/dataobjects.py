@@ -25,7 +25,7 @@ checkpoint), so the attempt prefixes of ``_commit`` stay the caller's business.
   copies the payload into the caller's buffer and checks the crc32c (a restore runs
   its entries on ``_reader.DIRECT_READ_THREADS`` threads).
 * S3 (boto3, the ``s3`` extra): ``StreamWriter`` uploads each segment as one multipart
-  upload (``_SegmentParts``). tensorstore's s3 kvstore has no multipart upload (its
+  upload (``uploads.SegmentParts``). tensorstore's s3 kvstore has no multipart upload (its
   ``write`` sends a value with one PUT), so this part goes through boto3
   (``s3.ObjectUpload``). A part (``PART_BYTES``, 64 MiB; S3's minimum of 5 MiB for
   every part but the last) collects views of the entries that reach it as they arrive
@@ -51,11 +51,9 @@ each entry is written, ``read`` before each entry is read, both with key
 
 from __future__ import annotations
 
-import functools
 import os
 import stat
-import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import crc32c
@@ -65,10 +63,13 @@ from .. import _storage
 from .._errors import CheckpointError, CorruptCheckpointError
 from . import kvstore as _kvstore
 from . import s3 as _s3
-from .bounds import DEFAULT_IO_TIMEOUT_S, io_timeout_s
+from . import uploads as _uploads
 from .location import Location
 
 CRC_BYTES = 4
+ALIGN = 64  # entries start at multiples of this in their stream (docs/format.md, "Version 3")
+GATHER_ENTRIES = 256  # entries in one gathered write: 3 buffers each, under IOV_MAX (1024)
+_ZEROS = memoryview(bytes(ALIGN))  # the padding between gathered entries
 
 
 def segment_name(process: int, n: int) -> str:
@@ -158,11 +159,11 @@ class StreamWriter:
         self.sizes = segment_sizes(length, segment_bytes)
         self._fds: list[int] = []
         self._buffers: list[bytearray] = []
-        self._parts: _SegmentParts | None = None
+        self._parts: _uploads.SegmentParts | None = None
         self._closed = False
         if root.local is None:
-            if self.sizes and _s3_object(root, segment_name(process, 0)) is not None:
-                self._parts = _SegmentParts(root, process, self.sizes, segment_bytes, length)
+            if self.sizes and _uploads.s3_object(root, segment_name(process, 0)) is not None:
+                self._parts = _uploads.SegmentParts(root, process, self.sizes, segment_bytes, length)
             else:
                 self._buffers = [bytearray(size) for size in self.sizes]
             return
@@ -187,6 +188,34 @@ class StreamWriter:
             self._parts.add(offset, [view, trailer])
             return
         self._put(offset, [view, trailer])
+
+    def write_entries(self, entries: Sequence[tuple[int, np.ndarray]]) -> None:
+        """``write_entry`` of each ``(offset, payload)``. Locally, entries that follow one
+        another in the stream (each at the aligned end of the one before) go to the disk in
+        one gathered write of up to ``GATHER_ENTRIES`` (payloads, checksums and the zeros
+        between them): a thousand small leaves are a few system calls, not two thousand.
+        Each entry is still checked, counted and a fault point (then one at a time)."""
+        if not self._fds or _storage.faults_armed():
+            for offset, payload in entries:
+                self.write_entry(offset, payload)
+            return
+        group: list[memoryview] = []
+        start = end = count = 0
+        for offset, payload in entries:
+            view = _bytes_of(payload, "an entry's payload")
+            self._begin(offset, len(view))
+            trailer = memoryview(crc32c.crc32c(view).to_bytes(CRC_BYTES, "little"))
+            gap = offset - end
+            if group and 0 <= gap < ALIGN and count < GATHER_ENTRIES:
+                group.extend([_ZEROS[:gap], view, trailer])
+                count += 1
+            else:
+                if group:
+                    self._put(start, group)
+                group, start, count = [view, trailer], offset, 1
+            end = offset + len(view) + CRC_BYTES
+        if group:
+            self._put(start, group)
 
     @property
     def blockwise(self) -> bool:
@@ -289,7 +318,7 @@ class StreamWriter:
             self._release()
 
 
-def _advance(parts: list[memoryview], done: int) -> None:
+def advance(parts: list[memoryview], done: int) -> None:
     """Drop the first ``done`` bytes of ``parts`` (what a vectored call moved), in place."""
     while parts and done >= len(parts[0]):
         done -= len(parts[0])
@@ -308,7 +337,7 @@ def _pwrite_all(fd: int, parts: list[memoryview], position: int) -> None:
         else:
             done = os.pwrite(fd, parts[0], position)
         position += done
-        _advance(parts, done)
+        advance(parts, done)
 
 
 _pwritev = getattr(os, "pwritev", None)
@@ -419,17 +448,17 @@ def _pread_all(where: _Where, n: int, start: int, stop: int, group: list[memoryv
         position = start
         parts = [p for p in group if len(p)]
         while parts:
-            got = _preadv_into(fd, parts, position)
+            got = preadv_into(fd, parts, position)
             if not got:
                 raise where.error("DATA_LOSS", n, f"ended early: no bytes at {position}, the entry "
                                                   f"needs bytes [{start}, {stop})")
             position += got
-            _advance(parts, got)
+            advance(parts, got)
     finally:
         os.close(fd)
 
 
-def _preadv_into(fd: int, parts: list[memoryview], position: int) -> int:
+def preadv_into(fd: int, parts: list[memoryview], position: int) -> int:
     if _preadv is not None:
         return _preadv(fd, parts, position)
     data = os.pread(fd, len(parts[0]), position)  # no preadv here: a copy, still correct
@@ -461,235 +490,6 @@ def _read_ranges(where: _Where, spans: list[tuple[int, int, int]], groups: list[
         for part in group:
             part[:] = value[:len(part)]
             value = value[len(part):]
-
-
-# --- uploads to S3 (boto3 multipart: tensorstore's s3 kvstore writes a value with one PUT) ---
-
-# A multipart upload's part (raised to S3's minimum, ``s3.MIN_PART_BYTES``, and to what
-# keeps an object within 10,000 parts); an object that fits in one part is one PUT.
-PART_BYTES = 64 << 20
-# Part uploads in flight at once per stream (or per ``upload_file``): each holds one part
-# buffer, so a writer holds at most this many part buffers.
-UPLOAD_THREADS = 8
-
-
-def _upload_bound(nbytes: int) -> float:
-    """How long a wait for one upload may last: the I/O bound plus 1 s per 8 MiB (as
-    ``kvstore.wait``); boto3's own timeouts and retries (``s3.new_client``) end a request
-    to a silent store well within it."""
-    return (io_timeout_s() or DEFAULT_IO_TIMEOUT_S) + nbytes * _kvstore.SECONDS_PER_BYTE
-
-
-def _s3_object(root: Location, name: str) -> _s3.ObjectUpload | None:
-    """An ``ObjectUpload`` of ``root/name`` on S3; ``None`` elsewhere or without boto3."""
-    if root.kvstore.get("driver") != "s3" or _s3.client_for(root) is None:
-        return None
-    return _s3.ObjectUpload(root, name)
-
-
-class _Uploads:
-    """Uploads on plain threads (as ``_tasks``: a pending async save must still finish while
-    the interpreter exits), at most ``UPLOAD_THREADS`` at once: ``submit`` waits for a free
-    one, within the bound; ``join`` waits for all, within the bound, and raises the first
-    error."""
-
-    def __init__(self, what: str):
-        self.what = what
-        self._slots = threading.Semaphore(UPLOAD_THREADS)
-        self._lock = threading.Lock()
-        self._threads: list[tuple[threading.Thread, int]] = []
-        self._errors: list[BaseException] = []
-
-    def submit(self, fn: Any, nbytes: int) -> None:
-        self.check()
-        if not self._slots.acquire(timeout=_upload_bound(nbytes)):
-            raise CheckpointError(f"Writing '{self.what}' failed: {_s3.no_answer(_upload_bound(nbytes))}")
-        thread = threading.Thread(target=self._run, args=(fn,), name="jaxckpt-upload", daemon=True)
-        with self._lock:
-            self._threads.append((thread, nbytes))
-        thread.start()
-
-    def _run(self, fn: Any) -> None:
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - raised by check/join in the caller's thread
-            with self._lock:
-                self._errors.append(e)
-        finally:
-            self._slots.release()
-
-    def check(self) -> None:
-        with self._lock:
-            if self._errors:
-                raise self._errors[0]
-
-    def join(self) -> None:
-        with self._lock:
-            threads, self._threads = self._threads, []
-        for thread, nbytes in threads:
-            thread.join(_upload_bound(nbytes))
-            if thread.is_alive():
-                raise CheckpointError(f"Writing '{self.what}' failed: {_s3.no_answer(_upload_bound(nbytes))}")
-        self.check()
-
-
-def upload_file(root: Location, name: str, path: str) -> None:
-    """Upload the local file ``path`` (a data object) as ``root/name``. On S3 in parallel
-    parts (``PART_BYTES``, ``UPLOAD_THREADS`` at once), each read from the file into its
-    own part buffer (``preadv``) just before it goes: never the whole file in memory; a
-    file that fits in one part is one PUT; a failed upload is aborted (best effort). Every
-    wait is bounded (``_upload_bound``). Elsewhere (``memory://``, GCS, S3 without boto3)
-    the file goes up whole through ``kvstore.write_blob``; to a local ``root`` it is
-    copied (write, fsync, rename). Like ``write_blob``, not counted in ``io_stats`` and no
-    fault point: the caller's (a copy to the persistent tier counts its files)."""
-    size = os.stat(path).st_size
-    obj = _s3_object(root, name)
-    part = _s3.part_bytes_for(size, PART_BYTES)
-    if obj is None or size <= part:
-        data = _read_file_range(path, 0, size)
-        if obj is not None:
-            obj.put(data)
-        else:
-            _kvstore.write_blob(root, name, data)
-        return
-    uploads = _Uploads(obj.url)
-    starts = range(0, size, part)
-    try:
-        for number, start in enumerate(starts, 1):
-            nbytes = min(part, size - start)
-            uploads.submit(functools.partial(_upload_file_part, obj, number, path, start, nbytes), nbytes)
-        uploads.join()
-        obj.complete(len(starts))
-    except BaseException:
-        _abort_after(uploads, [obj])
-        raise
-
-
-def _upload_file_part(obj: _s3.ObjectUpload, number: int, path: str, start: int, nbytes: int) -> None:
-    obj.part(number, _read_file_range(path, start, nbytes))
-
-
-def _read_file_range(path: str, start: int, nbytes: int) -> bytearray:
-    """Bytes ``[start, start + nbytes)`` of the file ``path``, read with ``preadv`` into one
-    new buffer; ``OSError`` if it ends early."""
-    buffer = bytearray(nbytes)
-    parts = [memoryview(buffer)] if nbytes else []
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        position = start
-        while parts:
-            got = _preadv_into(fd, parts, position)
-            if not got:
-                raise OSError(f"{path} ended early: no bytes at {position}, {start + nbytes} expected")
-            position += got
-            _advance(parts, got)
-    finally:
-        os.close(fd)
-    return buffer
-
-
-def _abort_after(uploads: _Uploads, objects: list[_s3.ObjectUpload]) -> None:
-    """After a failure: wait (bounded) for the part uploads in flight, then abort every
-    multipart upload started (best effort: the first failure is the one to report)."""
-    try:
-        uploads.join()
-    except BaseException:  # noqa: BLE001 - already failing; the parts go with the abort
-        pass
-    for obj in objects:
-        obj.abort()
-
-
-ALIGN = 64  # entries start at multiples of this in their stream (docs/format.md, "Version 3")
-
-
-class _SegmentParts:
-    """A stream's segments on S3, each going up as its parts fill: ``StreamWriter``'s
-    object-store half (boto3 multipart; see the module docstring).
-
-    An entry owns stream bytes ``[offset, min(round_up(end, ALIGN), length))``: itself and
-    the zeros up to where the next entry starts (the layout packs a stream's entries at
-    their strides, so its entries own it exactly, once each). A part records the pieces
-    of the entries that reach it (views of the caller's buffers: no copy yet) and how many
-    of its bytes are owned; once all are, it is copied into one part buffer (the gaps stay
-    zeros) and uploaded on one of ``UPLOAD_THREADS`` threads, while the entries go on
-    arriving (from any thread, in any order). A segment of one part is one PUT; ``close``
-    completes the others' multipart uploads; ``abort`` drops them."""
-
-    def __init__(self, root: Location, process: int, sizes: list[int], segment_bytes: int, length: int):
-        self.process, self.sizes, self.segment_bytes, self.length = process, sizes, segment_bytes, length
-        self.objects = [_s3.ObjectUpload(root, segment_name(process, n)) for n in range(len(sizes))]
-        self.part_bytes = [_s3.part_bytes_for(size, PART_BYTES) for size in sizes]
-        self.uploads = _Uploads(f"{root.url}/p{process}.*")
-        self._lock = threading.Lock()
-        self._pieces: dict[tuple[int, int], list[tuple[int, memoryview]]] = {}
-        self._owned: dict[tuple[int, int], int] = {}
-        self._sent = 0  # parts handed to an upload
-
-    def parts_of(self, n: int) -> int:
-        return -(-self.sizes[n] // self.part_bytes[n])
-
-    def add(self, offset: int, parts: list[memoryview]) -> None:
-        """Take the entry at ``offset`` (its bytes: ``parts``, in order); upload every part
-        it completes."""
-        if offset % ALIGN:
-            raise ValueError(f"entry at offset {offset} of stream p{self.process}: not a multiple of {ALIGN}")
-        nbytes = sum(len(p) for p in parts)
-        end = min(-(-(offset + nbytes) // ALIGN) * ALIGN, self.length)
-        ready = []
-        with self._lock:
-            for n, start, stop in pieces(offset, end - offset, self.segment_bytes):
-                size = self.part_bytes[n]
-                for i in range(start // size, (stop - 1) // size + 1):
-                    lo, hi = max(start, i * size), min(stop, (i + 1) * size)
-                    base = n * self.segment_bytes - offset  # entry position of segment byte 0
-                    got = self._pieces.setdefault((n, i), [])
-                    got.extend((lo - i * size + at, view) for at, view in _within(parts, lo + base, hi + base))
-                    self._owned[(n, i)] = owned = self._owned.get((n, i), 0) + hi - lo
-                    if owned > min(size, self.sizes[n] - i * size):
-                        raise ValueError(f"entry at offset {offset} of stream p{self.process} overlaps another")
-                    if owned == min(size, self.sizes[n] - i * size):
-                        ready.append((n, i, self._pieces.pop((n, i))))
-            self._sent += len(ready)
-        for n, i, got in ready:
-            nbytes = min(self.part_bytes[n], self.sizes[n] - i * self.part_bytes[n])
-            self.uploads.submit(functools.partial(self._upload, n, i, nbytes, got), nbytes)
-
-    def _upload(self, n: int, i: int, nbytes: int, got: list[tuple[int, memoryview]]) -> None:
-        buffer = bytearray(nbytes)  # zeros: the gaps between entries
-        for at, view in got:
-            buffer[at:at + len(view)] = view
-        if self.parts_of(n) == 1:
-            self.objects[n].put(buffer)
-        else:
-            self.objects[n].part(i + 1, buffer)
-
-    def close(self) -> None:
-        """Wait for every part (bounded), then complete every multipart upload."""
-        self.uploads.join()
-        total = sum(self.parts_of(n) for n in range(len(self.sizes)))
-        if self._sent != total:
-            missing = sum(min(self.part_bytes[n], self.sizes[n] - i * self.part_bytes[n]) - owned
-                          for (n, i), owned in self._owned.items() if (n, i) in self._pieces)
-            raise CheckpointError(f"stream p{self.process}: {total - self._sent} of its {total} parts were not "
-                                  f"written whole ({missing} bytes of the parts begun are missing)")
-        for n, obj in enumerate(self.objects):
-            if self.parts_of(n) > 1:
-                self.uploads.submit(functools.partial(obj.complete, self.parts_of(n)), 0)
-        self.uploads.join()
-
-    def abort(self) -> None:
-        _abort_after(self.uploads, self.objects)
-
-
-def _within(parts: list[memoryview], lo: int, hi: int) -> Iterator[tuple[int, memoryview]]:
-    """``(position - lo, view)`` for the bytes of ``parts`` (concatenated) in ``[lo, hi)``;
-    bytes past their end (an entry's padding) are none of them."""
-    pos = 0
-    for part in parts:
-        a, b = max(lo, pos), min(hi, pos + len(part))
-        if a < b:
-            yield a - lo, part[a - pos:b - pos]
-        pos += len(part)
 
 
 def stored_sizes(root: Location) -> dict[str, int | None]:
