@@ -146,6 +146,28 @@ def test_an_entry_written_in_blocks_is_the_entry_written_whole(tmp_path, where, 
             assert read_file(os.path.join(blocks.local, name)) == read_file(os.path.join(whole.local, name))
 
 
+def test_entries_written_together_are_the_entries_written_one_by_one(tmp_path, monkeypatch):
+    # 600 small entries (more than one gathered write), some left out (gaps of several
+    # strides: a new group), across segments of 1000 bytes: the same bytes as one by one
+    payloads = payloads_of([int(n) for n in np.random.default_rng(7).integers(0, 200, 600)], seed=8)
+    offsets, length = layout(payloads)
+    keep = [i for i in range(600) if i % 97 not in (5, 6)]
+    one, together = (resolve(str(tmp_path / name)).child("data") for name in ("one", "together"))
+    with do.StreamWriter(one, 0, length, 1000) as w:
+        for i in keep:
+            w.write_entry(offsets[i], payloads[i])
+    calls = []
+    monkeypatch.setattr(do, "_pwrite_all", lambda fd, parts, at, f=do._pwrite_all: (calls.append(len(parts)),
+                                                                                     f(fd, parts, at)))
+    with do.StreamWriter(together, 0, length, 1000) as w:
+        w.write_entries([(offsets[i], payloads[i]) for i in keep])
+    for n in range(len(do.segment_sizes(length, 1000))):
+        name = do.segment_name(0, n)
+        assert read_file(os.path.join(together.local, name)) == read_file(os.path.join(one.local, name))
+    assert len(calls) < len(keep) // 4  # gathered: a write per group and segment, not per entry
+    assert max(calls) <= 3 * do.GATHER_ENTRIES
+
+
 def test_an_empty_stream_makes_no_object_and_two_processes_do_not_meet(root):
     write(root, [], 64, process=1)
     assert not os.listdir(root.local)
