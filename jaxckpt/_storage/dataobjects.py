@@ -51,6 +51,7 @@ each entry is written, ``read`` before each entry is read, both with key
 
 from __future__ import annotations
 
+import ctypes
 import os
 import stat
 from collections.abc import Iterable, Iterator, Sequence
@@ -69,6 +70,7 @@ from .location import Location
 CRC_BYTES = 4
 ALIGN = 64  # entries start at multiples of this in their stream (docs/format.md, "Version 3")
 GATHER_ENTRIES = 256  # entries in one gathered write: 3 buffers each, under IOV_MAX (1024)
+GATHER_BELOW_BYTES = 1 << 20  # only entries smaller than this are gathered (a big one's writeback starts at once)
 _ZEROS = memoryview(bytes(ALIGN))  # the padding between gathered entries
 
 
@@ -190,11 +192,12 @@ class StreamWriter:
         self._put(offset, [view, trailer])
 
     def write_entries(self, entries: Sequence[tuple[int, np.ndarray]]) -> None:
-        """``write_entry`` of each ``(offset, payload)``. Locally, entries that follow one
-        another in the stream (each at the aligned end of the one before) go to the disk in
-        one gathered write of up to ``GATHER_ENTRIES`` (payloads, checksums and the zeros
-        between them): a thousand small leaves are a few system calls, not two thousand.
-        Each entry is still checked, counted and a fault point (then one at a time)."""
+        """``write_entry`` of each ``(offset, payload)``. Locally, small entries (under
+        ``GATHER_BELOW_BYTES``) that follow one another in the stream (each at the aligned
+        end of the one before) go to the disk in one gathered write of up to
+        ``GATHER_ENTRIES`` (payloads, checksums and the zeros between them): a thousand
+        small leaves are a few system calls, not two thousand; a big entry is written at
+        once. Each entry is still checked, counted and a fault point (then one at a time)."""
         if not self._fds or _storage.faults_armed():
             for offset, payload in entries:
                 self.write_entry(offset, payload)
@@ -205,8 +208,8 @@ class StreamWriter:
             view = _bytes_of(payload, "an entry's payload")
             self._begin(offset, len(view))
             trailer = memoryview(crc32c.crc32c(view).to_bytes(CRC_BYTES, "little"))
-            gap = offset - end
-            if group and 0 <= gap < ALIGN and count < GATHER_ENTRIES:
+            gap, small = offset - end, len(view) < GATHER_BELOW_BYTES
+            if group and small and 0 <= gap < ALIGN and count < GATHER_ENTRIES:
                 group.extend([_ZEROS[:gap], view, trailer])
                 count += 1
             else:
@@ -214,6 +217,9 @@ class StreamWriter:
                     self._put(start, group)
                 group, start, count = [view, trailer], offset, 1
             end = offset + len(view) + CRC_BYTES
+            if not small:
+                self._put(start, group)
+                group = []
         if group:
             self._put(start, group)
 
@@ -275,7 +281,7 @@ class StreamWriter:
                 if _sync_file_range is not None:
                     # Start the entry's writeback now, as a file per chunk's fsync in its
                     # own thread does: the final fsync then waits for little, not the lot.
-                    _sync_file_range(self._fds[n], start, stop - start, os.SYNC_FILE_RANGE_WRITE)
+                    _sync_file_range(self._fds[n], start, stop - start, SYNC_FILE_RANGE_FLAGS)
             else:
                 for part in group:
                     self._buffers[n][start:start + len(part)] = part
@@ -341,7 +347,26 @@ def _pwrite_all(fd: int, parts: list[memoryview], position: int) -> None:
 
 
 _pwritev = getattr(os, "pwritev", None)
-_sync_file_range = getattr(os, "sync_file_range", None)  # Linux
+
+
+def _libc_sync_file_range() -> Any:
+    """Linux's ``sync_file_range(2)`` through ctypes (Python's ``os`` has no binding), or
+    ``None`` elsewhere. A hint: its result is not checked (``close``'s fsync is the promise)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _libc_sync_file_range()
+# SYNC_FILE_RANGE_WRITE: start the range's writeback, without waiting for it. A 1 GiB save
+# (256 entries of 4 MiB, 4 threads) measured 0.41-0.46 s with it, 0.47-0.65 s also waiting
+# for each range (| WAIT_BEFORE | WAIT_AFTER), 0.58-0.77 s without the call (the final
+# fsync then writes the lot), format 1's chunk files 0.50-0.64 s in the same runs.
+SYNC_FILE_RANGE_FLAGS = 2
 _preadv = getattr(os, "preadv", None)
 
 
