@@ -183,9 +183,19 @@ def test_two_tiers_with_a_local_directory_per_host_and_a_lost_host(tmp_path, s3_
         assert res[p]["tiers"] == want and res[p]["local_steps"] == ["3", "4", "5"]
     # each host's copy: the replicated leaves whole, the sharded one only in its own half
     for p in (0, 1):
-        man = json.loads((tmp_path / "local" / f"host{p}" / "5" / "manifest.json").read_text())
+        step = tmp_path / "local" / f"host{p}" / "5"
+        man = json.loads((step / "manifest.json").read_text())
         w = next(leaf for leaf in man["leaves"] if leaf["path"] == "w")
-        chunks = sorted(os.listdir(tmp_path / "local" / f"host{p}" / "5" / "arrays" / w["key"] / "c"))
+        if man["format_version"] == 3:  # its own stream: the chunks of its half of w's rows
+            assert sorted(os.listdir(step / "data")) == [f"p{p}.0"]
+            grid = [n // c for n, c in zip(w["shape"], w["chunk_shape"])]
+            rows = [int(np.unravel_index(f, grid)[0]) * w["chunk_shape"][0]
+                    for proc, first, count, _ in w["runs"] if proc == p for f in range(first, first + count)]
+            half = w["shape"][0] // 2
+            assert rows and all(p * half <= r < (p + 1) * half for r in rows)
+            assert len(rows) == np.prod(grid) // 2
+            continue
+        chunks = sorted(os.listdir(step / "arrays" / w["key"] / "c"))
         assert chunks == ([str(p * 2), str(p * 2 + 1)] if w["chunk_shape"][0] == 16 else [str(p)])
     assert jaxckpt.verify(dict(durable, path="mp-tiers/a/4")).ok
 
