@@ -1,7 +1,9 @@
 """Bounded staging memory (issue 12, item 7): a snapshot staged and written in waves
 within a ``StagingBudget`` (``CheckpointManager(max_staging_bytes=...)``)."""
 
+import json
 import os
+import shutil
 import threading
 
 import jax
@@ -35,6 +37,17 @@ def _save_in_waves(path, tree, budget, copy=True):
     writer.start()
     snap.stage_rest()
     return writer, errors
+
+
+def _write_keys(tmp_path, tree, layout):
+    """Each leaf's key at the write fault point: its key (format 1), or its first entry's
+    ``p<k>@<offset>`` (format 3: the layout of the same tree saved once, unhooked)."""
+    if layout == "1":
+        return {path: str(i) for i, (path, _) in enumerate(_tree.flatten(tree)[0])}
+    jaxckpt.save(tmp_path / "layout", tree)
+    man = json.loads((tmp_path / "layout" / "manifest.json").read_text())
+    shutil.rmtree(tmp_path / "layout")
+    return {leaf["path"]: f"p{leaf['runs'][0][0]}@{leaf['runs'][0][3]}" for leaf in man["leaves"] if leaf.get("runs")}
 
 
 def _mixed_state():
@@ -74,8 +87,9 @@ def _writes_observed(monkeypatch, budget):
     return seen
 
 
-@pytest.mark.format1
-def test_waves_write_a_bit_exact_checkpoint_within_the_budget(tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", ["1", "3"])
+def test_waves_write_a_bit_exact_checkpoint_within_the_budget(tmp_path, monkeypatch, layout):
+    monkeypatch.setenv("JAXCKPT_FORMAT", layout)
     tree = _mixed_state()
     budget = _snapshot.StagingBudget(BUDGET)
     seen = _writes_observed(monkeypatch, budget)
@@ -83,9 +97,13 @@ def test_waves_write_a_bit_exact_checkpoint_within_the_budget(tmp_path, monkeypa
     writer.join()
     assert errors == []
     _assert_restores(tmp_path / "c", tree)
-    # only the oversized chunk (staged alone) ever passes the budget
-    assert budget.peak == tree["oversized"].nbytes
-    assert max(seen) <= max(BUDGET, tree["oversized"].nbytes)
+    if layout == "1":  # only the oversized chunk (staged alone) ever passes the budget
+        assert budget.peak == tree["oversized"].nbytes
+        assert max(seen) <= max(BUDGET, tree["oversized"].nbytes)
+    else:  # format 3 cuts it into chunks of 3 MB (fine_chunk_shape): nothing passes the budget
+        man = json.loads((tmp_path / "c" / "manifest.json").read_text())
+        assert next(r["chunk_shape"] for r in man["leaves"] if r["path"] == "oversized") == [375_000]
+        assert 0 < budget.peak <= BUDGET and max(seen) <= BUDGET
     assert budget.in_flight == 0
 
 
@@ -129,11 +147,12 @@ def test_a_device_chunk_smaller_than_its_shard_is_staged_from_a_slice():
     assert_bit_equal(np.asarray(own), np.asarray(x)[32:])
 
 
-@pytest.mark.format1
-def test_mutating_host_arrays_once_save_returns_changes_nothing_saved(tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", ["1", "3"])
+def test_mutating_host_arrays_once_save_returns_changes_nothing_saved(tmp_path, monkeypatch, layout):
+    monkeypatch.setenv("JAXCKPT_FORMAT", layout)
     tree = {f"a{i}": np.full(300_000, i, np.float32) for i in range(8)}
     expected = {k: v.copy() for k, v in tree.items()}
-    last = next(str(i) for i, (path, _) in enumerate(_tree.flatten(tree)[0]) if path == "a7")
+    last = _write_keys(tmp_path, tree, layout)["a7"]
     released = threading.Event()
     late = []
 
@@ -153,10 +172,11 @@ def test_mutating_host_arrays_once_save_returns_changes_nothing_saved(tmp_path, 
     assert budget.peak <= BUDGET
 
 
-@pytest.mark.format1
-def test_a_failure_in_wave_two_commits_nothing_and_leaves_no_staging(tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", ["1", "3"])
+def test_a_failure_in_wave_two_commits_nothing_and_leaves_no_staging(tmp_path, monkeypatch, layout):
+    monkeypatch.setenv("JAXCKPT_FORMAT", layout)
     tree = {f"a{i}": np.full(300_000, i, np.float32) for i in range(8)}
-    keys = {path: str(i) for i, (path, _) in enumerate(_tree.flatten(tree)[0])}
+    keys = _write_keys(tmp_path, tree, layout)
     written = []
 
     def fail_in_wave_two(op, key):
@@ -276,10 +296,11 @@ def test_manager_saves_in_waves(tmp_path, monkeypatch):
     assert mgr.info(1)["blocking_seconds"] > 0
 
 
-@pytest.mark.format1
-def test_manager_failure_in_a_wave_surfaces_later_and_commits_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", ["1", "3"])
+def test_manager_failure_in_a_wave_surfaces_later_and_commits_nothing(tmp_path, monkeypatch, layout):
+    monkeypatch.setenv("JAXCKPT_FORMAT", layout)
     tree = {f"a{i}": np.full(300_000, i, np.float32) for i in range(8)}
-    keys = {path: str(i) for i, (path, _) in enumerate(_tree.flatten(tree)[0])}
+    keys = _write_keys(tmp_path, tree, layout)
 
     def fail(op, key):
         if op == "write" and key == keys["a3"]:
