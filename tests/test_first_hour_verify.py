@@ -108,6 +108,10 @@ def test_a_bad_zarr_json_is_one_entry_and_restores_are_unaffected(saved, capsys,
 
 @pytest.mark.format1
 def test_a_manifest_checksum_mismatch_is_one_entry_naming_the_file(saved, capsys):
+    _assert_a_checksum_mismatch_is_one_entry(saved, capsys)
+
+
+def _assert_a_checksum_mismatch_is_one_entry(saved, capsys):
     path = saved / "manifest.json"
     path.write_text(path.read_text().replace('"value":3', '"value":4', 1))  # the step, edited
     code, out, lines = _verify(capsys, saved)
@@ -124,6 +128,43 @@ def test_a_stray_file_names_the_file_and_no_leaf(saved, capsys):
     code, out, lines = _verify(capsys, saved)
     assert code == 1 and lines[1:] == ["  unexpected file packed/p0/c/9"], out  # was: leaf 'None' chunk ...
     assert lines[0].endswith("s): 1 damaged file, every leaf restorable"), out
+
+
+@pytest.fixture
+def saved3(ckpt, monkeypatch):
+    monkeypatch.setenv("JAXCKPT_FORMAT", "3")
+    jaxckpt.save(ckpt, state())
+    return ckpt
+
+
+def test_format3_a_manifest_checksum_mismatch_is_one_entry_naming_the_file(saved3, capsys):
+    _assert_a_checksum_mismatch_is_one_entry(saved3, capsys)
+
+
+def test_format3_a_stray_data_object_names_the_file_and_no_leaf(saved3, capsys):
+    (saved3 / "data" / "p0.9").write_bytes(b"stray")
+    code, out, lines = _verify(capsys, saved3)
+    assert code == 1 and lines[1:] == ["  unexpected file data/p0.9"], out
+    assert lines[0].endswith("s): 1 damaged file, every leaf restorable"), out
+
+
+def test_format3_one_bad_byte_in_a_small_leaf_costs_that_leaf_only(saved3, capsys):
+    # format 1 packed this leaf with 53 others in one chunk: one flipped byte cost all 54
+    man = json.loads((saved3 / "manifest.json").read_text())
+    run = next(r["runs"][0] for r in man["leaves"] if r["path"] == "layers/l00/b")
+    _flip(saved3 / "data" / "p0.0", run[3] + 1)
+    code, out, lines = _verify(capsys, saved3)
+    assert code == 1 and len(lines) == 2, out
+    assert lines[0].startswith(f"{saved3}: CORRUPT (56 leaves, 55 chunks, 4.0 MiB in "), out
+    assert lines[0].endswith("s): 1 damaged file, 1 of 56 leaves cannot be restored"), out
+    assert lines[1].startswith(f"  leaf 'layers/l00/b' chunk cell [0]: data/p0.0: DATA_LOSS: entry at offset "
+                               f"{run[3]} of stream p0 "), out
+    assert "): digest mismatch, stored digest is 0x" in lines[1], out
+    assert all(f"'{p}'" not in out for p in PACKED if p != "layers/l00/b"), out
+    with pytest.raises(jaxckpt.CorruptCheckpointError, match=r"leaf 'layers/l00/b' chunk cell \[0\]"):
+        jaxckpt.open(saved3)["layers/l00/b"][...]
+    for i in (1, 25):  # its neighbours restore (format 1 lost all 54 leaves of the chunk)
+        assert_bit_equal(jaxckpt.open(saved3)[f"layers/l{i:02d}/b"][...], state()["layers"][f"l{i:02d}"]["b"])
 
 
 def test_diff_prints_a_summary_readable_numbers_and_keys_as_keys(tmp_path, capsys):
