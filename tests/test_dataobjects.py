@@ -2,6 +2,7 @@
 read back by byte range (jaxckpt/_storage/dataobjects.py)."""
 
 import os
+import sys
 import threading
 
 import crc32c
@@ -166,6 +167,21 @@ def test_entries_written_together_are_the_entries_written_one_by_one(tmp_path, m
         assert read_file(os.path.join(together.local, name)) == read_file(os.path.join(one.local, name))
     assert len(calls) < len(keep) // 4  # gathered: a write per group and segment, not per entry
     assert max(calls) <= 3 * do.GATHER_ENTRIES
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range(2) is Linux's")
+def test_each_entrys_writeback_is_started_on_linux(root, monkeypatch):
+    # Python's os has no sync_file_range: it goes through ctypes (a getattr on os found
+    # nothing, so every stream was flushed by its one fsync at close)
+    assert do._sync_file_range is not None and do.SYNC_FILE_RANGE_FLAGS == 2  # SYNC_FILE_RANGE_WRITE
+    calls = []
+    real = do._sync_file_range
+    monkeypatch.setattr(do, "_sync_file_range", lambda fd, at, n, flags: (calls.append((at, n, flags)),
+                                                                         real(fd, at, n, flags))[1])
+    payloads = payloads_of([2 << 20, 100], seed=2)
+    offsets, _ = write(root, payloads, 1 << 30)
+    assert calls == [(offsets[0], (2 << 20) + 4, 2), (offsets[1], 104, 2)]
+    assert_same(read_all(root, payloads, offsets, 1 << 30), payloads)
 
 
 def test_an_empty_stream_makes_no_object_and_two_processes_do_not_meet(root):
