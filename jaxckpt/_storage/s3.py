@@ -38,6 +38,16 @@ def no_answer(seconds: float) -> str:
     return f"no answer from the store in {seconds:.3g} s ({setting})"
 
 
+def _failed(doing: str, root: Location, error: Exception, started: float) -> CheckpointError:
+    """``<doing> '<url>' failed: <cause>``: a refusal's code and message, or why boto3 gave up."""
+    import botocore.exceptions
+
+    if isinstance(error, botocore.exceptions.ClientError):
+        err = error.response.get("Error", {})
+        return CheckpointError(f"{doing} '{root.url}' failed: {err.get('Code', '?')}: {err.get('Message', '')}")
+    return CheckpointError(f"{doing} '{root.url}' failed: {_cause(error, started)}")
+
+
 def _cause(error: Exception, started: float) -> str:
     """A botocore error (not a ``ClientError``) as a short cause. A request boto3 gave up
     on because the store did not answer (its connect or read timeout, after its retries:
@@ -168,11 +178,8 @@ def delete_batched(root: Location) -> bool:
     except (botocore.exceptions.NoCredentialsError, botocore.exceptions.NoRegionError,
             botocore.exceptions.ProfileNotFound):
         return False
-    except botocore.exceptions.ClientError as e:
-        err = e.response.get("Error", {})
-        raise CheckpointError(f"Deleting '{root.url}' failed: {err.get('Code', '?')}: {err.get('Message', '')}") from None
-    except botocore.exceptions.BotoCoreError as e:
-        raise CheckpointError(f"Deleting '{root.url}' failed: {_cause(e, started)}") from None
+    except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
+        raise _failed("Deleting", root, e, started) from None
     return True
 
 
@@ -299,9 +306,6 @@ def sizes(root: Location) -> dict[str, int] | None:
     except (botocore.exceptions.NoCredentialsError, botocore.exceptions.NoRegionError,
             botocore.exceptions.ProfileNotFound):
         return None
-    except botocore.exceptions.ClientError as e:
-        err = e.response.get("Error", {})
-        raise CheckpointError(f"Listing '{root.url}' failed: {err.get('Code', '?')}: {err.get('Message', '')}") from None
-    except botocore.exceptions.BotoCoreError as e:
-        raise CheckpointError(f"Listing '{root.url}' failed: {_cause(e, started)}") from None
+    except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
+        raise _failed("Listing", root, e, started) from None
     return out
