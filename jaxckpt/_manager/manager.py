@@ -34,6 +34,7 @@ from . import cleanup as _cleanup
 from . import history as _history
 from . import hosts as _hosts
 from . import marks as _marks
+from . import peers as _peers
 from . import preemption as _preemption
 from . import retention as _retention
 from . import tiers as _tiers
@@ -82,6 +83,8 @@ class CheckpointManager:
         save stages and writes in waves: ``save`` then returns once its last wave is
         staged. CPU jax arrays are staged as zero-copy views and do not count; a chunk
         bigger than the budget is staged on its own. ``None``: everything at once.
+      peer_copies: a local directory per host: each host's part of every step is also kept
+        on this many partner hosts (a ring), to restore a lost host from (docs/storage.md).
       read_only: list, restore and inspect only: never write, delete or clean. Any
         number of read-only managers (notebooks, evaluators) may watch a directory that
         a training run is writing.
@@ -113,7 +116,7 @@ class CheckpointManager:
                  clock: Callable[[], float] = time.time, read_only: bool = False,
                  persistent_directory: Any = None, persistent_interval_steps: int | None = None,
                  persistent_max_to_keep: int | None = None, verify_before_delete: bool = False,
-                 max_staging_bytes: int | None = None):
+                 max_staging_bytes: int | None = None, peer_copies: int = 0):
         policy = _retention.RetentionPolicy.make(
             max_to_keep=max_to_keep, keep_period=keep_period, keep_time_interval=keep_time_interval,
             best_metric=best_metric, best_mode=best_mode, keep_best=keep_best)
@@ -123,7 +126,7 @@ class CheckpointManager:
         self._staging = _snapshot.staging_budget(max_staging_bytes)
         self._timeout, self._clock, self._read_only = timeout_s, clock, read_only
         self._lock = threading.RLock()
-        self._saves = _Saves(self._lock, max_pending, self._dir)
+        self._saves = _Saves(self._lock, max_pending, self._dir, self._after_write)
         self._pins = _marks.StepPins(self._lock)  # steps read here (restores, copies): retention waits
         self._partial = _hosts.PartialSteps(self._dir)  # per-host: committed here, lacking on some host
         self._closed, self._advice = False, None  # the last advise_interval()
@@ -139,12 +142,13 @@ class CheckpointManager:
             self._groups, self._lease, local = _cleanup.start_writer(
                 self._dir, self._persistent, timeout_s, self._partial, owner=self)
         self._steps = _tiers.Listing(self._lock, self._dir, local, self._persistent)
+        self._peers = _peers.start(peer_copies, self._groups, self._lease, self._persistent, self._sources())
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
         self._deleter = _cleanup.Deleter(self._dir)
         self._retention = _cleanup.Retainer(policy, self._steps, self._pins, self._deleter, self._groups.leads,
                                             self._lock)
         ref = weakref.ref(self)
-        self._atexit = lambda: (m := ref()) is not None and m._finish_at_exit()
+        self._atexit = lambda: (m := ref()) is not None and _finish_at_exit(m)
         atexit.register(self._atexit)
 
     # --- queries ---------------------------------------------------------------------
@@ -305,7 +309,7 @@ class CheckpointManager:
             return _new_step(step, force, self._dir, self._steps.local, self._saves.submitted)
 
     def _write(self, step: int, snap: _snapshot.Snapshot, metrics: dict | None, t_start: float,
-               blocking: float, op_id: int) -> None:
+               blocking: float, op_id: int) -> Any:
         final = self._dir.child(_commit.step_name(step))
         metrics = _metrics_to_json(metrics)
         check = functools.partial(_cleanup.check_lease, self._lease, self._dir)
@@ -325,6 +329,17 @@ class CheckpointManager:
                                              timeout_s=self._timeout, op_id=op_id)
         if self._verify:
             _cleanup.verify_or_delete(self._dir, step, op_id, self._timeout, self._groups.leads)
+        if self._peers is not None:
+            return manifest  # listed once its peer copies are made: _after_write
+        self._listed(step, manifest)
+
+    def _after_write(self, step: int, manifest: Any) -> None:
+        """Settling ``step`` (the same call in every process): its peer copies, then listed."""
+        self._peers.copy(step)
+        self._listed(step, manifest)
+
+    def _listed(self, step: int, manifest: Any) -> None:
+        final = self._dir.child(_commit.step_name(step))
         self._steps.add(step, manifest)
         if _distributed.process_index() == 0:
             _history.record(self._dir, step, manifest.info)
@@ -336,6 +351,8 @@ class CheckpointManager:
             self._persistent.submit(step, final, manifest, self._groups.groups,
                                     functools.partial(self._retention.copied, step, pin))
         self._retention.run(f"after step {step}")
+        if self._peers is not None:
+            self._peers.prune(self._steps.local)
 
     # --- restore ---------------------------------------------------------------------
 
@@ -363,23 +380,14 @@ class CheckpointManager:
         with self._pins.hold(step if step in self._steps.local else None):
             self._saves.settle_all()
             if not self._groups.per_host:
-                return self._restore_here(step, read)
-            sources = _hosts.Sources(self._dir, self._groups, self._timeout, self._read_only, self._steps,
-                                     self._partial, self._pins)
-            return _hosts.restore_agreed(sources, step, read)
+                return _restore_here(self, step, read)
+            if self._peers is not None:  # a part some host lost: back from its peer copy first
+                _peers.repair(self._peers, step, self._sources())
+            return _hosts.restore_agreed(self._sources(), step, read)
 
-    def _restore_here(self, step: int | None, read: Callable[[Any], Any]) -> Any:
-        with contextlib.ExitStack() as pinned:
-            with self._lock:  # chosen and pinned at once: retention cannot take it in between
-                where, step = self._steps.locate(step)
-                pinned.enter_context(self._pins.hold(step))
-            if not self._read_only or where != self._dir.child(_commit.step_name(step)):
-                return read(where)  # a writer's own restores are held by its pins
-            # Another process writes here: mark the step so its retention waits for us.
-            with _marks.ReaderMark(self._dir, step):
-                if not _commit.has_manifest(where):
-                    raise CheckpointNotFoundError(f"Step {step} in '{self._dir}' was deleted")
-                return read(where)
+    def _sources(self) -> _hosts.Sources:
+        return _hosts.Sources(self._dir, self._groups, self._timeout, self._read_only, self._steps,
+                              self._partial, self._pins)
 
     # --- deleting and attempts ---------------------------------------------------------
 
@@ -469,12 +477,6 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError(f"CheckpointManager for '{self._dir}' is closed")
 
-    def _finish_at_exit(self) -> None:
-        try:
-            self.close()
-        except BaseException as e:  # noqa: BLE001 - at exit, report instead of raising
-            print(f"jaxckpt: a pending save failed at exit: {e}", file=sys.stderr)
-
     def __enter__(self) -> CheckpointManager:
         return self
 
@@ -491,6 +493,28 @@ class CheckpointManager:
         return _html.render_manager(str(self._dir), mode, self._steps.infos(), self._clock(), self._advice)
 
 
+def _restore_here(mgr: CheckpointManager, step: int | None, read: Callable[[Any], Any]) -> Any:
+    """A manager's restore from one directory (shared, or an object store) or its tier."""
+    with contextlib.ExitStack() as pinned:
+        with mgr._lock:  # chosen and pinned at once: retention cannot take it in between
+            where, step = mgr._steps.locate(step)
+            pinned.enter_context(mgr._pins.hold(step))
+        if not mgr._read_only or where != mgr._dir.child(_commit.step_name(step)):
+            return read(where)  # a writer's own restores are held by its pins
+        # Another process writes here: mark the step so its retention waits for us.
+        with _marks.ReaderMark(mgr._dir, step):
+            if not _commit.has_manifest(where):
+                raise CheckpointNotFoundError(f"Step {step} in '{mgr._dir}' was deleted")
+            return read(where)
+
+
+def _finish_at_exit(mgr: CheckpointManager) -> None:
+    try:
+        mgr.close()
+    except BaseException as e:  # noqa: BLE001 - at exit, report instead of raising
+        print(f"jaxckpt: a pending save failed at exit: {e}", file=sys.stderr)
+
+
 class _Pending:
     def __init__(self, step: int, future: concurrent.futures.Future, staging_bytes: int):
         self.step, self.future, self.staging_bytes = step, future, staging_bytes
@@ -504,8 +528,9 @@ class _Saves:
     Shares the manager's lock (``should_save`` asks about committed and pending steps at
     once)."""
 
-    def __init__(self, lock: Any, max_pending: int, directory: Any):
+    def __init__(self, lock: Any, max_pending: int, directory: Any, after: Callable[[int, Any], None]):
         self._lock, self._max_pending, self._dir = lock, max_pending, directory
+        self._after = after  # a job that returned something: the rest of the save, where it is settled
         self._pending: list[_Pending] = []  # in submission order; popped in that order only
         self.submitted: set[int] = set()  # steps saved by this manager and not known to have failed
 
@@ -527,7 +552,9 @@ class _Saves:
             self.submitted.add(step)
         if executor is None:
             try:
-                job()
+                result = job()
+                if result is not None:
+                    self._after(step, result)
             except BaseException as e:
                 raise self._failure(step, e) from e
             finally:
@@ -573,6 +600,11 @@ class _Saves:
         """Wait for one save; raise its failure as a ``CheckpointError``."""
         concurrent.futures.wait([pending.future])
         error = pending.future.exception()
+        if error is None and pending.future.result() is not None:
+            try:
+                self._after(pending.step, pending.future.result())
+            except BaseException as e:  # noqa: BLE001 - the save's failure, as a job's
+                error = e
         with self._lock:  # committed (now in the manager's steps) or failed (may be retried)
             self.submitted.discard(pending.step)
         if error is not None:
@@ -582,9 +614,9 @@ class _Saves:
         return CheckpointError(f"Saving step {step} to '{self._dir}' failed: {error}")
 
 
-def _closing(job: Callable[[], None], snap: _snapshot.Snapshot) -> None:
+def _closing(job: Callable[[], Any], snap: _snapshot.Snapshot) -> Any:
     try:
-        job()
+        return job()
     finally:
         snap.close()
 
