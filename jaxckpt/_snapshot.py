@@ -13,12 +13,10 @@ copied into one packed buffer per process.) With a ``StagingBudget`` (the manage
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import math
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +28,7 @@ import numpy as np
 from . import _distributed, _dtypes, _hoststreams, _layout, _streams, _tree
 from ._errors import CheckpointError
 from ._manifest import MAX_INLINE_BYTES, MAX_INT_DIGITS, STREAMS_VERSION, LeafRecord, PackedArray, int_fits
+from ._waves import Planned, StagingBudget, Wave, Waves, staging_budget  # noqa: F401 (re-exported)
 
 # Leaves smaller than this are packed into one byte array per process; bigger ones get
 # a zarr3 array of their own with one file per shard.
@@ -66,7 +65,7 @@ class Snapshot:
     packed_buf: np.ndarray | None  # this process's packed bytes
     nbytes_local: int  # host bytes this snapshot holds (in waves: at most at once)
     group: tuple[int, ...] = ()  # the processes sharing this process's directory; () = all
-    waves: _Waves | None = None  # staged in waves: the writer takes them from here
+    waves: Waves | None = None  # staged in waves: the writer takes them from here
     created_at: float = dataclasses.field(default_factory=time.perf_counter)
     # format 3: every writing process's stream length (``file_shards`` then holds this
     # process's entries, of every array leaf); ``None``: formats 1 and 2
@@ -154,7 +153,8 @@ def _snapshot(tree: Any, copy_host_arrays: bool, group: tuple[int, ...],
     for leaf in arrays:
         rec = LeafRecord(**leaf.fields)
         records[leaf.slot] = rec
-        mine = [(c, leaf.host(c)) for c, w in zip(leaf.chunks, leaf.writers) if w == me]
+        chunks = [c for c, w in zip(leaf.chunks, leaf.writers) if w == me]
+        mine = list(zip(chunks, leaf.hosts(chunks)))
         if rec.store != "packed":  # "file", or format 3's "stream"
             file_shards[leaf.slot] = [(c.region, data) for c, data in mine]
             total += sum(data.nbytes for _, data in mine)
@@ -246,6 +246,44 @@ class _ArrayLeaf:
         if chunk.region == chunk.shard:
             return host
         return host[_layout.relative(chunk.region, chunk.shard)]  # a contiguous view: dim-0 split
+
+    def hosts(self, chunks: list[_Chunk]) -> list[np.ndarray]:
+        """``host`` of each of ``chunks`` (in C order); a shard cut into row blocks
+        (format 3's fine chunks) is cut with one reshape, not a slice per chunk (the
+        blocking part of an async save makes these views: hundreds per GiB)."""
+        out: list[np.ndarray] = []
+        i = 0
+        while i < len(chunks):
+            first = chunks[i]
+            rows = self._row_blocks(first)
+            if rows is None:
+                out.append(self.host(first))
+                i += 1
+                continue
+            j = i
+            while j < len(chunks) and chunks[j].shard == first.shard:
+                j += 1
+            start, height = first.shard[0][0], first.region[0][1] - first.region[0][0]
+            if j - i == len(rows):  # every row block of the shard, in order
+                out += rows
+            else:
+                out += [rows[(c.region[0][0] - start) // height] for c in chunks[i:j]]
+            i = j
+        return out
+
+    def _row_blocks(self, chunk: _Chunk) -> list[np.ndarray] | None:
+        """The shard of ``chunk`` as views of row blocks of ``chunk``'s height, when
+        its chunks are exactly that (full in every other dimension, the height dividing
+        the shard's); else None."""
+        shard, region = chunk.shard, chunk.region
+        if not region or region[1:] != shard[1:]:
+            return None
+        height, total = region[0][1] - region[0][0], shard[0][1] - shard[0][0]
+        if height == 0 or total % height:
+            return None
+        data = self.local[shard]
+        host = data if isinstance(data, np.ndarray) else np.asarray(data)
+        return list(host.reshape((total // height, height) + host.shape[1:]))
 
 
 def _plan_array(slot: int, path: str, leaf: Any, fields: dict[str, Any], copy_host_arrays: bool | None,
@@ -461,55 +499,6 @@ def _copy_packed(rec: LeafRecord, mine: list[tuple[_Chunk, np.ndarray]], packed_
         view[...] = host.view(storage)
 
 
-# --- staging in waves (a StagingBudget) -----------------------------------------------
-
-
-class StagingBudget:
-    """The most host bytes that staged-but-not-yet-written waves may hold at once, shared
-    by every save given it (a manager's ``max_staging_bytes``). ``in_flight`` and
-    ``peak``: those bytes now, and the most so far (what tests and benchmarks read)."""
-
-    def __init__(self, max_bytes: int):
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-            raise ValueError(f"max_staging_bytes must be a positive int, got {max_bytes!r}")
-        self.max_bytes = max_bytes
-        self.in_flight = 0
-        self.peak = 0
-        self.cond = threading.Condition()
-
-    def fits(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more may be staged now (always, when nothing is)."""
-        return not self.in_flight or self.in_flight + nbytes <= self.max_bytes
-
-    def take(self, nbytes: int) -> None:
-        self.in_flight += nbytes
-        self.peak = max(self.peak, self.in_flight)
-
-    def give(self, nbytes: int) -> None:
-        self.in_flight -= nbytes
-        self.cond.notify_all()
-
-
-def staging_budget(max_bytes: int | None) -> StagingBudget | None:
-    """A ``StagingBudget`` of ``max_bytes``; ``None`` for ``None`` (no budget)."""
-    return None if max_bytes is None else StagingBudget(max_bytes)
-
-
-@dataclass
-class Wave:
-    """The host buffers of one staged wave, which the writer writes and then frees."""
-
-    shards: dict[int, list[tuple[_layout.Index, np.ndarray]]]  # as Snapshot.file_shards
-    packed: np.ndarray | None  # the first wave: the packed small leaves
-    nbytes: int  # what it counts against the budget
-
-
-class _Planned(NamedTuple):
-    items: list[tuple[_ArrayLeaf, _Chunk]]
-    nbytes: int
-    first: bool
-
-
 def _snapshot_in_waves(tree: Any, copy_host_arrays: bool, group: tuple[int, ...],
                        budget: StagingBudget, groups: tuple[tuple[int, ...], ...] = ()) -> Snapshot:
     structure, records, arrays, packed, packed_buf, streams = _plan(tree, None, group, groups)
@@ -533,7 +522,7 @@ def _snapshot_in_waves(tree: Any, copy_host_arrays: bool, group: tuple[int, ...]
     costs = [_cost(leaf, c, copy_host_arrays) for leaf, c in items]
     planned = _plan_waves(items, costs, 0 if packed_buf is None else packed_buf.nbytes, budget.max_bytes)
     stage = functools.partial(_stage_wave, copy=copy_host_arrays, fill_packed=fill_packed)
-    waves = _Waves(budget, planned, stage)
+    waves = Waves(budget, planned, stage)
     waves.stage_first()
     most = min(sum(p.nbytes for p in planned), max(budget.max_bytes, max(p.nbytes for p in planned)))
     return Snapshot(structure, records, {}, packed, None, most, group, waves, streams=streams,
@@ -553,7 +542,7 @@ def _cost(leaf: _ArrayLeaf, chunk: _Chunk, copy: bool) -> int:
 
 
 def _plan_waves(items: list[tuple[_ArrayLeaf, _Chunk]], costs: list[int], first_bytes: int,
-                budget: int) -> list[_Planned]:
+                budget: int) -> list[Planned]:
     """The first wave: every zero-cost item and the packed leaves (``first_bytes``); then
     the others in order, a new wave whenever one would pass half the budget."""
     cap = max(1, budget // 2)
@@ -566,10 +555,10 @@ def _plan_waves(items: list[tuple[_ArrayLeaf, _Chunk]], costs: list[int], first_
             waves.append(([], []))
         waves[-1][0].append(it)
         waves[-1][1].append(c)
-    return [_Planned(its, sum(cs), i == 0) for i, (its, cs) in enumerate(waves)]
+    return [Planned(its, sum(cs), i == 0) for i, (its, cs) in enumerate(waves)]
 
 
-def _stage_wave(planned: _Planned, *, copy: bool, fill_packed: Callable[[], np.ndarray | None]) -> Wave:
+def _stage_wave(planned: Planned, *, copy: bool, fill_packed: Callable[[], np.ndarray | None]) -> Wave:
     """Host buffers of one wave's chunks (and, in the first, the packed small leaves):
     every device-to-host copy started, then each waited for."""
     started = [_start_host(leaf, chunk, copy) for leaf, chunk in planned.items]
@@ -599,120 +588,3 @@ def _start_host(leaf: _ArrayLeaf, chunk: _Chunk, copy: bool) -> Any:
         own = data[_layout.relative(chunk.region, chunk.shard)]
     own.copy_to_host_async()
     return own
-
-
-class _Waves:
-    """The waves of one snapshot: planned, then staged (by the caller's ``stage_rest``, or
-    by the writer when it has nothing to write and a wave fits), then taken by the
-    writer and given back once written. Every step holds the budget's lock."""
-
-    def __init__(self, budget: StagingBudget, planned: list[_Planned], stage: Callable[[_Planned], Wave]):
-        self._budget, self._cond, self._stage = budget, budget.cond, stage
-        self._todo = collections.deque(planned)  # not yet claimed for staging
-        self._ready: collections.deque[Wave] = collections.deque()  # staged, not yet taken
-        self._staging = 0  # claimed, being staged
-        self._closed = False
-        self._error: BaseException | None = None
-        self.staged_at = time.perf_counter()
-
-    def _next(self, writer: bool) -> tuple[Wave | None, _Planned | None]:
-        """Wait for a staged wave (the writer only), a wave to stage that fits the budget
-        (claimed and counted), or the end (``(None, None)``). Holds the lock."""
-        while True:
-            if self._closed:
-                if writer:
-                    raise self._stopped()
-                return None, None
-            if writer and self._ready:
-                return self._ready.popleft(), None
-            if self._todo and self._budget.fits(self._todo[0].nbytes):
-                planned = self._todo.popleft()
-                self._staging += 1
-                self._budget.take(planned.nbytes)
-                return None, planned
-            if not self._todo and not (writer and self._staging):
-                return None, None
-            self._cond.wait()
-
-    def _stopped(self) -> CheckpointError:
-        error = CheckpointError(f"Staging this save's host buffers failed: {self._error}"
-                                if self._error is not None else "This save was stopped")
-        error.__cause__ = self._error
-        return error
-
-    def _stage_claimed(self, planned: _Planned, enqueue: bool) -> Wave | None:
-        """Stage a claimed wave; queue it for the writer, or return it (``None``: closed)."""
-        try:
-            wave = self._stage(planned)
-        except BaseException:
-            with self._cond:
-                self._staging -= 1
-                self._budget.give(planned.nbytes)
-            raise
-        with self._cond:
-            self._staging -= 1
-            self._cond.notify_all()
-            if self._closed:
-                self._budget.give(planned.nbytes)
-                return None
-            self.staged_at = time.perf_counter()
-            if enqueue:
-                self._ready.append(wave)
-            return wave
-
-    def stage_first(self) -> None:
-        with self._cond:
-            _, planned = self._next(writer=False)
-        try:
-            self._stage_claimed(planned, enqueue=True)
-        except BaseException as e:
-            self.close(e)
-            raise
-
-    def stage_rest(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    _, planned = self._next(writer=False)
-                if planned is None:
-                    break
-                self._stage_claimed(planned, enqueue=True)
-        except BaseException as e:  # noqa: BLE001 - the writer raises it (the save fails)
-            self.close(e)
-            if not isinstance(e, Exception):
-                raise
-        with self._cond:  # waves the writer is staging itself still read the caller's arrays
-            while self._staging:
-                self._cond.wait()
-
-    def take(self) -> Wave | None:
-        """The next wave to write (staged here if none is ready); ``None``: all written."""
-        with self._cond:
-            wave, planned = self._next(writer=True)
-        if planned is None:
-            return wave
-        wave = self._stage_claimed(planned, enqueue=False)
-        if wave is None:
-            with self._cond:
-                raise self._stopped()
-        return wave
-
-    def done(self, wave: Wave) -> None:
-        """``wave`` is written (or failed): free its buffers and its share of the budget."""
-        with self._cond:
-            self._free(wave)
-
-    def _free(self, wave: Wave) -> None:
-        wave.shards, wave.packed = {}, None
-        self._budget.give(wave.nbytes)
-
-    def close(self, error: BaseException | None = None) -> None:
-        """Stop: nothing more is staged, the staged waves not taken are freed."""
-        with self._cond:
-            if self._closed:
-                return
-            self._closed, self._error = True, error
-            while self._ready:
-                self._free(self._ready.popleft())
-            self._todo.clear()
-            self._cond.notify_all()

@@ -26,12 +26,13 @@ import numpy as np
 from . import _distributed, _dtypes, _layout, _storage, _streams, _tasks
 from ._errors import CheckpointError
 from ._manifest import LeafRecord
-from ._snapshot import Snapshot, Wave, cell_of
+from ._snapshot import Snapshot, cell_of
 from ._storage import chunkfiles as _chunkfiles
 from ._storage import dataobjects as _dataobjects
 from ._storage import kvstore as _kvstore
 from ._storage import zarr as _zarr
 from ._storage.location import Location
+from ._waves import Wave
 
 # Bytes of writes in flight at once: bounds tensorstore's encode buffers (host memory)
 # while keeping the disk busy.

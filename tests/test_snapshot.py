@@ -72,3 +72,20 @@ def test_direct_chunk_writes_match_tensorstore_byte_for_byte(tmp_path, monkeypat
     direct, ts = chunks(tmp_path / "direct"), chunks(tmp_path / "ts")
     assert sorted(direct) == sorted(ts) and len(direct) == 4 + 1 + 2
     assert all(direct[k] == ts[k] for k in direct)
+
+
+def test_row_block_chunks_are_views_of_their_shard_in_order():
+    # Format 3 cuts a shard into row blocks; the snapshot cuts each shard with one reshape
+    # (``_ArrayLeaf.hosts``). Each chunk's buffer must be exactly its region, still a view.
+    x = sharded(np.arange(64 * 8, dtype=np.float32).reshape(64, 8), (4,), ("x",), ("x", None))
+    shards = {_layout.normalize_index(s.index, x.shape): s for s in x.addressable_shards}
+    leaf = _snapshot._ArrayLeaf(0, {}, [], {k: s.data for k, s in shards.items()})
+    chunks = [_snapshot._Chunk(((r, r + 4), (0, 8)), 4 * 8 * 4, (0,), ((r // 16 * 16, r // 16 * 16 + 16), (0, 8)))
+              for r in range(0, 64, 4) if r != 20]  # C order; the second shard's second block is another's
+    got = leaf.hosts(chunks)
+    for chunk, data in zip(chunks, got):
+        (a, b), _ = chunk.region
+        assert data.shape == (4, 8) and np.array_equal(data, np.asarray(x)[a:b])
+        assert np.shares_memory(data, np.asarray(shards[chunk.shard].data))
+    odd = _snapshot._Chunk(((0, 4), (0, 4)), 64, (0,), ((0, 16), (0, 8)))  # not a row block: sliced
+    assert np.array_equal(leaf.hosts([odd])[0], np.asarray(x)[0:4, 0:4])
