@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _dtypes, _layout, _streams, _tree, _untrusted
+from . import _codecs, _dtypes, _layout, _streams, _tree, _untrusted
 from ._errors import CorruptCheckpointError
 from ._storage import location as _location
 from ._untrusted import MAX_INT_DIGITS
@@ -126,9 +126,15 @@ class LeafRecord:
     storage_dtype: str = ""
     nbytes: int = 0
     chunks: tuple[tuple[int, int], ...] = ()  # packed: per chunk (C order) (process, offset)
-    codec: str = ""  # stream: "raw" (issue 23 adds compressed codecs)
-    entry_bytes: int = 0  # stream: one full chunk's payload bytes + its crc32c
+    codec: str = ""  # stream: "raw", or a lossless codec (``_codecs``)
+    entry_bytes: int = 0  # stream: one full chunk's payload bytes + its crc32c (raw)
     runs: tuple[_streams.Run, ...] = ()  # stream: (process, first, count, offset), sorted by first
+    codec_config: dict[str, Any] | None = None  # a compressed leaf: the zarr3 codec's configuration
+    sizes: tuple[int, ...] = ()  # a compressed leaf: each chunk's entry bytes (0: all zeros, not stored)
+
+    def entry(self, flat: int) -> tuple[int, int, int]:
+        """``(process, stream offset, entry bytes)`` of chunk ``flat`` (``_streams.find_entry``)."""
+        return _streams.find_entry(self.runs, self.entry_bytes, self.sizes, flat)
 
     def to_json(self) -> dict[str, Any]:
         if self.kind == "value" and isinstance(self.value, bytes) and not isinstance(self.value, np.bytes_):
@@ -160,6 +166,8 @@ class LeafRecord:
             out["chunks"] = [list(c) for c in self.chunks]
         if self.store == STREAM:
             out.update(codec=self.codec, entry_bytes=self.entry_bytes, runs=_streams.runs_to_json(self.runs))
+            if self.codec_config is not None:
+                out.update(codec_config=self.codec_config, sizes=list(self.sizes))
         return out
 
 
@@ -529,7 +537,11 @@ def _parse_array(raw: dict[str, Any], path: str, kind: str, packed: dict[int, Pa
     if store == "packed":
         chunks = _parse_packed_chunks(raw.get("chunks"), path, shape, chunk_shape, itemsize, n_chunks, packed, bad)
     # format 3: codec and entry bytes checked, the raw runs kept (validated with every leaf's at the end)
-    codec, entry = v3.leaf(raw, path, n_chunks, math.prod(chunk_shape) * itemsize) if v3 else ("", 0)
+    codec, entry, sizes = v3.leaf(raw, path, n_chunks, math.prod(chunk_shape) * itemsize) if v3 else ("", 0, ())
+    try:
+        codec_config = _codecs.leaf_config(raw, codec, _dtypes.DTYPES[storage_dtype].itemsize)
+    except ValueError as e:
+        raise bad(f"leaf '{path}': {e}") from None
     sharding = raw.get("sharding")
     if not _sharding_ok(sharding):
         raise bad(f"leaf '{path}': sharding {sharding!r}")
@@ -541,7 +553,7 @@ def _parse_array(raw: dict[str, Any], path: str, kind: str, packed: dict[int, Pa
         path=path, kind=kind, dtype=dtype, shape=tuple(shape), scalar=scalar,
         impl=impl, key_ndim=key_ndim, sharding=sharding, store=store, key=key,
         chunk_shape=tuple(chunk_shape), storage_dtype=storage_dtype, nbytes=nbytes, chunks=chunks,
-        codec=codec, entry_bytes=entry,
+        codec=codec, entry_bytes=entry, codec_config=codec_config, sizes=sizes,
     )
 
 

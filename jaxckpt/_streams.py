@@ -30,7 +30,9 @@ ALIGN = 64  # bytes; every entry starts on this boundary (aligned host buffers, 
 SEGMENT_BYTES = 1 << 30  # the default size of a data object (the last of a stream is shorter)
 CRC_BYTES = 4  # the crc32c after each payload, little endian: an entry is a zarr3 chunk file's bytes
 CODEC_RAW = "raw"
-CODECS = (CODEC_RAW,)  # issue 23 adds compressed codecs (with per-chunk lengths, not runs)
+# Lossless codecs (``_codecs``): entries of varying sizes, one run per chunk and ``sizes``.
+COMPRESSED = ("zstd", "blosc")
+CODECS = (CODEC_RAW, *COMPRESSED)
 
 # Limits on untrusted input. A segment smaller than a page would make one entry's read a
 # list of pieces about as big as the entry itself (``segments``); object stores refuse
@@ -184,6 +186,27 @@ def locate(runs: Sequence[Run], flat: int, stride: int) -> tuple[int, int]:
         raise IndexError(f"chunk {flat} lies in no run")
     process, first, _, offset = runs[i]
     return process, offset + (flat - first) * stride
+
+
+def find_entry(runs: Sequence[Run], entry_bytes: int, sizes: Sequence[int], flat: int) -> tuple[int, int, int]:
+    """``(process, stream offset, entry bytes)`` of chunk ``flat`` of a stream leaf with
+    these runs; a compressed leaf (``sizes``: one run per chunk) gives its chunk's size,
+    0 for an all-zero chunk stored nowhere.
+
+    Example:
+        >>> find_entry([(0, 0, 1, 0), (1, 1, 1, 64)], 68, [40, 0], 0)
+        (0, 0, 40)
+    """
+    if sizes:
+        process, _, _, offset = runs[flat]
+        return process, offset, sizes[flat]
+    process, offset = locate(runs, flat, stride_for(entry_bytes))
+    return process, offset, entry_bytes
+
+
+def stored_bytes(runs: Sequence[Run], entry_bytes: int, sizes: Sequence[int]) -> int:
+    """The bytes a stream leaf's entries take in the data objects (checksums included)."""
+    return sum(sizes) if sizes else sum(r[2] for r in runs) * entry_bytes
 
 
 def object_name(process: int, segment: int) -> str:
@@ -398,11 +421,35 @@ def _checked_table(raw: Any, path: str, n_chunks: int, entry_bytes: int, streams
         raise bad(f"{n_chunks} chunks is too many")
     if len(raw) > n_chunks:  # bounded before any conversion: every run holds a chunk
         raise bad(f"{len(raw)} runs for {n_chunks} chunks")
+    if isinstance(entry_bytes, np.ndarray):  # a compressed leaf: its entries' sizes
+        return _checked_sized(raw, n_chunks, entry_bytes, streams, bad)
     if _one_valid_run(raw, n_chunks, entry_bytes, streams):
         return np.array(raw, dtype=np.int64)
     t = _run_table(raw, bad)
     _check_cover(t, n_chunks, bad)
     _check_places(t, entry_bytes, streams, bad)
+    return t
+
+
+def _checked_sized(raw: list[Any], n_chunks: int, sizes: np.ndarray, streams: _StreamTable, bad) -> np.ndarray:
+    """A compressed leaf's runs: one per chunk, in order; each stored entry (size > 0)
+    aligned inside its process's stream. A chunk of size 0 is stored nowhere: its run's
+    process and offset are not looked at."""
+    if len(raw) != n_chunks:
+        raise bad(f"{len(raw)} runs for {n_chunks} chunks (a compressed leaf has a run per chunk)")
+    t = _run_table(raw, bad) if raw else np.zeros((0, 4), np.int64)
+    _check_cover(t, n_chunks, bad)
+    rows = np.flatnonzero(sizes)
+    proc, offset, size = t[rows, 0], t[rows, 3], sizes[rows]
+    keys = streams.processes
+    at = np.minimum(np.searchsorted(keys, proc), max(keys.size - 1, 0))
+    if (i := _first((keys[at] == proc) if keys.size else np.zeros(len(rows), bool))) is not None:
+        raise bad(f"run #{rows[i]} {t[rows[i]].tolist()}: process {proc[i]} has no stream")
+    if (i := _first((offset >= 0) & (offset % ALIGN == 0))) is not None:
+        raise bad(f"run #{rows[i]} {t[rows[i]].tolist()}: offset {offset[i]} is not a non-negative multiple of {ALIGN}")
+    if (i := _first(offset <= streams.lengths[at] - size)) is not None:
+        raise bad(f"run #{rows[i]} {t[rows[i]].tolist()}: its entry ends at byte {offset[i] + size[i]}, past the "
+                  f"end of process {proc[i]}'s stream ({streams.lengths[at[i]]} bytes)")
     return t
 
 
@@ -420,6 +467,31 @@ def runs_from_json(raw: Any, path: str, n_chunks: int, entry_bytes: int, streams
     """
     table = _checked_table(raw, path, n_chunks, entry_bytes, _StreamTable.of(streams), where)
     return tuple(map(tuple, table.tolist()))
+
+
+def max_stored_bytes(entry_bytes: int) -> int:
+    """The most bytes a compressed entry of a chunk of ``entry_bytes`` raw may take: what
+    the codecs add to data that does not compress is far less (a reader allocates this
+    much at most for one entry)."""
+    return 2 * entry_bytes + 4096
+
+
+def sizes_from_json(raw: Any, path: str, n_chunks: int, entry_bytes: int, where: str) -> tuple[int, ...]:
+    """A compressed leaf's ``"sizes"``, checked: per chunk (flat C order) its entry's bytes
+    (encoded payload + crc32c), or 0 for a chunk whose bytes are all zero (nothing stored).
+
+    Example:
+        >>> sizes_from_json([0, 40], "w", 2, 68, "/ckpt")
+        (0, 40)
+    """
+    if not isinstance(raw, list) or len(raw) != n_chunks:
+        raise _bad(where, f"leaf '{path}': sizes is not a list of its {n_chunks} chunks' entry sizes")
+    cap = max_stored_bytes(entry_bytes)
+    if not (set(map(type, raw)) <= {int} and all(v == 0 or CRC_BYTES < v <= cap for v in raw)):
+        i = next(i for i, v in enumerate(raw) if not (_is_int(v) and (v == 0 or CRC_BYTES < v <= cap)))
+        raise _bad(where, f"leaf '{path}': size {raw[i]!r:.100} of chunk {i} is not 0 or from {CRC_BYTES + 1} "
+                          f"to {cap} bytes")
+    return tuple(raw)
 
 
 def entry_bytes_from_json(raw: Mapping[str, Any], path: str, payload_bytes: int, where: str) -> int:
@@ -441,10 +513,11 @@ def entry_bytes_from_json(raw: Mapping[str, Any], path: str, payload_bytes: int,
     return entry
 
 
-def validate(leaves: Sequence[tuple[str, int, int, Any]], streams: Mapping[int, int],
+def validate(leaves: Sequence[tuple[str, int, Any, Any]], streams: Mapping[int, int],
              where: str) -> list[tuple[Run, ...]]:
     """Every array leaf's runs, checked; returns them. ``leaves``: per leaf ``(path,
-    n_chunks, entry_bytes, raw runs)``; ``streams`` as ``streams_from_json`` gives them.
+    n_chunks, entry_bytes, raw runs)`` (a compressed leaf: its chunks' sizes, an int64
+    array, for entry_bytes); ``streams`` as ``streams_from_json`` gives them.
 
     Each leaf's runs pass ``runs_from_json``'s checks; across leaves, runs never overlap
     within a stream, and each declared stream ends where its last entry does (no stream
@@ -459,6 +532,8 @@ def validate(leaves: Sequence[tuple[str, int, int, Any]], streams: Mapping[int, 
     table = _StreamTable.of(streams)
     tables = [_checked_table(raw, path, n, entry, table, where) for path, n, entry, raw in leaves]
     rows, proc, start, end, leaf, run = _spans(tables, [entry for _, _, entry, _ in leaves])
+    stored = end > start  # a compressed leaf's all-zero chunks are stored nowhere
+    proc, start, end, leaf, run = proc[stored], start[stored], end[stored], leaf[stored], run[stored]
     order = np.lexsort((start, proc))
     proc, start, end, leaf, run = proc[order], start[order], end[order], leaf[order], run[order]
     same = proc[1:] == proc[:-1]
@@ -479,13 +554,18 @@ def validate(leaves: Sequence[tuple[str, int, int, Any]], streams: Mapping[int, 
     return _split(rows, [len(t) for t in tables])
 
 
-def _spans(tables: Sequence[np.ndarray], entries: Sequence[int]) -> tuple[np.ndarray, ...]:
+def _spans(tables: Sequence[np.ndarray], entries: Sequence[int | np.ndarray]) -> tuple[np.ndarray, ...]:
     """Every run of every leaf in one ``(R, 4)`` table, and each run's ``process, start,
     end, leaf, run`` (its byte span in its stream, where it comes from). One table, not a
-    loop over leaves: a 70B state has 2,169 leaves and 432,099 runs."""
+    loop over leaves: a 70B state has 2,169 leaves and 432,099 runs. ``entries``: a leaf's
+    entry bytes, or (compressed) each of its runs' one entry's."""
     sizes = np.array([len(t) for t in tables], dtype=np.int64)
     rows = np.concatenate(tables) if tables else np.zeros((0, 4), np.int64)
-    entry = np.repeat(np.array(entries, dtype=np.int64), sizes)
+    if any(isinstance(e, np.ndarray) for e in entries):
+        entry = np.concatenate([e if isinstance(e, np.ndarray) else np.full(n, e, np.int64)
+                                for e, n in zip(entries, sizes.tolist())] or [np.zeros(0, np.int64)])
+    else:
+        entry = np.repeat(np.array(entries, dtype=np.int64), sizes)
     stride = -(-entry // ALIGN) * ALIGN
     leaf = np.repeat(np.arange(len(tables)), sizes)
     run = np.arange(len(rows)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
@@ -514,13 +594,21 @@ class ManifestStreams:
         self.segment_bytes = segment_bytes_from_json(doc["segment_bytes"], where)
         self.streams = streams_from_json(doc["streams"], process_count, where)
         self.where = where
-        self._leaves: list[tuple[str, int, int, Any]] = []  # (path, n_chunks, entry_bytes, raw runs)
+        self._leaves: list[tuple[str, int, Any, Any]] = []  # (path, n_chunks, entry_bytes or sizes, raw runs)
 
-    def leaf(self, raw: Mapping[str, Any], path: str, n_chunks: int, payload_bytes: int) -> tuple[str, int]:
-        """An array leaf's ``(codec, entry_bytes)``, checked; its raw runs kept for ``runs``."""
+    def leaf(self, raw: Mapping[str, Any], path: str, n_chunks: int,
+             payload_bytes: int) -> tuple[str, int, tuple[int, ...]]:
+        """An array leaf's ``(codec, entry_bytes, sizes)`` (sizes: compressed leaves only),
+        checked; its raw runs kept for ``runs``."""
         entry = entry_bytes_from_json(raw, path, payload_bytes, self.where)
-        self._leaves.append((path, n_chunks, entry, raw.get("runs")))
-        return raw["codec"], entry
+        sizes = None
+        if raw["codec"] in COMPRESSED:
+            sizes = sizes_from_json(raw.get("sizes"), path, n_chunks, entry, self.where)
+        elif "sizes" in raw:
+            raise _bad(self.where, f"leaf '{path}': sizes with codec {raw['codec']!r} (only compressed leaves "
+                                   "have them)")
+        self._leaves.append((path, n_chunks, entry if sizes is None else np.array(sizes, np.int64), raw.get("runs")))
+        return raw["codec"], entry, sizes or ()
 
     def runs(self) -> list[tuple[Run, ...]]:
         """Every array leaf's runs (in the order ``leaf`` saw them), validated."""
