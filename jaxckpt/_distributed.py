@@ -454,18 +454,19 @@ class Operation:
         self.post("outcome", data)
         return result
 
-    def follow_commit(self, what: str, phase: str, work: Callable[[str], None],
+    def follow_commit(self, what: str, phase: str, work: Callable[[str], bytes | None],
                       undo: Callable[[], None]) -> bytes:
         """The others' side of ``lead_commit``: process 0's token, ``work(token)`` (this
-        process's part), posted as ``phase`` (ok, or the error), then process 0's outcome:
-        the manifest bytes (``wait_for_outcome``). ``undo()`` runs when either fails."""
+        process's part), posted as ``phase`` (what it returned, or the error), then
+        process 0's outcome: the manifest bytes (``wait_for_outcome``). ``undo()`` runs
+        when either fails."""
         try:
-            work(self.broadcast("staged", None).decode())
+            result = work(self.broadcast("staged", None).decode())
         except BaseException as e:  # process 0 must hear of any failure, not wait it out
             self.post(phase, e)
             undo()
             raise
-        self.post(phase)
+        self.post(phase, result or b"")
         try:
             return self.wait_for_outcome(what)
         except BaseException:

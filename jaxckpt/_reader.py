@@ -49,7 +49,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from . import _dtypes, _layout, _storage, _streams, _tasks
+from . import _codecs, _dtypes, _layout, _storage, _streams, _tasks
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._manifest import LeafRecord, Manifest
 from ._storage import chunkfiles as _chunkfiles
@@ -232,15 +232,20 @@ class Reader:
             ops.append(read(temp, cell, region, True, scatter))
 
     def _entry(self, rec: LeafRecord, cell: tuple[int, ...]) -> tuple[Location, int, int, int, int]:
-        """``read_entry``'s first five arguments for chunk ``cell`` of stream leaf ``rec``."""
+        """``read_entry``'s first five arguments for chunk ``cell`` of stream leaf ``rec``
+        (a payload of -4 bytes: a compressed leaf's all-zero chunk, stored nowhere)."""
         flat = _layout.chunk_flat_index(cell, _layout.chunk_grid_shape(rec.shape, rec.chunk_shape))
-        process, offset = _streams.locate(rec.runs, flat, _streams.stride_for(rec.entry_bytes))
-        return self.streams, process, offset, rec.entry_bytes - _streams.CRC_BYTES, self.man.segment_bytes
+        process, offset, nbytes = rec.entry(flat)
+        return self.streams, process, offset, nbytes - _streams.CRC_BYTES, self.man.segment_bytes
 
     def _plan_stream_leaf(self, rec: LeafRecord, indices: list[_layout.Index], ops) -> None:
         """Each chunk the slices need, read once: into place, or into a temporary buffer
-        of the whole chunk (an edge chunk, or one several slices share) copied out."""
+        of the whole chunk (an edge chunk, or one several slices share) copied out. A
+        compressed chunk is read into a buffer of its own, decoded and copied out."""
         storage = _dtypes.DTYPES[rec.storage_dtype]
+        if rec.codec_config is not None:
+            self._plan_compressed_leaf(rec, indices, ops)
+            return
         if len(indices) == 1 and len(rec.runs) == 1 and tuple(rec.chunk_shape) == tuple(rec.shape) \
                 and indices[0] == tuple((0, n) for n in rec.shape):  # a small leaf, whole: its one entry
             index, (process, _, _, offset) = indices[0], rec.runs[0]
@@ -272,6 +277,32 @@ class Reader:
 
             temp = functools.partial(_buffer, self.loc, [rec.path], tuple(rec.chunk_shape), storage)
             ops.append(_Op(entry[3], [rec.path], temp, None, None, region, scatter, entry=entry, cell=cell))
+
+    def _plan_compressed_leaf(self, rec: LeafRecord, indices: list[_layout.Index], ops) -> None:
+        storage = _dtypes.DTYPES[rec.storage_dtype]
+        users: dict[tuple[int, ...], list[tuple[_layout.Index, _layout.Index]]] = collections.defaultdict(list)
+        dests = {}
+        for index in indices:
+            dests[index] = self._out[(rec.path, index)] = _buffer(
+                self.loc, [rec.path], _layout.index_shape(index), storage)
+            for cell, overlap in _layout.chunks_overlapping(index, rec.chunk_shape):
+                users[cell].append((index, overlap))
+        for cell, uses in users.items():
+            whole = tuple((g * c, (g + 1) * c) for g, c in zip(cell, rec.chunk_shape))
+            entry = self._entry(rec, cell)
+            if entry[3] < 0:  # all zeros: nothing stored, nothing to read
+                for index, overlap in uses:
+                    dests[index][_rel(overlap, index)] = 0
+                continue
+
+            def decode(payload: np.ndarray, whole=whole, uses=uses) -> None:
+                chunk = _codecs.decode(rec.codec, rec.codec_config, payload, tuple(rec.chunk_shape), storage)
+                for index, overlap in uses:
+                    dests[index][_rel(overlap, index)] = chunk[_rel(overlap, whole)]
+
+            temp = functools.partial(_buffer, self.loc, [rec.path], (entry[3],), np.uint8)
+            region = _layout.chunk_region(cell, rec.chunk_shape, rec.shape)
+            ops.append(_Op(entry[3], [rec.path], temp, None, None, region, decode, entry=entry, cell=cell))
 
 
 class _Op:
@@ -339,9 +370,17 @@ def _direct_task(op: _Op, loc: Location) -> Callable[[], None]:
                 _chunkfiles.read_chunk_file(buf, op.path)
         except (ValueError, OSError, CheckpointError) as e:  # OSError: the file system refused (permissions, ...)
             raise _corrupt(loc, op, e) from e
-        op.finish(buf)
+        _finish(op, buf, loc)
 
     return task
+
+
+def _finish(op: _Op, buf: np.ndarray, loc: Location) -> None:
+    """``op.finish``; a compressed entry that does not decode names its leaf and chunk."""
+    try:
+        op.finish(buf)
+    except ValueError as e:
+        raise _corrupt(loc, op, e) from e
 
 
 def _execute(ops: list[_Op], loc: Location) -> None:
@@ -398,11 +437,11 @@ def _run_task(run: list[_Op], loc: Location) -> Callable[[], None]:
         if _read_run([op.entry for op in run], bufs):
             for op, buf in zip(run, bufs):
                 _storage.count(bytes_read=op.entry[3], reads=1)
-                op.finish(buf)
+                _finish(op, buf, loc)
             return
         for op, buf in zip(run, bufs):
             _read_entry_into(op, buf, loc)
-            op.finish(buf)
+            _finish(op, buf, loc)
 
     return task
 

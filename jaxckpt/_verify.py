@@ -430,7 +430,10 @@ def _segment_owners(man: Manifest) -> dict[str, dict[str, str]]:
             continue
         stride, grid = _streams.stride_for(rec.entry_bytes), _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
         for proc, first, count, offset in rec.runs:
-            end = offset + (count - 1) * stride + rec.entry_bytes
+            entry = rec.sizes[first] if rec.sizes else rec.entry_bytes  # compressed: one chunk a run
+            if not entry:
+                continue  # an all-zero chunk, stored nowhere
+            end = offset + (count - 1) * stride + entry
             for n in range(offset // size, (end - 1) // size + 1):
                 i = min(count - 1, max(0, (n * size - offset - rec.entry_bytes) // stride + 1))
                 cell = np.unravel_index(first + i, grid) if grid else ()
@@ -556,12 +559,13 @@ def _plan_entries(loc: Location, man: Manifest, skip: set[str]) -> list[_Read]:
         if not _has_data(rec, "stream"):
             continue
         stride, grid = _streams.stride_for(rec.entry_bytes), _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
-        nbytes = rec.entry_bytes - _streams.CRC_BYTES
         for proc, first, count, offset in rec.runs:
-            for i in range(count):
+            entry = rec.sizes[first] if rec.sizes else rec.entry_bytes  # compressed: one chunk a run
+            nbytes = entry - _streams.CRC_BYTES
+            for i in range(count if entry else 0):  # (an all-zero compressed chunk is stored nowhere)
                 at = offset + i * stride
                 objects = [_object_name(proc, n) for n in range(at // man.segment_bytes,
-                                                                (at + rec.entry_bytes - 1) // man.segment_bytes + 1)]
+                                                                (at + entry - 1) // man.segment_bytes + 1)]
                 if skip.intersection(objects):
                     continue
                 name = " and ".join(objects)  # an entry may straddle two data objects

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -23,7 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _distributed, _dtypes, _layout, _storage, _streams, _tasks
+from . import _codecs, _distributed, _dtypes, _layout, _storage, _streams, _tasks
 from ._errors import CheckpointError
 from ._manifest import LeafRecord
 from ._snapshot import Snapshot, cell_of
@@ -54,18 +56,20 @@ class _Write(NamedTuple):
     store: Any
 
 
-def write_data(staging: Location, snap: Snapshot) -> None:
-    """Write this process's part of every leaf; return when every write is durable."""
+def write_data(staging: Location, snap: Snapshot) -> bytes:
+    """Write this process's part of every leaf; return when every write is durable. What
+    it returns is for process 0's manifest: where this process's compressed entries went
+    (``compressed_table``; empty when it wrote none)."""
     try:
         _storage.fault("data:start", str(staging))
         if snap.streams is not None:
-            _write_stream(staging, snap)
-            return
+            return _write_stream(staging, snap)
         if snap.waves is not None:
             _write_waves(staging, snap)
             return
         writes = plan(staging, snap)
         execute(writes, staging)
+        return b""
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - named for the user, chained for the details
@@ -82,6 +86,7 @@ def _write_waves(staging: Location, snap: Snapshot) -> None:
             _write_wave(staging, snap, wave)
         finally:
             snap.waves.done(wave)
+    return b""
 
 
 # --- format 3: one stream per process ---------------------------------------------------
@@ -94,18 +99,103 @@ STREAM_DIR = "data"  # format 3's data objects: <checkpoint>/data/p<k>.<n>
 ENTRY_BATCH_BYTES = 16 << 20
 
 
-def _write_stream(staging: Location, snap: Snapshot) -> None:
+def _write_stream(staging: Location, snap: Snapshot) -> bytes:
     """Format 3: write this process's entries (every wave's, staged in waves) into its
     stream, then make the stream durable (``close``: fsync) before returning. A failure
-    abandons the stream unsynced."""
+    abandons the stream unsynced. Compressed leaves' chunks are encoded first, on a few
+    threads, and go after the raw entries (their sizes make the stream's length); what
+    is returned says where (``compressed_table``)."""
     assert snap.streams is not None
     me = _distributed.process_index()
-    length = snap.streams.get(me, 0)
+    encoded = _encode_mine(snap)
+    table, compressed, length = _lay_out_compressed(encoded, snap.streams.get(me, 0))
     if not length:  # nothing to write (waves, if any, hold no chunk of ours)
         _fill_stream(None, snap, me)
-        return
+        return table
     with _dataobjects.StreamWriter(staging.child(STREAM_DIR), me, length, snap.segment_bytes) as stream:
         _fill_stream(stream, snap, me)
+        stream.write_entries(compressed)
+    return table
+
+
+def _encode_mine(snap: Snapshot) -> dict[int, list[tuple[int, bytes | None]]]:
+    """Per compressed leaf (slot), this process's chunks ``(flat index, encoded payload
+    or None for all-zero bytes)`` in C order, encoded on ``WRITE_THREADS`` threads
+    (tensorstore's codecs; the GIL is released while each chunk is encoded)."""
+    jobs = []
+    for slot, chunks in snap.file_shards.items():
+        rec = snap.records[slot]
+        if rec.codec_config is None:
+            continue
+        grid = _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
+        for region, data in chunks:
+            jobs.append((slot, _layout.chunk_flat_index(cell_of(region, rec.chunk_shape), grid), rec, data))
+    out: dict[int, list[tuple[int, bytes | None]]] = {}
+    if not jobs:
+        return out
+    results: list[bytes | None] = [None] * len(jobs)
+
+    def encode(i: int) -> None:
+        _, _, rec, data = jobs[i]
+        results[i] = _codecs.encode(rec.codec, rec.codec_config, entry_payload(rec, data))
+
+    _tasks.run_tasks([functools.partial(encode, i) for i in range(len(jobs))], WRITE_THREADS)
+    for (slot, flat, _, _), enc in zip(jobs, results):
+        out.setdefault(slot, []).append((flat, enc))
+    return {slot: sorted(entries, key=lambda e: e[0]) for slot, entries in out.items()}
+
+
+def _lay_out_compressed(encoded: dict[int, list[tuple[int, bytes | None]]],
+                        fixed: int) -> tuple[bytes, list[tuple[int, np.ndarray]], int]:
+    """The compressed entries after the ``fixed`` bytes of raw ones, each aligned: the
+    table for process 0 (``{"length": stream length, "leaves": {slot: [[flat, offset,
+    entry bytes], ...]}}``, entry bytes 0 for a chunk stored nowhere), the entries to
+    write and the stream's length."""
+    if not encoded:
+        return b"", [], fixed
+    pos, length = _streams.stride_for(fixed), fixed
+    leaves: dict[str, list[list[int]]] = {}
+    entries = []
+    for slot in sorted(encoded):
+        rows = leaves[str(slot)] = []
+        for flat, enc in encoded[slot]:
+            if enc is None:
+                rows.append([flat, 0, 0])
+                continue
+            rows.append([flat, pos, len(enc) + _streams.CRC_BYTES])
+            entries.append((pos, np.frombuffer(enc, np.uint8)))
+            length = pos + len(enc) + _streams.CRC_BYTES
+            pos = _streams.stride_for(length)
+    return json.dumps({"length": length, "leaves": leaves}).encode(), entries, length
+
+
+def place_compressed(snap: Snapshot, tables: dict[int, bytes]) -> Snapshot:
+    """Process 0, once every process has written: the compressed leaves' runs (one per
+    chunk) and sizes from every process's table (``_write_stream``'s), and each stream's
+    length with its compressed entries. The snapshot as is when it has none."""
+    if snap.streams is None or all(rec.codec_config is None for rec in snap.records):
+        return snap
+    streams = dict(snap.streams)
+    found: dict[int, dict[int, tuple[int, int, int]]] = {}  # slot -> flat -> (process, offset, entry bytes)
+    for p, data in sorted(tables.items()):
+        if not data:
+            continue
+        table = json.loads(data)
+        if table["length"]:
+            streams[p] = table["length"]
+        for slot, rows in table["leaves"].items():
+            found.setdefault(int(slot), {}).update((flat, (p, offset, size)) for flat, offset, size in rows)
+    records = list(snap.records)
+    for slot, rec in enumerate(records):
+        if rec.codec_config is None:
+            continue
+        n = math.prod(_layout.chunk_grid_shape(rec.shape, rec.chunk_shape))
+        got = found.get(slot, {})
+        if sorted(got) != list(range(n)):
+            raise CheckpointError(f"leaf '{rec.path}': its writers encoded {len(got)} of its {n} chunks")
+        runs = tuple((got[f][0], f, 1, got[f][1]) for f in range(n))
+        records[slot] = dataclasses.replace(rec, runs=runs, sizes=tuple(got[f][2] for f in range(n)))
+    return dataclasses.replace(snap, records=records, streams=streams)
 
 
 def _fill_stream(stream: _dataobjects.StreamWriter | None, snap: Snapshot, me: int) -> None:
@@ -140,6 +230,8 @@ def _write_entries(stream: _dataobjects.StreamWriter | None,
     entries = []
     for slot, chunks in shards.items():
         rec = snap.records[slot]
+        if rec.codec_config is not None:  # compressed: _encode_mine's
+            continue
         grid = _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
         stride = _streams.stride_for(rec.entry_bytes)
         for region, data in chunks:
