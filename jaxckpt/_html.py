@@ -179,8 +179,11 @@ def _leaf_row(out: list[str], name: str, rec: LeafRecord, titles: bool) -> None:
         shape, dtype = rec.shape[:rec.key_ndim], f"{rec.dtype}{list(rec.shape[rec.key_ndim:])}"
     else:
         kind, shape, dtype = rec.kind, rec.shape, rec.dtype
+    stored = "" if rec.codec in ("", "raw") else (
+        f' <span title="{rec.stored_nbytes:,} bytes stored">({escape(rec.codec)}: '
+        f"{human_bytes(rec.stored_nbytes)})</span>")
     out.append(f'<tr><td{path}>{name}<td>{kind}<td>{shape}<td>{escape(dtype)}'
-               f"{sharding_cells(rec.sharding)}<td>{human_bytes(rec.nbytes)}")
+               f"{sharding_cells(rec.sharding)}<td>{human_bytes(rec.nbytes)}{stored}")
 
 
 def _summary(out: list[str], name: str, node: _Node, open_: bool) -> None:
@@ -239,12 +242,22 @@ def _metadata(metadata: dict[str, Any]) -> str:
             f"</summary><pre>{escape(text)}</pre></details>")
 
 
+def _stored(records: list[LeafRecord]) -> str:
+    """`` (3.1 MiB stored, zstd)`` when some of ``records`` are compressed, else ``""``."""
+    codecs = sorted({r.codec for r in records if r.codec not in ("", "raw")})
+    if not codecs:
+        return ""
+    stored = sum(r.stored_nbytes for r in records if r.kind != "value")
+    return f' <span title="{stored:,} bytes stored">({human_bytes(stored)} stored, {escape(", ".join(codecs))})</span>'
+
+
 def _header(view: Any, root: _Node) -> str:
     man = view._man
     info = man.info
     where = str(view._loc) + (f" : {view._prefix.rstrip('/')}" if view._prefix else "")
     facts = [f"{root.count:,} lea{'f' if root.count == 1 else 'ves'}",
-             f'<span title="{root.nbytes:,} bytes">{human_bytes(root.nbytes)}</span>',
+             f'<span title="{root.nbytes:,} bytes">{human_bytes(root.nbytes)}</span>'
+             + _stored([r for r in view._man.leaves if r.path in view._by_path]),
              f"format v{man.format_version}" if getattr(view, "format", "jaxckpt") == "jaxckpt"
              else f"read from {escape(view.format)}"]
     if created := _created(info):

@@ -132,6 +132,11 @@ class LeafRecord:
     codec_config: dict[str, Any] | None = None  # a compressed leaf: the zarr3 codec's configuration
     sizes: tuple[int, ...] = ()  # a compressed leaf: each chunk's entry bytes (0: all zeros, not stored)
 
+    @property
+    def stored_nbytes(self) -> int:
+        """The bytes its data takes: its entries (checksums included) in format 3, else ``nbytes``."""
+        return _streams.stored_bytes(self.runs, self.entry_bytes, self.sizes) if self.store == STREAM else self.nbytes
+
     def entry(self, flat: int) -> tuple[int, int, int]:
         """``(process, stream offset, entry bytes)`` of chunk ``flat`` (``_streams.find_entry``)."""
         return _streams.find_entry(self.runs, self.entry_bytes, self.sizes, flat)

@@ -221,13 +221,34 @@ def show_command(path: str, as_json: bool, depth: int | None) -> None:
     tree = _describe(info.tree, "", depth, 0)
     if as_json:
         _emit_json({"path": info.path, "format_version": info.format_version, "metadata": info.metadata,
-                    "bytes": tree["bytes"], "leaves": tree["leaves"], "tree": tree})
+                    "bytes": tree["bytes"], "stored_bytes": tree["stored_bytes"], "leaves": tree["leaves"],
+                    "tree": tree})
         return
-    click.echo(f"{info.path}: {_leaves(tree['leaves'])}, {_human(tree['bytes'])}, "
+    compressed = _compressed(info.tree)
+    stored = f" ({_human(tree['stored_bytes'])} stored, {compressed})" if compressed else ""
+    click.echo(f"{info.path}: {_leaves(tree['leaves'])}, {_human(tree['bytes'])}{stored}, "
                f"format version {info.format_version}")
     if info.metadata:
         click.echo(f"metadata: {json.dumps(info.metadata, default=str)}")
     _print_node(tree, 0)
+
+
+def _compressed(tree: Any) -> str:
+    """The codecs of a ``metadata()`` tree's compressed leaves (``"zstd"``), or ``""``."""
+    from . import LeafInfo
+
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, LeafInfo):
+            if node.codec != "raw":
+                found.add(node.codec)
+        elif isinstance(node, (dict, list, tuple)):
+            for v in node.values() if isinstance(node, dict) else node:
+                walk(v)
+
+    walk(tree)
+    return ", ".join(sorted(found))
 
 
 def _describe(node: Any, path: str, depth: int | None, level: int) -> dict[str, Any]:
@@ -239,16 +260,17 @@ def _describe(node: Any, path: str, depth: int | None, level: int) -> dict[str, 
         spec = None if sh is None else (str(sh.spec) if sh.type == "named" else sh.type)
         mesh = None if sh is None or sh.type != "named" else sh.mesh_shape
         return {"path": path, "kind": "array", "shape": list(node.shape), "dtype": str(node.dtype),
-                "spec": spec, "mesh": mesh, "bytes": node.nbytes, "leaves": 1}
+                "spec": spec, "mesh": mesh, "bytes": node.nbytes, "codec": node.codec,
+                "stored_bytes": node.stored_bytes, "leaves": 1}
     if isinstance(node, (dict, list, tuple)):
         items = node.items() if isinstance(node, dict) else enumerate(node)
         kids = [_describe(v, f"{path}/{k}" if path else str(k), depth, level + 1) for k, v in items]
         out = {"path": path, "kind": "tree", "bytes": sum(k["bytes"] for k in kids),
-               "leaves": sum(k["leaves"] for k in kids)}
+               "stored_bytes": sum(k["stored_bytes"] for k in kids), "leaves": sum(k["leaves"] for k in kids)}
         if depth is None or level < depth or out["leaves"] == 1:  # one leaf: its line, merged
             out["children"] = kids
         return out
-    return {"path": path, "kind": "value", "value": node, "bytes": 0, "leaves": 1}
+    return {"path": path, "kind": "value", "value": node, "bytes": 0, "stored_bytes": 0, "leaves": 1}
 
 
 def _print_node(node: dict[str, Any], indent: int) -> None:
@@ -263,7 +285,8 @@ def _print_node(node: dict[str, Any], indent: int) -> None:
             where = kid["spec"] or "host"
             if kid["mesh"]:
                 where += " on " + ",".join(f"{k}={v}" for k, v in kid["mesh"].items())
-            click.echo(f"{pad}{name}  {kid['dtype']}{kid['shape']}  {where}  {_human(kid['bytes'])}")
+            stored = "" if kid["codec"] == "raw" else f" ({kid['codec']}: {_human(kid['stored_bytes'])} stored)"
+            click.echo(f"{pad}{name}  {kid['dtype']}{kid['shape']}  {where}  {_human(kid['bytes'])}{stored}")
         elif kid["kind"] == "value":
             click.echo(f"{pad}{name}  = {kid['value']!r}")
         else:

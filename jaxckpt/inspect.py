@@ -79,6 +79,17 @@ class LazyArray:
         return self._rec.nbytes
 
     @property
+    def codec(self) -> str:
+        """How its chunks are stored: ``"raw"``, or a lossless codec (``"zstd"``, ``"blosc"``)."""
+        return self._rec.codec or "raw"
+
+    @property
+    def stored_nbytes(self) -> int:
+        """The bytes its data takes in the checkpoint (format 3: its entries, checksums
+        included; compressed, or nothing for all-zero chunks); ``nbytes`` in older formats."""
+        return self._rec.stored_nbytes
+
+    @property
     def sharding(self) -> _layout.SavedSharding | None:
         """How it was sharded when saved."""
         return _layout.sharding_from_json(self._rec.sharding)
@@ -243,13 +254,14 @@ class CheckpointView:
         raise KeyError(f"'{key}' is not a key path in checkpoint '{self._loc}'")
 
     def rows(self) -> list[dict[str, Any]]:
-        """One row per leaf: path, kind, shape, dtype, bytes, saved sharding."""
+        """One row per leaf: path, kind, shape, dtype, bytes, saved sharding, codec and
+        stored bytes."""
         rows = []
         for path in self.keys():
             rec = self._by_path[self._prefix + path]
             if rec.kind == "value":
                 rows.append({"path": path, "kind": "value", "shape": "", "dtype": type(rec.value).__name__,
-                             "bytes": 0, "sharding": repr(rec.value)[:60]})
+                             "bytes": 0, "sharding": repr(rec.value)[:60], "codec": "", "stored_bytes": 0})
                 continue
             sharding = _layout.sharding_from_json(rec.sharding)
             where = "host" if sharding is None else (
@@ -259,7 +271,7 @@ class CheckpointView:
             else:
                 kind, shape, dtype = rec.kind, rec.shape, rec.dtype
             rows.append({"path": path, "kind": kind, "shape": shape, "dtype": dtype, "bytes": rec.nbytes,
-                         "sharding": where})
+                         "sharding": where, "codec": rec.codec or "raw", "stored_bytes": rec.stored_nbytes})
         return rows
 
     def summary(self) -> dict[str, Any]:
@@ -282,7 +294,9 @@ class CheckpointView:
                 arrays += 1
                 dtype = rec.dtype if rec.kind == "array" else f"key<{rec.impl}>"
                 by_dtype[dtype] = by_dtype.get(dtype, 0) + rec.nbytes
-        return {"leaves": len(self), "arrays": arrays, "bytes": self.nbytes,
+        stored = sum(self._by_path[self._prefix + p].stored_nbytes for p in self.keys()
+                     if self._by_path[self._prefix + p].kind != "value")
+        return {"leaves": len(self), "arrays": arrays, "bytes": self.nbytes, "stored_bytes": stored,
                 "by_dtype": dict(sorted(by_dtype.items())), "by_subtree": dict(sorted(by_subtree.items()))}
 
     def stats(self, key: str | None = None, *,
