@@ -129,7 +129,8 @@ def _scratch(name: str, config: Mapping[str, Any], chunk_shape: tuple[int, ...],
         codecs = [{"name": "bytes", "configuration": {"endian": "little"}} if dtype.itemsize > 1 else {"name": "bytes"},
                   {"name": name, "configuration": dict(config)}]
         spec = {"driver": "zarr3", "kvstore": {"driver": "memory"}, "create": True,
-                "metadata": {"shape": [1, *chunk_shape], "data_type": _zarr_dtype(dtype), "fill_value": 0,
+                "metadata": {"shape": [1, *chunk_shape], "data_type": _zarr_dtype(dtype),
+                             "fill_value": False if dtype == np.bool_ else 0,
                              "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, *chunk_shape]}},
                              "codecs": codecs},
                 "store_data_equal_to_fill_value": True}

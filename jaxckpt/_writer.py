@@ -65,8 +65,7 @@ def write_data(staging: Location, snap: Snapshot) -> bytes:
         if snap.streams is not None:
             return _write_stream(staging, snap)
         if snap.waves is not None:
-            _write_waves(staging, snap)
-            return
+            return _write_waves(staging, snap)
         writes = plan(staging, snap)
         execute(writes, staging)
         return b""
@@ -76,7 +75,7 @@ def write_data(staging: Location, snap: Snapshot) -> bytes:
         raise CheckpointError(f"Writing checkpoint '{staging}' failed: {e}") from e
 
 
-def _write_waves(staging: Location, snap: Snapshot) -> None:
+def _write_waves(staging: Location, snap: Snapshot) -> bytes:
     """A snapshot staged in waves (``_snapshot.snapshot``'s budget): create the arrays
     once, then write each wave as it is staged and free it before taking the next."""
     assert snap.waves is not None

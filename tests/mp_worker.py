@@ -63,7 +63,7 @@ def main():
     if scenario == "save":
         tree = global_tree(mesh, spec)
         _storage.reset_io_stats()
-        jaxckpt.save(path, tree, timeout_s=20)
+        jaxckpt.save(path, tree, timeout_s=20, compression=args.get("compression"))
         result["written"] = _storage.io_stats()["bytes_written"]
     elif scenario == "restore":
         host = expected_tree()

@@ -1,0 +1,249 @@
+"""Lossless compression (issue 23): ``save(compression=...)`` on format 3's entries."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import assert_bit_equal, mesh, sharded
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxckpt
+from jaxckpt import _codecs
+
+
+def _state():
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((256, 128)) * 0.02).astype(np.float32)
+    return {
+        "params": {"w": sharded(w, (4, 2), ("a", "b"), ("a", "b")),
+                   "b": rng.standard_normal(128).astype(ml_dtypes.bfloat16)},
+        "opt": {"mu": sharded(np.zeros((256, 128), np.float32), (4,), ("x",), ("x", None)),
+                "nu": np.abs(rng.standard_normal((64, 33))).astype(np.float32),
+                "count": np.int32(5)},
+        "flags": rng.integers(0, 2, (100,)).astype(bool),
+        "bytes8": rng.integers(-128, 127, (1000,)).astype(np.int8),
+        "rng": jax.random.key(3),
+        "step": 11,
+    }
+
+
+def _leaves(d):
+    with open(os.path.join(d, "manifest.json")) as f:
+        return {leaf["path"]: leaf for leaf in json.load(f)["leaves"]}
+
+
+@pytest.mark.parametrize("compression", ["zstd", ("zstd", 19), "blosc", ("blosc", 9)])
+def test_every_leaf_kind_round_trips_bit_for_bit(tmp_path, compression):
+    state = _state()
+    jaxckpt.save(tmp_path / "c", state, compression=compression)
+    back = jaxckpt.restore(tmp_path / "c", state)
+    for path in ("params/w", "params/b", "opt/mu", "opt/nu", "flags", "bytes8"):
+        keys = path.split("/")
+        a, b = state, back
+        for k in keys:
+            a, b = a[k], b[k]
+        assert_bit_equal(b, a)
+    assert back["opt"]["count"] == 5 and back["step"] == 11
+    assert_bit_equal(jax.random.key_data(back["rng"]), jax.random.key_data(state["rng"]))
+    name = compression if isinstance(compression, str) else compression[0]
+    leaves = _leaves(tmp_path / "c")
+    assert {p: leaf["codec"] for p, leaf in leaves.items() if leaf["kind"] != "value"} == {
+        p: name for p in ("params/w", "params/b", "opt/mu", "opt/nu", "opt/count", "flags", "bytes8", "rng")}
+    level = _codecs.codec(compression).level
+    assert leaves["params/w"]["codec_config"] == (
+        {"level": level, "checksum": False} if name == "zstd" else
+        {"cname": "lz4", "clevel": level, "shuffle": "shuffle", "typesize": 4, "blocksize": 0})
+    assert jaxckpt.verify(tmp_path / "c").ok
+
+
+def test_all_zero_chunks_cost_nothing_and_negative_zero_is_kept(tmp_path):
+    state = {"mu": sharded(np.zeros((256, 128), np.float32), (4,), ("x",), ("x", None)),
+             "neg": np.full((64,), -0.0, np.float32), "w": np.arange(4096, dtype=np.float32)}
+    jaxckpt.save(tmp_path / "c", state, compression="zstd")
+    leaves = _leaves(tmp_path / "c")
+    assert leaves["mu"]["sizes"] == [0] * len(leaves["mu"]["runs"]) and len(leaves["mu"]["runs"]) == 4
+    assert leaves["neg"]["sizes"][0] > 0  # -0.0 is not all-zero bytes: stored
+    back = jaxckpt.restore(tmp_path / "c")
+    assert_bit_equal(back["mu"], np.zeros((256, 128), np.float32))
+    assert np.signbit(back["neg"]).all() and not back["neg"].any()
+    assert_bit_equal(back["w"], state["w"])
+    info = jaxckpt.metadata(tmp_path / "c").tree
+    assert (info["mu"].codec, info["mu"].stored_bytes, info["mu"].nbytes) == ("zstd", 0, 256 * 128 * 4)
+    assert info["w"].stored_bytes == leaves["w"]["sizes"][0] < 4096 * 4  # an arange compresses
+
+
+def test_a_mapping_compresses_only_what_it_matches_first_match_wins(tmp_path):
+    state = _state()
+    jaxckpt.save(tmp_path / "c", state, compression={"opt/nu": "raw", "opt/*": ("zstd", 5), "params/w": "blosc"})
+    leaves = _leaves(tmp_path / "c")
+    got = {p: leaf["codec"] for p, leaf in leaves.items() if leaf["kind"] != "value"}
+    assert got == {"params/w": "blosc", "params/b": "raw", "opt/mu": "zstd", "opt/nu": "raw",
+                   "opt/count": "zstd", "flags": "raw", "bytes8": "raw", "rng": "raw"}
+    assert "sizes" not in leaves["opt/nu"] and "codec_config" not in leaves["opt/nu"]
+    back = jaxckpt.restore(tmp_path / "c", state)
+    assert_bit_equal(back["opt"]["nu"], state["opt"]["nu"])
+    assert_bit_equal(back["params"]["w"], state["params"]["w"])
+
+
+def test_compressed_leaves_restore_onto_another_layout(tmp_path):
+    w = np.random.default_rng(1).standard_normal((256, 128)).astype(np.float32)
+    jaxckpt.save(tmp_path / "c", {"w": sharded(w, (4, 2), ("a", "b"), ("a", "b"))}, compression="zstd")
+    target = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh((2, 2), ("p", "q")),
+                                                                                 P(None, ("p", "q"))))}
+    back = jaxckpt.restore(tmp_path / "c", target)
+    assert back["w"].sharding == target["w"].sharding
+    assert_bit_equal(back["w"], w)
+    view = jaxckpt.open(tmp_path / "c")
+    assert_bit_equal(view["w"][100:140, 30:100], w[100:140, 30:100])  # a slice across chunks
+    assert view["w"].codec == "zstd" and 0 < view["w"].stored_nbytes <= w.nbytes + 8 * 4096
+
+
+def test_a_flipped_byte_names_the_leaf_and_chunk(tmp_path):
+    w = np.random.default_rng(2).standard_normal((256, 128)).astype(np.float32)
+    jaxckpt.save(tmp_path / "c", {"w": sharded(w, (4,), ("x",), ("x", None)), "s": np.arange(3.0)},
+                 compression="zstd")
+    leaf = _leaves(tmp_path / "c")["w"]
+    process, first, _, offset = leaf["runs"][2]
+    with open(tmp_path / "c" / "data" / f"p{process}.0", "r+b") as f:
+        f.seek(offset + 20)
+        byte = f.read(1)
+        f.seek(offset + 20)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(jaxckpt.CorruptCheckpointError, match=r"leaf 'w' chunk cell \[2, 0\] could not be read: "
+                                                             r"DATA_LOSS: .*digest mismatch"):
+        jaxckpt.restore(tmp_path / "c")
+    report = jaxckpt.verify(tmp_path / "c")
+    assert [(p["leaf"], p["chunk"]) for p in report.problems] == [("w", "cell [2, 0]")]
+    assert_bit_equal(jaxckpt.restore(tmp_path / "c", partial=True, target={"s": np.zeros(3)})["s"], np.arange(3.0))
+
+
+def test_an_entry_that_does_not_decode_is_corrupt_not_a_crash(tmp_path):
+    # the checksum matches (recomputed), the payload is not a zstd frame: the decoder's error
+    import crc32c
+
+    jaxckpt.save(tmp_path / "c", {"w": np.arange(1000, dtype=np.float32)}, compression="zstd")
+    leaf = _leaves(tmp_path / "c")["w"]
+    size, offset = leaf["sizes"][0], leaf["runs"][0][3]
+    junk = bytes(i % 251 for i in range(size - 4))
+    with open(tmp_path / "c" / "data" / "p0.0", "r+b") as f:
+        f.seek(offset)
+        f.write(junk + crc32c.crc32c(junk).to_bytes(4, "little"))
+    with pytest.raises(jaxckpt.CorruptCheckpointError, match=r"leaf 'w' chunk cell \[0\] could not be read: the zstd "
+                                                             r"entry does not decode"):
+        jaxckpt.restore(tmp_path / "c")
+
+
+def _edit_manifest(d, fn):
+    path = os.path.join(d, "manifest.json")
+    with open(path) as f:
+        doc = json.load(f)
+    fn({leaf["path"]: leaf for leaf in doc["leaves"]})
+    doc.pop("checksum")
+    with open(path, "w") as f:
+        json.dump(doc, f)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda ls: ls["w"].update(sizes=[1 << 40]), r"leaf 'w': size 1099511627776 of chunk 0 is not 0 or from 5 to "),
+    (lambda ls: ls["w"].update(sizes=[]), r"leaf 'w': sizes is not a list of its 1 chunks' entry sizes"),
+    (lambda ls: ls["w"].pop("sizes"), r"leaf 'w': sizes is not a list of its 1 chunks' entry sizes"),
+    (lambda ls: ls["w"]["codec_config"].update(level=99), r"leaf 'w': codec_config .* is not one jaxckpt writes "
+                                                          r"for zstd"),
+    (lambda ls: ls["w"]["codec_config"].update(checksum=True), r"is not one jaxckpt writes for zstd"),
+    (lambda ls: ls["s"].update(sizes=[8]), r"leaf 's': sizes with codec 'raw'"),
+    (lambda ls: ls["s"].update(codec_config={"level": 3}), r"leaf 's': codec_config with codec 'raw'"),
+    (lambda ls: ls["w"]["runs"][0].__setitem__(3, 1 << 20), r"leaf 'w': run #0 \[0, 0, 1, 1048576\]: its entry ends "
+                                                            r"at byte \d+, past the end of process 0's stream"),
+    (lambda ls: ls["w"]["runs"][0].__setitem__(3, 3), r"offset 3 is not a non-negative multiple of 64"),
+])
+def test_hostile_compressed_records_are_refused(tmp_path, edit, message):
+    jaxckpt.save(tmp_path / "c", {"w": np.arange(1000, dtype=np.float32), "s": np.arange(2.0)},
+                 compression={"w": "zstd"})
+    _edit_manifest(tmp_path / "c", edit)
+    with pytest.raises(jaxckpt.CorruptCheckpointError, match=message):
+        jaxckpt.restore(tmp_path / "c")
+
+
+def test_overlapping_compressed_entries_are_refused(tmp_path):
+    jaxckpt.save(tmp_path / "c", {"a": np.arange(1000, dtype=np.float32), "b": np.arange(999, dtype=np.float32)},
+                 compression="zstd")
+
+    def overlap(ls):
+        ls["b"]["runs"][0][3] = ls["a"]["runs"][0][3]
+
+    _edit_manifest(tmp_path / "c", overlap)
+    with pytest.raises(jaxckpt.CorruptCheckpointError, match=r"leaf '.': run #0 \(bytes 0\.\.\d+\) overlaps leaf"):
+        jaxckpt.restore(tmp_path / "c")
+
+
+@pytest.mark.parametrize("value, message", [
+    ("lz4", "compression: 'lz4' is not a codec: use one of zstd, blosc (or (name, level)), or 'raw'"),
+    (("zstd", 0), "compression: level 0 of zstd is not an int from 1 to 22"),
+    (("blosc", 10), "compression: level 10 of blosc is not an int from 0 to 9"),
+    (("zstd", True), "compression: level True of zstd is not an int from 1 to 22"),
+    ({}, "compression: an empty mapping (give None for no compression)"),
+    ({"opt/*": "gzip"}, "compression['opt/*']: 'gzip' is not a codec"),
+    ({3: "zstd"}, "compression: pattern 3 is not a non-empty str"),
+])
+def test_bad_compression_arguments_are_clear_errors_and_write_nothing(tmp_path, value, message):
+    with pytest.raises(ValueError) as e:
+        jaxckpt.save(tmp_path / "c", {"w": np.ones(4)}, compression=value)
+    assert str(e.value).startswith(message)
+    assert not os.path.exists(tmp_path / "c")
+
+
+@pytest.mark.format1
+def test_compression_needs_format_3(tmp_path):
+    with pytest.raises(jaxckpt.CheckpointError, match=r"compression= is not supported with JAXCKPT_FORMAT=1 "
+                                                      r"\(compression needs format 3\)"):
+        jaxckpt.save(tmp_path / "c", {"w": np.ones(4)}, compression="zstd")
+    assert not os.path.exists(tmp_path / "c")
+
+
+def test_show_and_the_notebook_view_give_codec_and_stored_size(tmp_path):
+    state = {"opt": {"mu": np.zeros((256, 256), np.float32)}, "w": np.ones((64, 64), np.float32)}
+    jaxckpt.save(tmp_path / "c", state, compression={"opt/*": "zstd"})
+    out = subprocess.run([sys.executable, "-m", "jaxckpt", "show", str(tmp_path / "c")], capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert out[0] == f"{tmp_path / 'c'}: 2 leaves, 272.0 KiB (16.0 KiB stored, zstd), format version 3"
+    assert "opt/mu  float32[256, 256]  host  256.0 KiB (zstd: 0 B stored)" in out
+    view = jaxckpt.open(tmp_path / "c")
+    assert view.summary()["stored_bytes"] == 64 * 64 * 4 + 4
+    assert {r["path"]: (r["codec"], r["stored_bytes"]) for r in view.rows()} == {
+        "opt/mu": ("zstd", 0), "w": ("raw", 64 * 64 * 4 + 4)}
+    html = view._repr_html_()
+    assert '<span title="16,388 bytes stored">(16.0 KiB stored, zstd)</span>' in html
+
+
+def test_two_processes_save_compressed_and_two_restore(tmp_path):
+    from test_multihost import run_job
+
+    path = str(tmp_path / "ckpt")
+    run_job(2, 2, "save", {"mesh": (4,), "names": ("x",), "spec": ["x", None], "path": path,
+                           "compression": {"big": "zstd", "small": "blosc"}})
+    leaves = _leaves(path)
+    assert (leaves["big"]["codec"], leaves["small"]["codec"], leaves["repl"]["codec"]) == ("zstd", "blosc", "raw")
+    writers = {run[0] for run in leaves["big"]["runs"]}
+    assert writers == {0, 1}  # each process encoded and placed its own chunks
+    restored = run_job(2, 2, "restore", {"mesh": (2, 2), "names": ("a", "b"), "spec": [None, "a"], "path": path})
+    assert restored[0].get("ok") and restored[1].get("ok"), restored
+    big = jaxckpt.restore(path, partial=True, target={"big": np.zeros((64, 4096), np.float32)})["big"]
+    assert_bit_equal(big, np.arange(64 * 4096, dtype=np.float32).reshape(64, 4096))
+
+
+def test_codec_helpers_round_trip_every_storage_dtype():
+    for dtype in (np.float32, np.float64, ml_dtypes.bfloat16, np.int8, np.uint32, np.bool_):
+        x = (np.random.default_rng(0).standard_normal((16, 24)) * 9).astype(dtype)
+        for name in _codecs.NAMES:
+            c = _codecs.codec(name)
+            enc = _codecs.encode(name, c.config(np.dtype(dtype).itemsize), x)
+            back = _codecs.decode(name, c.config(np.dtype(dtype).itemsize), enc, x.shape, np.dtype(dtype))
+            assert_bit_equal(back, x)
+    assert _codecs.encode("zstd", {"level": 3, "checksum": False}, jnp.zeros(8).__array__()) is None
