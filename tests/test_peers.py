@@ -131,6 +131,8 @@ def test_the_ring_and_the_repair_plan():
     assert peers.partners([0, 2, 4], 2) == {0: [2, 4], 2: [4, 0], 4: [0, 2]}
     assert peers.waves({0: 10, 2: 0}, 8192) == (1, 4096)
     assert peers.waves({0: 10_000, 2: 3}, 8192) == (2, 8192)
+    # 64 MiB + 100 bytes in rows of at most 32 MiB: three even rows (4 KiB multiples), not 32 + 32 + 100 bytes
+    assert peers.waves({0: (64 << 20) + 100}, 32 << 20) == (3, 5462 * 4096)
     assert peers.waves({}, 8192) == (0, 0)
     assert peers.rounds_of({0: 2, 1: 2, 3: 0}) == [[(2, 0), (0, 3)], [(2, 1)]]
     # host 1 lost step 5 (empty directory); host 0 holds a valid copy of it
