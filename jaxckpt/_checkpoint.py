@@ -256,7 +256,8 @@ def _commit_host_copy(final: Location, staging: Location, data: bytes, token: st
 
 
 def save(path: Any, tree: Any, *, metadata: dict[str, Any] | None = None,
-         overwrite: bool = False, timeout_s: float | None = None, compression: Any = None) -> None:
+         overwrite: bool = False, timeout_s: float | None = None, compression: Any = None,
+         quantize: Any = None) -> None:
     """Save ``tree`` to ``path``, blocking until it is committed.
 
     Each distinct shard is written once, by one of the processes holding it; the
@@ -284,12 +285,18 @@ def save(path: Any, tree: Any, *, metadata: dict[str, Any] | None = None,
         raw. Chunks whose bytes are all zero are stored as nothing. Each chunk keeps its
         crc32c (of the stored bytes). Not with ``JAXCKPT_FORMAT=1``. See
         ``docs/compression.md``.
+      quantize: lossy, opt-in storage of optimizer moments (default none): a dict from
+        key-path patterns to ``"int8"`` (per-block scales; for Adam's first moment) or
+        ``"int4"`` (log-spaced, never 0 for a positive value; for the second moment),
+        or a ``jaxckpt.Quantize``. Only float32/bfloat16/float16 leaves, never under
+        ``params`` (refused with ``ValueError``); they come back in their dtype, not bit
+        for bit. It wins over ``compression`` for the leaves it selects.
 
     Example:
       >>> jaxckpt.save("/tmp/ckpt", {"params": params, "step": 100})
     """
     metadata = _check_metadata(metadata)
-    snap = snapshot(tree, copy_host_arrays=False, compression=compression)
+    snap = snapshot(tree, copy_host_arrays=False, compression=compression, quantize=quantize)
     save_snapshot(path, snap, metadata=metadata, overwrite=overwrite, timeout_s=timeout_s)
 
 

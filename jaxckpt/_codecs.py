@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import threading
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
 import tensorstore as ts
+
+from . import _dtypes, _quantize
 
 RAW = "raw"
 # name -> (default level, lowest, highest)
@@ -83,6 +86,16 @@ def leaf_config(leaf: Mapping[str, Any], name: str, itemsize: int) -> dict[str, 
     if raw != want:
         raise ValueError(f"codec_config {raw!r:.200} is not one jaxckpt writes for {name}")
     return want
+
+
+def payload_bytes(codec: str | None, path: str, dtype: str, shape: Any, chunk_shape: Any) -> int:
+    """The payload of one of a stream leaf's entries (before compression): the chunk's
+    bytes, or for a quantized leaf (``codec`` a ``_quantize`` form) what the form stores
+    (``ValueError`` for a leaf the form cannot store: a manifest says so only falsely)."""
+    if codec in _quantize.FORMS:
+        _quantize.check_leaf(path, _dtypes.DTYPES[dtype], tuple(shape), codec)
+        return _quantize.encoded_nbytes(tuple(chunk_shape), codec)
+    return math.prod(chunk_shape) * _dtypes.DTYPES[dtype].itemsize
 
 
 class Compression:

@@ -542,7 +542,11 @@ def _parse_array(raw: dict[str, Any], path: str, kind: str, packed: dict[int, Pa
     if store == "packed":
         chunks = _parse_packed_chunks(raw.get("chunks"), path, shape, chunk_shape, itemsize, n_chunks, packed, bad)
     # format 3: codec and entry bytes checked, the raw runs kept (validated with every leaf's at the end)
-    codec, entry, sizes = v3.leaf(raw, path, n_chunks, math.prod(chunk_shape) * itemsize) if v3 else ("", 0, ())
+    try:  # quantized: what the form holds, of a float leaf
+        payload = _codecs.payload_bytes(raw.get("codec") if v3 else None, path, dtype, shape, chunk_shape)
+    except ValueError as e:
+        raise bad(f"leaf '{path}': {e}") from None
+    codec, entry, sizes = v3.leaf(raw, path, n_chunks, payload) if v3 else ("", 0, ())
     try:
         codec_config = _codecs.leaf_config(raw, codec, _dtypes.DTYPES[storage_dtype].itemsize)
     except ValueError as e:

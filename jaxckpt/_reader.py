@@ -49,7 +49,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from . import _codecs, _dtypes, _layout, _storage, _streams, _tasks
+from . import _codecs, _dtypes, _layout, _quantize, _storage, _streams, _tasks
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._manifest import LeafRecord, Manifest
 from ._storage import chunkfiles as _chunkfiles
@@ -243,7 +243,7 @@ class Reader:
         of the whole chunk (an edge chunk, or one several slices share) copied out. A
         compressed chunk is read into a buffer of its own, decoded and copied out."""
         storage = _dtypes.DTYPES[rec.storage_dtype]
-        if rec.codec_config is not None:
+        if rec.codec != _streams.CODEC_RAW:
             self._plan_compressed_leaf(rec, indices, ops)
             return
         if len(indices) == 1 and len(rec.runs) == 1 and tuple(rec.chunk_shape) == tuple(rec.shape) \
@@ -296,7 +296,10 @@ class Reader:
                 continue
 
             def decode(payload: np.ndarray, whole=whole, uses=uses) -> None:
-                chunk = _codecs.decode(rec.codec, rec.codec_config, payload, tuple(rec.chunk_shape), storage)
+                if rec.codec in _quantize.FORMS:
+                    chunk = _quantize.decode(payload, tuple(rec.chunk_shape), _dtypes.DTYPES[rec.dtype], rec.codec)
+                else:
+                    chunk = _codecs.decode(rec.codec, rec.codec_config, payload, tuple(rec.chunk_shape), storage)
                 for index, overlap in uses:
                     dests[index][_rel(overlap, index)] = chunk[_rel(overlap, whole)]
 

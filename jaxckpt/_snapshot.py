@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _codecs, _distributed, _dtypes, _hoststreams, _layout, _streams, _tree
+from . import _codecs, _distributed, _dtypes, _hoststreams, _layout, _quantize, _streams, _tree
 from ._errors import CheckpointError
 from ._manifest import MAX_INLINE_BYTES, MAX_INT_DIGITS, STREAMS_VERSION, LeafRecord, PackedArray, int_fits
 from ._waves import Planned, StagingBudget, Wave, Waves, staging_budget  # noqa: F401 (re-exported)
@@ -111,7 +111,7 @@ def cell_of(index: _layout.Index, chunk_shape: tuple[int, ...]) -> tuple[int, ..
 
 def snapshot(tree: Any, *, copy_host_arrays: bool, group: tuple[int, ...] = (),
              budget: StagingBudget | None = None, groups: tuple[tuple[int, ...], ...] = (),
-             compression: Any = None) -> Snapshot:
+             compression: Any = None, quantize: Any = None) -> Snapshot:
     """Flatten ``tree`` and take host buffers of every shard this process must write.
 
     With ``copy_host_arrays`` numpy leaves are copied, so the caller may mutate them
@@ -140,22 +140,40 @@ def snapshot(tree: Any, *, copy_host_arrays: bool, group: tuple[int, ...] = (),
 
     ``compression``: ``compression=`` as ``save`` takes it (``_codecs.parse``); the leaves
     it selects are encoded by the writer (format 3 only; not with ``group`` or ``budget``).
+    ``quantize``: ``quantize=`` (``_quantize.parse``): the leaves it selects are stored
+    lossy by the writer (format 3 only; not with ``group``); it wins over ``compression``.
     """
-    compression = _codecs.parse(compression)
-    if compression is not None and (group or budget is not None or not streams_wanted()):
-        why = ("a directory per host" if group else "max_staging_bytes" if budget is not None
-               else f"{FORMAT_ENV}={LEGACY_FORMAT} (compression needs format 3)")
-        raise CheckpointError(f"compression= is not supported with {why}")
+    codecs = _Codecs(_codecs.parse(compression), _quantize.parse(quantize))
+    for what, given in (("compression", codecs.lossless), ("quantize", codecs.lossy)):
+        if given is not None and (group or (budget is not None and what == "compression") or not streams_wanted()):
+            why = ("a directory per host" if group else "max_staging_bytes" if budget is not None
+                   else f"{FORMAT_ENV}={LEGACY_FORMAT} ({what} needs format 3)")
+            raise CheckpointError(f"{what}= is not supported with {why}")
     with _tree.gc_paused():
         if budget is None:
-            return _snapshot(tree, copy_host_arrays, group, groups, compression)
-        return _snapshot_in_waves(tree, copy_host_arrays, group, budget, groups)
+            return _snapshot(tree, copy_host_arrays, group, groups, codecs)
+        return _snapshot_in_waves(tree, copy_host_arrays, group, budget, groups, codecs)
+
+
+class _Codecs(NamedTuple):
+    """A save's ``compression`` and ``quantize``, parsed: which codec each leaf gets."""
+
+    lossless: Any  # _codecs.Compression | None
+    lossy: Any  # _quantize.Quantize | None
+
+    def codec_for(self, path: str, dtype: Any, shape: tuple[int, ...]) -> tuple[str, Any]:
+        """``(codec, lossless Codec or None)`` for an array leaf; a quantized one is checked."""
+        form = self.lossy.form_for(path) if self.lossy is not None else None
+        if form is not None:
+            _quantize.check_leaf(path, dtype, shape, form)
+            return form, None
+        c = self.lossless.codec_for(path) if self.lossless is not None else None
+        return (_streams.CODEC_RAW, None) if c is None else (c.name, c)
 
 
 def _snapshot(tree: Any, copy_host_arrays: bool, group: tuple[int, ...],
-              groups: tuple[tuple[int, ...], ...] = (), compression: Any = None) -> Snapshot:
-    structure, records, arrays, packed, packed_buf, streams = _plan(tree, copy_host_arrays, group, groups,
-                                                                    compression)
+              groups: tuple[tuple[int, ...], ...] = (), codecs: _Codecs | None = None) -> Snapshot:
+    structure, records, arrays, packed, packed_buf, streams = _plan(tree, copy_host_arrays, group, groups, codecs)
     me = _distributed.process_index()
     file_shards: dict[int, list[tuple[_layout.Index, np.ndarray]]] = {}
     total = 0 if packed_buf is None else packed_buf.nbytes
@@ -175,7 +193,7 @@ def _snapshot(tree: Any, copy_host_arrays: bool, group: tuple[int, ...],
 
 
 def _plan(tree: Any, copy_host_arrays: bool | None, group: tuple[int, ...],
-          groups: tuple[tuple[int, ...], ...] = (), compression: Any = None) -> tuple[
+          groups: tuple[tuple[int, ...], ...] = (), codecs: _Codecs | None = None) -> tuple[
         dict[str, Any], list[LeafRecord | None], list[_ArrayLeaf], tuple[PackedArray, ...], np.ndarray | None,
         dict[int, int] | None]:
     """The tree's structure, its inline values' records (arrays' are ``None`` yet), its
@@ -214,7 +232,7 @@ def _plan(tree: Any, copy_host_arrays: bool | None, group: tuple[int, ...],
         records.append(None)
     _assign(arrays, group)
     if format3:
-        return structure, records, arrays, (), None, _lay_out_streams(arrays, group, groups, compression)
+        return structure, records, arrays, (), None, _lay_out_streams(arrays, group, groups, codecs)
     packed, packed_buf = _lay_out_packed(arrays, me)
     return structure, records, arrays, packed, packed_buf, None
 
@@ -468,28 +486,31 @@ def _lay_out_packed(arrays: list[_ArrayLeaf], me: int) -> tuple[tuple[PackedArra
 
 
 def _lay_out_streams(arrays: list[_ArrayLeaf], group: tuple[int, ...] = (),
-                     groups: tuple[tuple[int, ...], ...] = (), compression: Any = None) -> dict[int, int]:
+                     groups: tuple[tuple[int, ...], ...] = (), codecs: _Codecs | None = None) -> dict[int, int]:
     """Format 3: every array leaf's chunks as entries of its writers' streams (recorded in
     its fields: store, codec, entry_bytes, runs), and every writing process's stream
     length. ``_streams.plan`` of the global tree: the same in every process. With a
     directory per host (``group``), the layout of this host's directory: other groups'
     writers are planned as their processes plan them where it needs them (``_hoststreams``).
-    A compressed leaf (``compression``) is left out: its entries' sizes are known once
-    its writers have encoded them (``_writer``), so process 0 places them then."""
+    ``codecs``: a quantized leaf's entries hold its encoded chunks (a size fixed by the
+    chunk shape); a compressed leaf is left out: its entries' sizes are known once its
+    writers have encoded them (``_writer``), so process 0 places them then."""
     payloads = [math.prod(a.fields["chunk_shape"]) * _dtypes.DTYPES[a.fields["storage_dtype"]].itemsize
                 for a in arrays]
-    codecs = [compression.codec_for(a.fields["path"]) if compression is not None else None for a in arrays]
-    if any(codecs):
-        raw = [i for i, c in enumerate(codecs) if c is None]
-        layout = _streams.plan((payloads[i], arrays[i].writers) for i in raw)
+    chosen = [codecs.codec_for(a.fields["path"], _dtypes.DTYPES[a.fields["dtype"]], a.fields["shape"])
+              if codecs is not None else (_streams.CODEC_RAW, None) for a in arrays]
+    if any(name != _streams.CODEC_RAW for name, _ in chosen):
+        planned = [i for i, (_, c) in enumerate(chosen) if c is None]
+        sizes = [_quantize.encoded_nbytes(tuple(arrays[i].fields["chunk_shape"]), chosen[i][0])
+                 if chosen[i][0] in _quantize.FORMS else payloads[i] for i in planned]
+        layout = _streams.plan(zip(sizes, [arrays[i].writers for i in planned]))
         runs: list[Any] = [()] * len(arrays)
-        for i, r in zip(raw, layout.runs):
-            runs[i] = r
-        for a, payload, c, r in zip(arrays, payloads, codecs, runs):
+        for i, r, size in zip(planned, layout.runs, sizes):
+            runs[i], payloads[i] = r, size
+        for a, payload, (name, c), r in zip(arrays, payloads, chosen, runs):
             itemsize = _dtypes.DTYPES[a.fields["storage_dtype"]].itemsize
-            a.fields.update(store="stream", key="", codec=_streams.CODEC_RAW if c is None else c.name,
-                            entry_bytes=_streams.entry_bytes_for(payload), runs=r,
-                            codec_config=None if c is None else c.config(itemsize))
+            a.fields.update(store="stream", key="", codec=name, entry_bytes=_streams.entry_bytes_for(payload),
+                            runs=r, codec_config=None if c is None else c.config(itemsize))
         return layout.streams
     if group:
         layout = _hoststreams.lay_out(payloads, [a.chunks for a in arrays], groups, group,
@@ -525,8 +546,9 @@ def _copy_packed(rec: LeafRecord, mine: list[tuple[_Chunk, np.ndarray]], packed_
 
 
 def _snapshot_in_waves(tree: Any, copy_host_arrays: bool, group: tuple[int, ...],
-                       budget: StagingBudget, groups: tuple[tuple[int, ...], ...] = ()) -> Snapshot:
-    structure, records, arrays, packed, packed_buf, streams = _plan(tree, None, group, groups)
+                       budget: StagingBudget, groups: tuple[tuple[int, ...], ...] = (),
+                       codecs: _Codecs | None = None) -> Snapshot:
+    structure, records, arrays, packed, packed_buf, streams = _plan(tree, None, group, groups, codecs)
     me = _distributed.process_index()
     items: list[tuple[_ArrayLeaf, _Chunk]] = []
     small = []

@@ -32,7 +32,9 @@ CRC_BYTES = 4  # the crc32c after each payload, little endian: an entry is a zar
 CODEC_RAW = "raw"
 # Lossless codecs (``_codecs``): entries of varying sizes, one run per chunk and ``sizes``.
 COMPRESSED = ("zstd", "blosc")
-CODECS = (CODEC_RAW, *COMPRESSED)
+# Lossy forms (``_quantize``): entries of a size fixed by the chunk shape, runs as raw ones.
+LOSSY = ("int8", "int4")
+CODECS = (CODEC_RAW, *COMPRESSED, *LOSSY)
 
 # Limits on untrusted input. A segment smaller than a page would make one entry's read a
 # list of pieces about as big as the entry itself (``segments``); object stores refuse

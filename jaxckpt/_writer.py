@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _codecs, _distributed, _dtypes, _layout, _storage, _streams, _tasks
+from . import _codecs, _distributed, _dtypes, _layout, _quantize, _storage, _streams, _tasks
 from ._errors import CheckpointError
 from ._manifest import LeafRecord
 from ._snapshot import Snapshot, cell_of
@@ -263,6 +263,11 @@ def entry_payload(rec: LeafRecord, data: np.ndarray) -> np.ndarray:
         payload = full
     if sys.byteorder != "little" and storage.itemsize > 1:
         payload = payload.byteswap()
+    if rec.codec in _quantize.FORMS:  # stored lossy: the encoded chunk (little endian by its format)
+        try:
+            return _quantize.encode(payload.view(_dtypes.DTYPES[rec.dtype]), rec.codec)
+        except ValueError as e:
+            raise CheckpointError(f"leaf '{rec.path}': {e}") from None
     return payload
 
 

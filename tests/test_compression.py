@@ -247,3 +247,78 @@ def test_codec_helpers_round_trip_every_storage_dtype():
             back = _codecs.decode(name, c.config(np.dtype(dtype).itemsize), enc, x.shape, np.dtype(dtype))
             assert_bit_equal(back, x)
     assert _codecs.encode("zstd", {"level": 3, "checksum": False}, jnp.zeros(8).__array__()) is None
+
+
+# --- quantize (lossy, opt-in) ---------------------------------------------------------
+
+
+def _adam_like():
+    rng = np.random.default_rng(11)
+    return {"params": {"w": rng.standard_normal((256, 300)).astype(np.float32)},
+            "opt": {"mu": sharded((rng.standard_normal((256, 300)) * 1e-3).astype(np.float32), (4,), ("x",),
+                                  ("x", None)),
+                    "nu": (rng.standard_normal((256, 300)) ** 2 * 1e-6).astype(ml_dtypes.bfloat16),
+                    "count": np.int32(4)}}
+
+
+def test_quantized_moments_come_back_within_their_bounds_params_exact(tmp_path):
+    from jaxckpt import _quantize
+
+    state = _adam_like()
+    jaxckpt.save(tmp_path / "c", state, quantize={"opt/mu": "int8", "opt/nu": "int4"}, compression={"params/*": "zstd"})
+    leaves = _leaves(tmp_path / "c")
+    assert (leaves["opt/mu"]["codec"], leaves["opt/nu"]["codec"], leaves["params/w"]["codec"]) == ("int8", "int4", "zstd")
+    mu_chunk = tuple(leaves["opt/mu"]["chunk_shape"])
+    assert leaves["opt/mu"]["entry_bytes"] == _quantize.encoded_nbytes(mu_chunk, "int8") + 4
+    back = jaxckpt.restore(tmp_path / "c", state)
+    assert_bit_equal(back["params"]["w"], state["params"]["w"])
+    mu, mu0 = np.asarray(back["opt"]["mu"]), np.asarray(state["opt"]["mu"])
+    assert back["opt"]["mu"].sharding == state["opt"]["mu"].sharding and mu.dtype == np.float32
+    # within half a step of each block's scale (absmax / 127), so of the largest block's; not exact
+    assert np.abs(mu - mu0).max() <= np.abs(mu0).max() / 254 * 1.001 and not np.array_equal(mu, mu0)
+    nu, nu0 = back["opt"]["nu"].astype(np.float32), state["opt"]["nu"].astype(np.float32)
+    assert back["opt"]["nu"].dtype == ml_dtypes.bfloat16
+    assert ((nu > 0) == (nu0 > 0)).all()  # a positive second moment never comes back as 0
+    assert back["opt"]["count"] == 4
+    assert jaxckpt.verify(tmp_path / "c").ok
+    stored = {r["path"]: r["stored_bytes"] for r in jaxckpt.open(tmp_path / "c").rows()}
+    assert stored["opt/mu"] < mu0.nbytes * 0.3 and stored["opt/nu"] < nu0.size * 2 * 0.3
+
+
+@pytest.mark.parametrize("quantize, message", [
+    ({"params/*": "int8"}, "quantize=: leaf 'params/w' is under 'params'; only optimizer moments may be quantized"),
+    ({"opt/*": "int8"}, "quantize=: leaf 'opt/count' is int32; int8 stores only float32, bfloat16, float16"),
+    ({"opt/mu": "int2"}, "quantize="),
+    ("int8", "quantize= takes None, a mapping"),
+])
+def test_quantize_refuses_what_it_cannot_store_and_writes_nothing(tmp_path, quantize, message):
+    with pytest.raises((ValueError, TypeError)) as e:
+        jaxckpt.save(tmp_path / "c", _adam_like(), quantize=quantize)
+    assert str(e.value).startswith(message), str(e.value)
+    assert not os.path.exists(tmp_path / "c")
+
+
+def test_a_non_finite_moment_fails_the_save_naming_the_leaf(tmp_path):
+    state = _adam_like()
+    state["opt"]["nu"] = state["opt"]["nu"].copy()
+    state["opt"]["nu"][3, 7] = np.nan
+    with pytest.raises(jaxckpt.CheckpointError, match=r"leaf 'opt/nu': quantize: .* holds 1 non-finite values"):
+        jaxckpt.save(tmp_path / "c", state, quantize={"opt/nu": "int4"})
+    assert not os.path.exists(tmp_path / "c")
+
+
+@pytest.mark.format1
+def test_quantize_needs_format_3(tmp_path):
+    with pytest.raises(jaxckpt.CheckpointError, match=r"quantize= is not supported with JAXCKPT_FORMAT=1"):
+        jaxckpt.save(tmp_path / "c", _adam_like(), quantize={"opt/mu": "int8"})
+
+
+def test_a_manifest_claiming_a_quantized_int_leaf_is_refused(tmp_path):
+    jaxckpt.save(tmp_path / "c", {"opt": {"n": np.arange(256, dtype=np.int32)}})
+
+    def lie(ls):
+        ls["opt/n"].update(codec="int8", entry_bytes=4 * 2 + 256 + 4)
+
+    _edit_manifest(tmp_path / "c", lie)
+    with pytest.raises(jaxckpt.CorruptCheckpointError, match=r"leaf 'opt/n': quantize=: leaf 'opt/n' is int32"):
+        jaxckpt.restore(tmp_path / "c")

@@ -341,8 +341,8 @@ def test_parse_refuses_malformed_leaf_fields(ckpt_a):
     assert leaf_refused(store="packed") == (
         "leaf 'w': store 'packed' in format_version 3 (its array leaves are 'stream')")
     assert leaf_refused(key="0") == "leaf 'w': data key '0' (a 'stream' leaf has none)"
-    assert leaf_refused(codec="lz77") == "leaf 'w': codec 'lz77' (this jaxckpt reads raw, zstd, blosc)"
-    assert leaf_refused(codec=None) == "leaf 'w': codec None (this jaxckpt reads raw, zstd, blosc)"
+    assert leaf_refused(codec="lz77") == "leaf 'w': codec 'lz77' (this jaxckpt reads raw, zstd, blosc, int8, int4)"
+    assert leaf_refused(codec=None) == "leaf 'w': codec None (this jaxckpt reads raw, zstd, blosc, int8, int4)"
     assert leaf_refused(entry_bytes=99) == "leaf 'w': entry_bytes 99, but its chunks are 96 bytes and a crc32c of 4"
     assert leaf_refused(runs=None) == "leaf 'w': runs is not a list"
     runs = _leaf(doc, "w")["runs"]

@@ -603,7 +603,7 @@ REFUSED_IN = {
         "store_file": (_edit(lambda d: _leaf(d, "big").update(store="file", key="0")),
                        "leaf 'big': store 'file' in format_version 3 (its array leaves are 'stream')"),
         "codec_unknown": (_edit(lambda d: _leaf(d, "big").update(codec="lz77")),
-                          "leaf 'big': codec 'lz77' (this jaxckpt reads raw, zstd, blosc)"),
+                          "leaf 'big': codec 'lz77' (this jaxckpt reads raw, zstd, blosc, int8, int4)"),
         "entry_bytes_of_the_payload": (_edit(lambda d: _leaf(d, "big").update(entry_bytes=1 << 20)),
                                        "leaf 'big': entry_bytes 1048576, but its chunks are 1048576 bytes and a "
                                        "crc32c of 4"),

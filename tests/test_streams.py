@@ -296,8 +296,8 @@ def test_segment_bytes_from_json():
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({"entry_bytes": 68}, "leaf 'w': codec None (this jaxckpt reads raw, zstd, blosc)"),
-    ({"codec": "lz77", "entry_bytes": 68}, "leaf 'w': codec 'lz77' (this jaxckpt reads raw, zstd, blosc)"),
+    ({"entry_bytes": 68}, "leaf 'w': codec None (this jaxckpt reads raw, zstd, blosc, int8, int4)"),
+    ({"codec": "lz77", "entry_bytes": 68}, "leaf 'w': codec 'lz77' (this jaxckpt reads raw, zstd, blosc, int8, int4)"),
     ({"codec": "raw", "entry_bytes": 64}, "leaf 'w': entry_bytes 64, but its chunks are 64 bytes and a crc32c "
                                           "of 4"),
     ({"codec": "raw", "entry_bytes": 68.0}, "leaf 'w': entry_bytes 68.0, but its chunks are 64 bytes and a "
