@@ -24,6 +24,7 @@ from ._manager.history import HistoryRecord as HistoryRecord
 from ._manager.history import history as history
 from ._manager.manager import CheckpointManager as CheckpointManager
 from ._plot import plot_history as plot_history
+from ._quantize import Quantize as Quantize
 from ._restore import MissingKeysWarning as MissingKeysWarning
 from ._restore import restore as restore
 from ._verify import VerifyReport as VerifyReport
@@ -47,6 +48,7 @@ __all__ = [
     "LazyArray",
     "LeafInfo",
     "MissingKeysWarning",
+    "Quantize",
     "LeafStats",
     "SavedSharding",
     "TreeMismatchError",

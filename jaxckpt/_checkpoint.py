@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from . import _commit, _distributed, _dtypes, _formats, _layout, _manifest, _tree
+from . import _commit, _distributed, _dtypes, _formats, _layout, _manifest, _streams, _tree
 from ._errors import CheckpointError
 from ._manifest import LeafRecord, Manifest
 from ._restore import key_dtype
@@ -152,6 +152,8 @@ def _save_as_coordinator(op: _distributed.Operation, final: Location, snap: Snap
         done = place_compressed(snap, {**tables, 0: own})
         _check_streams(_commit.data_location(final, token), done)
         extra = {"write_seconds": round(write_seconds, 6), **(info() if info is not None else {})}
+        if any(rec.codec in _streams.LOSSY for rec in done.records):
+            extra["lossy_resumes"] = done.lossy_resumes
         manifest = build_manifest(done, metadata, extra, _commit.data_key(final, token))
         return manifest.to_bytes(), manifest
 

@@ -4,12 +4,8 @@ A compressed leaf's entries hold each chunk encoded by one of zarr3's byte-to-by
 the ones tensorstore has (``zstd``; ``blosc`` with lz4 and byte shuffle), followed by the
 crc32c of the encoded bytes: exactly the bytes of a zarr3 chunk file with codecs
 ``bytes`` (little endian) + the codec + ``crc32c``. tensorstore does the encoding and
-the decoding (``encode``, ``decode``: an in-memory zarr3 array per thread, one chunk
-written or read through it), so jaxckpt adds no compression library of its own.
-
-A chunk whose bytes are all zero (a freshly initialised moment) is not encoded at all:
-``encode`` returns ``None`` and the writer stores nothing for it (its size in the
-manifest is 0). Zero bytes, not zero values: ``-0.0`` is kept.
+the decoding (``_storage.codecs``), so jaxckpt adds no compression library of its own.
+This module is the choice and the manifest's side of it (pure: no tensorstore).
 
 The choice (``Compression``): one codec for every array leaf (``"zstd"``, ``("zstd", 9)``),
 or a mapping from key-path patterns (``fnmatch``, on the manifest's leaf paths such as
@@ -20,14 +16,9 @@ no pattern matches stored raw (``"raw"`` or ``None`` as a mapping's value: raw t
 from __future__ import annotations
 
 import fnmatch
-import json
 import math
-import threading
 from collections.abc import Mapping
 from typing import Any, NamedTuple
-
-import numpy as np
-import tensorstore as ts
 
 from . import _dtypes, _quantize
 
@@ -125,57 +116,3 @@ def parse(value: Any) -> Compression | None:
             rules.append((pattern, codec(c, f"compression[{pattern!r}]")))
         return Compression(rules)
     return Compression([("*", codec(value))])
-
-
-# --- encoding and decoding through tensorstore ---------------------------------------------
-
-_local = threading.local()
-
-
-def _scratch(name: str, config: Mapping[str, Any], chunk_shape: tuple[int, ...], dtype: np.dtype) -> Any:
-    """This thread's in-memory zarr3 array of one chunk with this codec (opened once)."""
-    key = (name, json.dumps(config, sort_keys=True), chunk_shape, dtype.str)
-    cache = _local.__dict__.setdefault("arrays", {})
-    if key not in cache:
-        if len(cache) > 64:
-            cache.clear()
-        codecs = [{"name": "bytes", "configuration": {"endian": "little"}} if dtype.itemsize > 1 else {"name": "bytes"},
-                  {"name": name, "configuration": dict(config)}]
-        spec = {"driver": "zarr3", "kvstore": {"driver": "memory"}, "create": True,
-                "metadata": {"shape": [1, *chunk_shape], "data_type": _zarr_dtype(dtype),
-                             "fill_value": False if dtype == np.bool_ else 0,
-                             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, *chunk_shape]}},
-                             "codecs": codecs},
-                "store_data_equal_to_fill_value": True}
-        cache[key] = ts.open(spec).result()
-    return cache[key]
-
-
-def _zarr_dtype(dtype: np.dtype) -> str:
-    return "bfloat16" if dtype.name == "bfloat16" else dtype.name
-
-
-def _chunk_key(ndim: int) -> bytes:
-    return ("c" + "/0" * (ndim + 1)).encode()
-
-
-def encode(name: str, config: Mapping[str, Any], chunk: np.ndarray) -> bytes | None:
-    """``chunk`` (a full chunk, C order, the storage dtype) encoded; ``None`` when all of
-    its bytes are zero (nothing is stored for it)."""
-    if not chunk.reshape(-1).view(np.uint8).any():
-        return None
-    arr = _scratch(name, config, tuple(chunk.shape), chunk.dtype)
-    arr[0].write(chunk).result()
-    return arr.kvstore.read(_chunk_key(chunk.ndim)).result().value
-
-
-def decode(name: str, config: Mapping[str, Any], payload: Any, chunk_shape: tuple[int, ...],
-           dtype: np.dtype) -> np.ndarray:
-    """The chunk ``payload`` (encoded bytes, checksum already checked and removed) holds.
-    Raises ``ValueError`` when tensorstore cannot decode it (or it decodes to another size)."""
-    arr = _scratch(name, config, tuple(chunk_shape), np.dtype(dtype))
-    arr.kvstore.write(_chunk_key(len(chunk_shape)), bytes(payload)).result()
-    try:
-        return arr[0].read().result()
-    except ValueError as e:
-        raise ValueError(f"the {name} entry does not decode: {e}") from None

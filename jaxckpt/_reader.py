@@ -49,10 +49,11 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from . import _codecs, _dtypes, _layout, _quantize, _storage, _streams, _tasks
+from . import _dtypes, _layout, _quantize, _storage, _streams, _tasks
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._manifest import LeafRecord, Manifest
 from ._storage import chunkfiles as _chunkfiles
+from ._storage import codecs as _tscodecs
 from ._storage import dataobjects as _dataobjects
 from ._storage import kvstore as _kvstore
 from ._storage import zarr as _zarr
@@ -299,7 +300,7 @@ class Reader:
                 if rec.codec in _quantize.FORMS:
                     chunk = _quantize.decode(payload, tuple(rec.chunk_shape), _dtypes.DTYPES[rec.dtype], rec.codec)
                 else:
-                    chunk = _codecs.decode(rec.codec, rec.codec_config, payload, tuple(rec.chunk_shape), storage)
+                    chunk = _tscodecs.decode(rec.codec, rec.codec_config, payload, tuple(rec.chunk_shape), storage)
                 for index, overlap in uses:
                     dests[index][_rel(overlap, index)] = chunk[_rel(overlap, whole)]
 

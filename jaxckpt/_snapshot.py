@@ -71,6 +71,9 @@ class Snapshot:
     # process's entries, of every array leaf); ``None``: formats 1 and 2
     streams: dict[int, int] | None = None
     segment_bytes: int = 0
+    # restores from quantized leaves the state has been through (the manager's count),
+    # recorded in the manifest's info when some leaf is stored quantized
+    lossy_resumes: int = 0
 
     def stage_rest(self) -> None:
         """Staged in waves: stage the rest as the writer frees room; return once nothing

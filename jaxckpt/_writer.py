@@ -25,11 +25,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _codecs, _distributed, _dtypes, _layout, _quantize, _storage, _streams, _tasks
+from . import _distributed, _dtypes, _layout, _quantize, _storage, _streams, _tasks
 from ._errors import CheckpointError
 from ._manifest import LeafRecord
 from ._snapshot import Snapshot, cell_of
 from ._storage import chunkfiles as _chunkfiles
+from ._storage import codecs as _tscodecs
 from ._storage import dataobjects as _dataobjects
 from ._storage import kvstore as _kvstore
 from ._storage import zarr as _zarr
@@ -136,7 +137,7 @@ def _encode_mine(snap: Snapshot) -> dict[int, list[tuple[int, bytes | None]]]:
 
     def encode(i: int) -> None:
         _, _, rec, data = jobs[i]
-        results[i] = _codecs.encode(rec.codec, rec.codec_config, entry_payload(rec, data))
+        results[i] = _tscodecs.encode(rec.codec, rec.codec_config, entry_payload(rec, data))
 
     _tasks.run_tasks([functools.partial(encode, i) for i in range(len(jobs))], WRITE_THREADS)
     for (slot, flat, _, _), enc in zip(jobs, results):

@@ -266,11 +266,11 @@ def _describe(node: Any, path: str, depth: int | None, level: int) -> dict[str, 
         items = node.items() if isinstance(node, dict) else enumerate(node)
         kids = [_describe(v, f"{path}/{k}" if path else str(k), depth, level + 1) for k, v in items]
         out = {"path": path, "kind": "tree", "bytes": sum(k["bytes"] for k in kids),
-               "stored_bytes": sum(k["stored_bytes"] for k in kids), "leaves": sum(k["leaves"] for k in kids)}
+               "stored_bytes": sum(k.get("stored_bytes", 0) for k in kids), "leaves": sum(k["leaves"] for k in kids)}
         if depth is None or level < depth or out["leaves"] == 1:  # one leaf: its line, merged
             out["children"] = kids
         return out
-    return {"path": path, "kind": "value", "value": node, "bytes": 0, "stored_bytes": 0, "leaves": 1}
+    return {"path": path, "kind": "value", "value": node, "bytes": 0, "leaves": 1}
 
 
 def _print_node(node: dict[str, Any], indent: int) -> None:
