@@ -152,7 +152,7 @@ def _save_as_coordinator(op: _distributed.Operation, final: Location, snap: Snap
         done = place_compressed(snap, {**tables, 0: own})
         _check_streams(_commit.data_location(final, token), done)
         extra = {"write_seconds": round(write_seconds, 6), **(info() if info is not None else {})}
-        if any(rec.codec in _streams.LOSSY for rec in done.records):
+        if done.lossy_resumes or any(rec.codec in _streams.LOSSY for rec in done.records):
             extra["lossy_resumes"] = done.lossy_resumes
         manifest = build_manifest(done, metadata, extra, _commit.data_key(final, token))
         return manifest.to_bytes(), manifest

@@ -114,7 +114,7 @@ def cell_of(index: _layout.Index, chunk_shape: tuple[int, ...]) -> tuple[int, ..
 
 def snapshot(tree: Any, *, copy_host_arrays: bool, group: tuple[int, ...] = (),
              budget: StagingBudget | None = None, groups: tuple[tuple[int, ...], ...] = (),
-             compression: Any = None, quantize: Any = None) -> Snapshot:
+             compression: Any = None, quantize: Any = None, lossy_resumes: int = 0) -> Snapshot:
     """Flatten ``tree`` and take host buffers of every shard this process must write.
 
     With ``copy_host_arrays`` numpy leaves are copied, so the caller may mutate them
@@ -154,8 +154,11 @@ def snapshot(tree: Any, *, copy_host_arrays: bool, group: tuple[int, ...] = (),
             raise CheckpointError(f"{what}= is not supported with {why}")
     with _tree.gc_paused():
         if budget is None:
-            return _snapshot(tree, copy_host_arrays, group, groups, codecs)
-        return _snapshot_in_waves(tree, copy_host_arrays, group, budget, groups, codecs)
+            snap = _snapshot(tree, copy_host_arrays, group, groups, codecs)
+        else:
+            snap = _snapshot_in_waves(tree, copy_host_arrays, group, budget, groups, codecs)
+    snap.lossy_resumes = lossy_resumes  # (``Snapshot.lossy_resumes``)
+    return snap
 
 
 class _Codecs(NamedTuple):

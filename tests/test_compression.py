@@ -323,3 +323,38 @@ def test_a_manifest_claiming_a_quantized_int_leaf_is_refused(tmp_path):
     _edit_manifest(tmp_path / "c", lie)
     with pytest.raises(jaxckpt.CorruptCheckpointError, match=r"leaf 'opt/n': quantize=: leaf 'opt/n' is int32"):
         jaxckpt.restore(tmp_path / "c")
+
+
+def test_the_manager_compresses_quantizes_and_stops_after_the_lossy_limit(tmp_path, caplog):
+    state = _adam_like()
+    q = jaxckpt.Quantize({"opt/mu": "int8", "opt/nu": "int4"}, max_lossy_resumes=2)
+    with jaxckpt.CheckpointManager(tmp_path / "m", compression={"params/*": "zstd"}, quantize=q) as mgr:
+
+        def saved(step):
+            mgr.save(step, state)
+            mgr.wait_until_finished()
+            man = jaxckpt.metadata(tmp_path / "m" / str(step))
+            codecs = (man.tree["params"]["w"].codec, man.tree["opt"]["mu"].codec, man.tree["opt"]["nu"].codec)
+            return codecs, man.info.get("lossy_resumes")
+
+        assert saved(0) == (("zstd", "int8", "int4"), 0)
+        mgr.restore(0, state)  # a lossy resume: 1
+        assert saved(1) == (("zstd", "int8", "int4"), 1)
+        with caplog.at_level("WARNING", logger="jaxckpt"):
+            mgr.restore(1, state)  # 2: the limit
+        assert "2 lossy resumes (the limit, max_lossy_resumes=2): quantized leaves are saved exactly" in caplog.text
+        assert saved(2) == (("zstd", "raw", "raw"), 2)  # exact from now on, the count carried
+        back = mgr.restore(2, state)  # exact: still 2
+        assert saved(3) == (("zstd", "raw", "raw"), 2)
+        assert_bit_equal(back["params"]["w"], state["params"]["w"])
+    with jaxckpt.CheckpointManager(tmp_path / "m2", quantize={"opt/mu": "int8"}, async_save=True) as mgr:
+        mgr.save(0, state)
+        mgr.wait_until_finished()
+        assert jaxckpt.metadata(tmp_path / "m2" / "0").info["lossy_resumes"] == 0
+
+
+def test_the_manager_refuses_bad_codec_options_when_made(tmp_path):
+    with pytest.raises(ValueError, match=r"compression: 'lz4' is not a codec"):
+        jaxckpt.CheckpointManager(tmp_path / "m", compression="lz4")
+    with pytest.raises(TypeError, match=r"quantize= takes None, a mapping"):
+        jaxckpt.CheckpointManager(tmp_path / "m", quantize="int8")

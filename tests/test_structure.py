@@ -202,4 +202,4 @@ def test_manager_options_hold_the_line():
         "max_to_keep", "keep_period", "keep_time_interval", "best_metric", "best_mode", "keep_best",
         "save_interval_steps", "async_save", "max_pending", "timeout_s", "clock", "read_only",
         "persistent_directory", "persistent_interval_steps", "persistent_max_to_keep",
-        "verify_before_delete", "max_staging_bytes", "peer_copies"]
+        "verify_before_delete", "max_staging_bytes", "peer_copies", "compression", "quantize"]

@@ -33,6 +33,7 @@ from . import cadence as _cadence
 from . import cleanup as _cleanup
 from . import history as _history
 from . import hosts as _hosts
+from . import lossy as _lossy
 from . import marks as _marks
 from . import peers as _peers
 from . import preemption as _preemption
@@ -85,6 +86,8 @@ class CheckpointManager:
         bigger than the budget is staged on its own. ``None``: everything at once.
       peer_copies: a local directory per host: each host's part of every step is also kept
         on this many partner hosts (a ring), to restore a lost host from (docs/storage.md).
+      compression, quantize: as ``jaxckpt.save`` takes them, encoded in a save's background part;
+        past ``Quantize.max_lossy_resumes`` lossy resumes, quantized leaves are saved exactly.
       read_only: list, restore and inspect only: never write, delete or clean. Any
         number of read-only managers (notebooks, evaluators) may watch a directory that
         a training run is writing.
@@ -116,7 +119,8 @@ class CheckpointManager:
                  clock: Callable[[], float] = time.time, read_only: bool = False,
                  persistent_directory: Any = None, persistent_interval_steps: int | None = None,
                  persistent_max_to_keep: int | None = None, verify_before_delete: bool = False,
-                 max_staging_bytes: int | None = None, peer_copies: int = 0):
+                 max_staging_bytes: int | None = None, peer_copies: int = 0, compression: Any = None,
+                 quantize: Any = None):
         policy = _retention.RetentionPolicy.make(
             max_to_keep=max_to_keep, keep_period=keep_period, keep_time_interval=keep_time_interval,
             best_metric=best_metric, best_mode=best_mode, keep_best=keep_best)
@@ -124,6 +128,7 @@ class CheckpointManager:
         self._dir = _location.resolve(directory)
         self._interval, self._async, self._verify = save_interval_steps, async_save, bool(verify_before_delete)
         self._staging = _snapshot.staging_budget(max_staging_bytes)
+        self._codecs = _lossy.Codecs(compression, quantize)
         self._timeout, self._clock, self._read_only = timeout_s, clock, read_only
         self._lock = threading.RLock()
         self._saves = _Saves(self._lock, max_pending, self._dir, self._after_write)
@@ -281,7 +286,7 @@ class CheckpointManager:
             save failed (chained to the original exception).
         """
         t_start = time.perf_counter()
-        step = self._check_step(step, force)
+        step = _check_step(self, step, force)
         if not force and step % self._interval != 0:
             return False
         metrics = _check_metrics(metrics)
@@ -289,24 +294,12 @@ class CheckpointManager:
         op_id = _distributed.next_id()  # in program order, the same in every process
         snap = _snapshot.snapshot(state, copy_host_arrays=self._async,
                                   group=self._groups.mine if self._groups.per_host else (), budget=self._staging,
-                                  groups=self._groups.groups if self._groups.per_host else ())
+                                  groups=self._groups.groups if self._groups.per_host else (),
+                                  **self._codecs.save_options())
         blocking = time.perf_counter() - t_start
         job = functools.partial(self._write, step, snap, metrics, t_start, blocking, op_id)
         self._saves.start(step, job, snap, self._executor if self._async else None)
         return True
-
-    def _check_step(self, step: Any, force: bool) -> int:
-        """Refuse a save this manager can never do right. Depends only on the listed
-        steps and this manager's own saves: the same in every process (with per-host
-        directories, until a ``reload`` lists what each host's directory holds)."""
-        self._check_open()
-        if self._read_only:
-            raise CheckpointError(f"CheckpointManager for '{self._dir}' is read-only: save() is not allowed")
-        # A lost writer lease is not checked here: only the process holding it knows, and
-        # raising in it alone would skip its operation counter. The commit refuses it instead
-        # (``cleanup.check_lease`` in ``_write``), and every process learns that outcome.
-        with self._lock:
-            return _new_step(step, force, self._dir, self._steps.local, self._saves.submitted)
 
     def _write(self, step: int, snap: _snapshot.Snapshot, metrics: dict | None, t_start: float,
                blocking: float, op_id: int) -> Any:
@@ -375,6 +368,7 @@ class CheckpointManager:
         step = _step_to_restore(step, self._dir)
         read = functools.partial(_restore.restore, target=target, shardings=shardings, partial=partial,
                                  allow_narrowing=allow_narrowing, key_map=key_map, missing=missing)
+        read = self._codecs.counting(read)  # with quantize: count the lossy resumes
         # the settling below may run retention: it must not take the step asked for (a
         # delete retention deferred meanwhile runs after the next save, as always)
         with self._pins.hold(step if step in self._steps.local else None):
@@ -491,6 +485,20 @@ class CheckpointManager:
         """The notebook view: directory, mode, committed steps, totals, cadence advice."""
         mode = "read-only" if self._read_only else "writer"
         return _html.render_manager(str(self._dir), mode, self._steps.infos(), self._clock(), self._advice)
+
+
+def _check_step(mgr: CheckpointManager, step: Any, force: bool) -> int:
+    """Refuse a save this manager can never do right. Depends only on the listed
+    steps and this manager's own saves: the same in every process (with per-host
+    directories, until a ``reload`` lists what each host's directory holds)."""
+    mgr._check_open()
+    if mgr._read_only:
+        raise CheckpointError(f"CheckpointManager for '{mgr._dir}' is read-only: save() is not allowed")
+    # A lost writer lease is not checked here: only the process holding it knows, and
+    # raising in it alone would skip its operation counter. The commit refuses it instead
+    # (``cleanup.check_lease`` in ``_write``), and every process learns that outcome.
+    with mgr._lock:
+        return _new_step(step, force, mgr._dir, mgr._steps.local, mgr._saves.submitted)
 
 
 def _restore_here(mgr: CheckpointManager, step: int | None, read: Callable[[Any], Any]) -> Any:
