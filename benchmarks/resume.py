@@ -22,7 +22,8 @@ until committed: its copy included) and ``async_save=True`` (the copy of step k 
 where the manager settles it: the save of step k + 1, or ``wait_until_finished``); per
 save the time the loop spent inside ``save()`` (slowest process), medians.
 
-    python benchmarks/resume.py [--procs 4] [--mib 512] [--reps 3] [--saves 4] [--gap 1] [--smoke]
+    python benchmarks/resume.py [--procs 4] [--mib 512] [--reps 3] [--saves 4] [--gap 1]
+                                [--part all|resume|save] [--smoke]
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+# this folder's scripts are not modules: benchmarks/compression.py would shadow the
+# `compression` package that jax's import chain asks for
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 
 def free_port() -> int:
@@ -190,6 +194,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--saves", type=int, default=4)
     parser.add_argument("--gap", type=float, default=1.0)
+    parser.add_argument("--part", choices=("all", "resume", "save"), default="all")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--worker", nargs=4)
     opts = parser.parse_args()
@@ -207,25 +212,35 @@ def main() -> None:
     try:
         print(f"{opts.procs} processes, {opts.mib} MiB sharded over them, local directories in {scratch}, "
               f"the bucket on moto; {opts.reps} repetitions")
-        times = resume(opts, dict(env, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing"), scratch,
-                       durable)
-        names = {"a": "(a) all local", "b": "(b) one host from its peer", "c": "(c) one host lost, from the bucket"}
-        print("| resume | spawn to restored [s] | manager start + restore [s] | each run (spawn to restored) |")
-        print("|---|---:|---:|---|")
-        for case, runs in times.items():
-            print(f"| {names[case]} | {statistics.median(r[0] for r in runs):.2f} | "
-                  f"{statistics.median(r[1] for r in runs):.2f} | {', '.join(f'{r[0]:.2f}' for r in runs)} |")
-        cost = save_cost(opts, env, scratch)
-        print("| save | peer_copies=0 [s] | peer_copies=1 [s] | extra [s] |")
-        print("|---|---:|---:|---:|")
-        for asynchronous, label in ((False, "async_save=False (inside save: write, commit, copy)"),
-                                    (True, "async_save=True (inside save: the previous step's copy)")):
-            a, b = statistics.median(cost[(0, asynchronous)]), statistics.median(cost[(1, asynchronous)])
-            print(f"| {label} | {a:.2f} | {b:.2f} | {b - a:+.2f} |")
+        if opts.part != "save":
+            report_resume(resume(opts, dict(env, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing"),
+                                 scratch, durable))
+        if opts.part != "resume":
+            report_save(save_cost(opts, env, scratch))
     finally:
         server.terminate()
         server.wait(10)
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def report_resume(times: dict[str, list[tuple[float, float]]]) -> None:
+    names = {"a": "(a) all local", "b": "(b) one host from its peer", "c": "(c) one host lost, from the bucket"}
+    print("| resume | spawn to restored [s] | manager start + restore [s] | each run (spawn to restored) |")
+    print("|---|---:|---:|---|")
+    for case, runs in times.items():
+        print(f"| {names[case]} | {statistics.median(r[0] for r in runs):.2f} | "
+              f"{statistics.median(r[1] for r in runs):.2f} | {', '.join(f'{r[0]:.2f}' for r in runs)} |")
+
+
+def report_save(cost: dict[tuple[int, bool], list[float]]) -> None:
+    print("| save | peer_copies=0 [s] | peer_copies=1 [s] | extra [s] | each save, peer_copies=0 / 1 |")
+    print("|---|---:|---:|---:|---|")
+    for asynchronous, label in ((False, "async_save=False (inside save: write, commit, copy)"),
+                                (True, "async_save=True (inside save: the previous step's copy)")):
+        a, b = cost[(0, asynchronous)], cost[(1, asynchronous)]
+        each = f"{', '.join(f'{x:.2f}' for x in a)} / {', '.join(f'{x:.2f}' for x in b)}"
+        print(f"| {label} | {statistics.median(a):.2f} | {statistics.median(b):.2f} | "
+              f"{statistics.median(b) - statistics.median(a):+.2f} | {each} |")
 
 
 if __name__ == "__main__":

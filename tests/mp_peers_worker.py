@@ -105,6 +105,9 @@ def main():
         out["steps"] = mgr.all_steps()
     out["on_disk"] = listing(local)
     out["peers"] = peer_listing()
+    top = os.path.join(local, ".jaxckpt-peers")
+    out["peer_attempts"] = sorted(n for d in (os.listdir(top) if os.path.isdir(top) else [])
+                                  for n in os.listdir(os.path.join(top, d)) if n.startswith("."))
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -70,6 +70,7 @@ def test_a_failed_peer_copy_fails_the_save_in_every_process(tmp_path):
         assert list(res[p]["save_errors"]) == ["2"]
         assert res[p]["steps"] == [1, 3] and res[p]["on_disk"] == ["1", "3"]
         assert res[p]["peers"] == {f"p{1 - p}": ["1", "3"]}
+        assert res[p]["peer_attempts"] == []  # the failed copy's staging went with the next copy
     assert res[1]["save_errors"]["2"].endswith(
         "the peer copy failed (the step is deleted on every host): process 1: OSError: [Errno 28] No space left "
         "on device (injected)")

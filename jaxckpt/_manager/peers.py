@@ -369,7 +369,10 @@ class PeerCopies:
 
     def _stage(self, step: int, incoming: list[tuple[int, int]],
                files: dict[int, list[tuple[str, int]]]) -> dict[int, tuple[Location, Location, str]]:
-        """This receiver's staging attempts, after checking that the parts fit."""
+        """This receiver's staging attempts, after checking that the parts fit (an earlier
+        copy that failed first gives back its room)."""
+        for source, _ in incoming:
+            drop_attempts(peer_root(self.dir, source).local)
         need = sum(n for s, _ in incoming for _, n in files[s])
         if incoming:
             free = free_bytes(self.dir.local)
@@ -396,17 +399,30 @@ class PeerCopies:
         keep = set(keep)
         top = os.path.join(self.dir.local, PEERS_DIR)
         for name in sorted(os.listdir(top)) if os.path.isdir(top) else []:
-            root = os.path.join(top, name)
-            for entry in sorted(os.listdir(root)):
-                step = _commit.parse_step_name(entry)
-                try:
-                    if step is None and entry.startswith("."):
-                        shutil.rmtree(os.path.join(root, entry)) if os.path.isdir(os.path.join(root, entry)) \
-                            else os.remove(os.path.join(root, entry))
-                    elif step is not None and step not in keep:
+            drop_attempts(os.path.join(top, name))
+            for step in _commit.discover_steps(self.dir.child(PEERS_DIR).child(name)):
+                if step not in keep:
+                    try:
                         _commit.delete_step(self.dir.child(PEERS_DIR).child(name), step, _commit.new_token())
-                except OSError as e:
-                    _log.warning("jaxckpt: dropping peer copy %s in '%s' failed: %s", entry, root, e)
+                    except OSError as e:
+                        _log.warning("jaxckpt: dropping the peer copy of step %d in '%s' failed: %s", step, top, e)
+
+
+def drop_attempts(root: str) -> None:
+    """Remove the hidden attempts (and their claims) under a peer copies' directory:
+    copies that failed or were killed. Only the thread that settles saves copies, so none
+    is in progress when this runs."""
+    for entry in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        if not entry.startswith("."):
+            continue
+        path = os.path.join(root, entry)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+        except OSError as e:
+            _log.warning("jaxckpt: removing '%s' failed: %s", path, e)
 
 
 def _ready(op: _distributed.Operation, prepare: Any) -> Any:
