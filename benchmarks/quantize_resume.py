@@ -9,9 +9,8 @@ larger (256-1024-1024-1024-16, 2.4M parameters), learns a fixed random teacher n
 state at step N continues ``--k`` steps four ways:
 
 * ``exact``: the state as it is (what a lossless checkpoint restores), data seed 0;
-* ``lossy``: ``mu`` and ``nu`` through ``jaxckpt._quantize`` (encode -> decode, each leaf
-  one chunk as the format-3 writer would cut a leaf of <= 4 MiB; the codec's 128-value
-  blocks make a cut at any multiple of 128 values the same), same data as ``exact``;
+* ``lossy``: the state saved with ``jaxckpt.save(quantize={"opt/*/mu/*": "int8",
+  "opt/*/nu/*": "int4"})`` and restored (``mu`` int8, ``nu`` int4), same data as ``exact``;
 * ``lossy x3``: the same, quantized again at N + k/3 and N + 2k/3: three lossy resumes,
   the default ``max_lossy_resumes`` after which the manager saves the moments exactly;
 * ``noise``: exact continuations whose batches after step N come from data seeds
@@ -26,6 +25,7 @@ held-out set of 4096 examples every 10 steps. Prints the tables and writes
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,8 +40,8 @@ import optax
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+import jaxckpt
 from jaxckpt import _quantize as q
-from jaxckpt._tree import flatten, unflatten
 
 SIZES = [256, 1024, 1024, 1024, 16]
 BATCH = 128
@@ -89,29 +89,23 @@ def make_step(opt):
 
 
 def quantize_state(state):
-    """The state as a restore of a quantized checkpoint would give it back."""
-    leaves, treedef = flatten(state)
-    out = []
-    for path, leaf in leaves:
-        form = RULES.form_for(path)
-        if form is None:
-            out.append(leaf)
-            continue
-        a = np.asarray(leaf)
-        q.check_leaf(path, a.dtype, a.shape, form)
-        out.append(jnp.asarray(q.decode(q.encode(a, form), a.shape, a.dtype, form)))
-    return unflatten(treedef, out)
+    """The state as a restore of a quantized checkpoint gives it back: saved with
+    ``jaxckpt.save(quantize=RULES)`` into a temporary directory and restored."""
+    with tempfile.TemporaryDirectory() as d:
+        jaxckpt.save(os.path.join(d, "c"), state, quantize=RULES)
+        return jaxckpt.restore(os.path.join(d, "c"), state)
 
 
 def storage(state):
-    """(stored bytes with the rules, bytes stored exactly): every leaf one chunk."""
-    stored = exact = 0
-    for path, leaf in flatten(state)[0]:
-        a = np.asarray(leaf)
-        form = RULES.form_for(path) if a.ndim else None
-        exact += a.nbytes
-        stored += q.encoded_nbytes(a.shape, form) if form else a.nbytes
-    return stored, exact
+    """(stored bytes with the rules, bytes stored exactly): what a save's entries take
+    (``stored_nbytes``, checksums included) with ``quantize=RULES`` and without."""
+    out = []
+    with tempfile.TemporaryDirectory() as d:
+        for rules in (RULES, None):
+            jaxckpt.save(os.path.join(d, str(rules is None)), state, quantize=rules)
+            view = jaxckpt.open(os.path.join(d, str(rules is None)))
+            out.append(view.summary()["stored_bytes"])
+    return out[0], out[1]
 
 
 def train(step, state, seed, start, k, evaluate):
@@ -295,7 +289,7 @@ def report_storage(state):
     stored, exact = storage(state)
     adam = state["opt"][0]
     moments = sum(np.asarray(a).nbytes for a in jax.tree.leaves((adam.mu, adam.nu)))
-    print("\n| storage (every leaf one chunk) | bytes | fraction of float32 |\n|---|---:|---:|")
+    print("\n| storage (a save's entries, checksums included) | bytes | fraction of float32 |\n|---|---:|---:|")
     print(f"| whole state exact (params + mu + nu + count) | {exact:,} | 1.000 |")
     print(f"| params exact, mu int8, nu int4 | {stored:,} | {stored / exact:.3f} |")
     print(f"| mu + nu alone | {moments:,} -> {stored - (exact - moments):,} | "

@@ -522,11 +522,28 @@ def _lay_out_streams(arrays: list[_ArrayLeaf], group: tuple[int, ...] = (),
         layout = _hoststreams.lay_out(payloads, [a.chunks for a in arrays], groups, group,
                                       [a.writers for a in arrays], functools.partial(_group_writers, arrays))
     else:
-        layout = _streams.plan(zip(payloads, [a.writers for a in arrays]))
+        layout = _plan_streams(payloads, [a.writers for a in arrays])
     for a, payload, runs in zip(arrays, payloads, layout.runs):
         a.fields.update(store="stream", key="", codec=_streams.CODEC_RAW,
                         entry_bytes=_streams.entry_bytes_for(payload), runs=runs)
     return layout.streams
+
+
+# The last layout planned, for a save of the same leaves with the same writer lists (a
+# training loop saves one state over and over): its key, the writer lists it was made
+# of (kept, so their ids stay theirs) and the layout.
+_LAST_LAYOUT: list[Any] = [None, None, None]
+
+
+def _plan_streams(payloads: list[int], writers: list[Any]) -> _streams.Layout:
+    """``_streams.plan``, or the last save's layout when it was of the same leaves."""
+    key = tuple(zip(payloads, map(id, writers)))
+    last_key, last_writers, layout = _LAST_LAYOUT
+    if key == last_key and all(a is b for a, b in zip(writers, last_writers)):
+        return _streams.Layout(layout.runs, dict(layout.streams))
+    layout = _streams.plan(zip(payloads, writers))
+    _LAST_LAYOUT[:] = [key, writers, layout]
+    return layout
 
 
 def _start_transfers(arrays: list[_ArrayLeaf], me: int) -> None:
