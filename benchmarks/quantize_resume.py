@@ -104,7 +104,8 @@ def storage(state):
         for rules in (RULES, None):
             jaxckpt.save(os.path.join(d, str(rules is None)), state, quantize=rules)
             view = jaxckpt.open(os.path.join(d, str(rules is None)))
-            out.append(view.summary()["stored_bytes"])
+            out.append(sum(view[p].stored_nbytes for p in view.keys() if view[p] is not None
+                           and hasattr(view[p], "stored_nbytes")))
     return out[0], out[1]
 
 

@@ -313,8 +313,8 @@ class LeafInfo(NamedTuple):
     sharding: _layout.SavedSharding | None
     path: str = ""
     nbytes: int = 0
-    codec: str = "raw"  # how its chunks are stored: "raw", or a lossless codec ("zstd", "blosc")
-    stored_bytes: int = 0  # what its data takes (format 3: its entries, checksums included)
+    codec: str = "raw"  # how its chunks are stored: "raw", a lossless codec ("zstd", "blosc") or "int8"/"int4"
+    stored_bytes: int | None = None  # not raw: what its entries take (checksums included)
 
 
 class CheckpointInfo(NamedTuple):
@@ -335,8 +335,9 @@ def _leaf_info(rec: LeafRecord) -> Any:
         shape = rec.shape[: rec.key_ndim]
     else:
         dtype, shape = _dtypes.DTYPES[rec.dtype], rec.shape
+    codec = rec.codec or "raw"
     return LeafInfo(shape, dtype, _layout.sharding_from_json(rec.sharding), rec.path, rec.nbytes,
-                    rec.codec or "raw", rec.stored_nbytes)
+                    codec, None if codec == "raw" else rec.stored_nbytes)
 
 
 def metadata(path: Any) -> CheckpointInfo:

@@ -219,13 +219,15 @@ def show_command(path: str, as_json: bool, depth: int | None) -> None:
 
     info = jaxckpt.metadata(path)
     tree = _describe(info.tree, "", depth, 0)
+    codecs, stored_bytes = _stored(info.tree)
     if as_json:
-        _emit_json({"path": info.path, "format_version": info.format_version, "metadata": info.metadata,
-                    "bytes": tree["bytes"], "stored_bytes": tree["stored_bytes"], "leaves": tree["leaves"],
-                    "tree": tree})
+        doc = {"path": info.path, "format_version": info.format_version, "metadata": info.metadata,
+               "bytes": tree["bytes"], "leaves": tree["leaves"], "tree": tree}
+        if codecs:
+            doc.update(codecs=codecs, stored_bytes=stored_bytes)
+        _emit_json(doc)
         return
-    compressed = _compressed(info.tree)
-    stored = f" ({_human(tree['stored_bytes'])} stored, {compressed})" if compressed else ""
+    stored = f" ({_human(stored_bytes)} stored, {', '.join(codecs)})" if codecs else ""
     click.echo(f"{info.path}: {_leaves(tree['leaves'])}, {_human(tree['bytes'])}{stored}, "
                f"format version {info.format_version}")
     if info.metadata:
@@ -233,22 +235,23 @@ def show_command(path: str, as_json: bool, depth: int | None) -> None:
     _print_node(tree, 0)
 
 
-def _compressed(tree: Any) -> str:
-    """The codecs of a ``metadata()`` tree's compressed leaves (``"zstd"``), or ``""``."""
+def _stored(tree: Any) -> tuple[list[str], int]:
+    """The codecs of a ``metadata()`` tree's compressed or quantized leaves (none: ``[]``)
+    and the bytes its arrays' data takes."""
     from . import LeafInfo
 
     found: set[str] = set()
-
-    def walk(node: Any) -> None:
+    total = 0
+    stack = [tree]
+    while stack:
+        node = stack.pop()
         if isinstance(node, LeafInfo):
+            total += node.nbytes if node.stored_bytes is None else node.stored_bytes
             if node.codec != "raw":
                 found.add(node.codec)
         elif isinstance(node, (dict, list, tuple)):
-            for v in node.values() if isinstance(node, dict) else node:
-                walk(v)
-
-    walk(tree)
-    return ", ".join(sorted(found))
+            stack.extend(node.values() if isinstance(node, dict) else node)
+    return sorted(found), total
 
 
 def _describe(node: Any, path: str, depth: int | None, level: int) -> dict[str, Any]:
@@ -259,14 +262,16 @@ def _describe(node: Any, path: str, depth: int | None, level: int) -> dict[str, 
         sh = node.sharding
         spec = None if sh is None else (str(sh.spec) if sh.type == "named" else sh.type)
         mesh = None if sh is None or sh.type != "named" else sh.mesh_shape
-        return {"path": path, "kind": "array", "shape": list(node.shape), "dtype": str(node.dtype),
-                "spec": spec, "mesh": mesh, "bytes": node.nbytes, "codec": node.codec,
-                "stored_bytes": node.stored_bytes, "leaves": 1}
+        out = {"path": path, "kind": "array", "shape": list(node.shape), "dtype": str(node.dtype),
+               "spec": spec, "mesh": mesh, "bytes": node.nbytes, "leaves": 1}
+        if node.codec != "raw":  # compressed or quantized (issue 23)
+            out.update(codec=node.codec, stored_bytes=node.stored_bytes)
+        return out
     if isinstance(node, (dict, list, tuple)):
         items = node.items() if isinstance(node, dict) else enumerate(node)
         kids = [_describe(v, f"{path}/{k}" if path else str(k), depth, level + 1) for k, v in items]
         out = {"path": path, "kind": "tree", "bytes": sum(k["bytes"] for k in kids),
-               "stored_bytes": sum(k.get("stored_bytes", 0) for k in kids), "leaves": sum(k["leaves"] for k in kids)}
+               "leaves": sum(k["leaves"] for k in kids)}
         if depth is None or level < depth or out["leaves"] == 1:  # one leaf: its line, merged
             out["children"] = kids
         return out
@@ -285,7 +290,7 @@ def _print_node(node: dict[str, Any], indent: int) -> None:
             where = kid["spec"] or "host"
             if kid["mesh"]:
                 where += " on " + ",".join(f"{k}={v}" for k, v in kid["mesh"].items())
-            stored = "" if kid["codec"] == "raw" else f" ({kid['codec']}: {_human(kid['stored_bytes'])} stored)"
+            stored = f" ({kid['codec']}: {_human(kid['stored_bytes'])} stored)" if "codec" in kid else ""
             click.echo(f"{pad}{name}  {kid['dtype']}{kid['shape']}  {where}  {_human(kid['bytes'])}{stored}")
         elif kid["kind"] == "value":
             click.echo(f"{pad}{name}  = {kid['value']!r}")

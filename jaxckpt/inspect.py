@@ -254,14 +254,13 @@ class CheckpointView:
         raise KeyError(f"'{key}' is not a key path in checkpoint '{self._loc}'")
 
     def rows(self) -> list[dict[str, Any]]:
-        """One row per leaf: path, kind, shape, dtype, bytes, saved sharding, codec and
-        stored bytes."""
+        """One row per leaf: path, kind, shape, dtype, bytes, saved sharding."""
         rows = []
         for path in self.keys():
             rec = self._by_path[self._prefix + path]
             if rec.kind == "value":
                 rows.append({"path": path, "kind": "value", "shape": "", "dtype": type(rec.value).__name__,
-                             "bytes": 0, "sharding": repr(rec.value)[:60], "codec": "", "stored_bytes": 0})
+                             "bytes": 0, "sharding": repr(rec.value)[:60]})
                 continue
             sharding = _layout.sharding_from_json(rec.sharding)
             where = "host" if sharding is None else (
@@ -271,7 +270,7 @@ class CheckpointView:
             else:
                 kind, shape, dtype = rec.kind, rec.shape, rec.dtype
             rows.append({"path": path, "kind": kind, "shape": shape, "dtype": dtype, "bytes": rec.nbytes,
-                         "sharding": where, "codec": rec.codec or "raw", "stored_bytes": rec.stored_nbytes})
+                         "sharding": where})
         return rows
 
     def summary(self) -> dict[str, Any]:
@@ -294,9 +293,7 @@ class CheckpointView:
                 arrays += 1
                 dtype = rec.dtype if rec.kind == "array" else f"key<{rec.impl}>"
                 by_dtype[dtype] = by_dtype.get(dtype, 0) + rec.nbytes
-        stored = sum(self._by_path[self._prefix + p].stored_nbytes for p in self.keys()
-                     if self._by_path[self._prefix + p].kind != "value")
-        return {"leaves": len(self), "arrays": arrays, "bytes": self.nbytes, "stored_bytes": stored,
+        return {"leaves": len(self), "arrays": arrays, "bytes": self.nbytes,
                 "by_dtype": dict(sorted(by_dtype.items())), "by_subtree": dict(sorted(by_subtree.items()))}
 
     def stats(self, key: str | None = None, *,

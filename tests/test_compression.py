@@ -216,9 +216,8 @@ def test_show_and_the_notebook_view_give_codec_and_stored_size(tmp_path):
     assert out[0] == f"{tmp_path / 'c'}: 2 leaves, 272.0 KiB (16.0 KiB stored, zstd), format version 3"
     assert "opt/mu  float32[256, 256]  host  256.0 KiB (zstd: 0 B stored)" in out
     view = jaxckpt.open(tmp_path / "c")
-    assert view.summary()["stored_bytes"] == 64 * 64 * 4 + 4
-    assert {r["path"]: (r["codec"], r["stored_bytes"]) for r in view.rows()} == {
-        "opt/mu": ("zstd", 0), "w": ("raw", 64 * 64 * 4 + 4)}
+    assert {p: (view[p].codec, view[p].stored_nbytes, view[p].nbytes) for p in view.keys()} == {
+        "opt/mu": ("zstd", 0, 256 * 256 * 4), "w": ("raw", 64 * 64 * 4 + 4, 64 * 64 * 4)}
     html = view._repr_html_()
     assert '<span title="16,388 bytes stored">(16.0 KiB stored, zstd)</span>' in html
 
@@ -282,8 +281,8 @@ def test_quantized_moments_come_back_within_their_bounds_params_exact(tmp_path):
     assert ((nu > 0) == (nu0 > 0)).all()  # a positive second moment never comes back as 0
     assert back["opt"]["count"] == 4
     assert jaxckpt.verify(tmp_path / "c").ok
-    stored = {r["path"]: r["stored_bytes"] for r in jaxckpt.open(tmp_path / "c").rows()}
-    assert stored["opt/mu"] < mu0.nbytes * 0.3 and stored["opt/nu"] < nu0.size * 2 * 0.3
+    view = jaxckpt.open(tmp_path / "c")
+    assert view["opt/mu"].stored_nbytes < mu0.nbytes * 0.3 and view["opt/nu"].stored_nbytes < nu0.size * 2 * 0.3
 
 
 @pytest.mark.parametrize("quantize, message", [
