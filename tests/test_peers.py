@@ -120,7 +120,9 @@ def test_a_full_ram_disk_fails_the_save_before_a_byte_moves(tmp_path):
         assert res[p]["steps"] == [1, 2], res[p]
         assert res[p]["on_disk"] == ["1", "2"] and res[p]["peers"] == {f"p{1 - p}": ["1", "2"]}
         error = res[p]["save_errors"]["3"]
-        assert "no room for the peer copies of step 3 in " in error, error
+        # its own cause (both hosts are full): the bytes its partner's part takes, and what is free
+        assert f"no room for the peer copies of step 3 in '{tmp_path / f'host{p}'}' (process {p}): they take " \
+            in error, error
         assert "on a RAM disk (/dev/shm) each host holds max_to_keep steps of its own and of its 1 partner(s)" \
             in error
 

@@ -436,14 +436,14 @@ def _ready(op: _distributed.Operation, prepare: Any) -> Any:
     except Exception as e:  # noqa: BLE001 - every process hears of it
         error = e
     op.post("ready", error if error is not None else b"")
+    if error is not None:  # its own cause first; the others hear of it at "ready"
+        op.post("go", error)
+        raise error
     try:
         op.wait_for("ready", _hosts.others())
     except CheckpointError as e:
         op.post("go", e)
         raise
-    if error is not None:
-        op.post("go", error)
-        raise error
     op.post("go")
     op.wait_for("go", _hosts.others())
     return result
