@@ -152,3 +152,18 @@ def test_the_ring_and_the_repair_plan():
     assert peers.plan_repair(held, copies, set(), None) == (5, {})
     # host 1 lost a file of step 5 since its commit: its digest differs from the recorded one
     assert peers.plan_repair({0: {5: "a5"}, 1: {5: "b5-short"}}, copies, set(), None) == (5, {1: 0})
+
+
+def test_peer_copies_need_a_directory_per_host(tmp_path):
+    """One process (one group): refused by name, and the refused manager's lease is given
+    back (the next manager starts)."""
+    import jaxckpt
+
+    with pytest.raises(jaxckpt.CheckpointError) as e:
+        jaxckpt.CheckpointManager(tmp_path, peer_copies=1)
+    assert str(e.value) == (f"peer_copies=1 needs a local directory per host, but '{tmp_path}' is shared by every "
+                            "process of this job (1 process(es), one group)")
+    with pytest.raises(jaxckpt.CheckpointError, match=r"^peer_copies must be a non-negative int, got -1$"):
+        jaxckpt.CheckpointManager(tmp_path, peer_copies=-1)
+    with jaxckpt.CheckpointManager(tmp_path, peer_copies=0) as mgr:
+        assert mgr.all_steps() == []
