@@ -14,7 +14,7 @@ and the same for a bfloat16 copy of the params (``--bf16``: a state whose weight
 bfloat16). Every lossless restore is checked bit for bit. Also the blocking part of an
 async save (``CheckpointManager.save``) with and without a codec. Medians of ``--reps``.
 
-    python benchmarks/compression.py --steps 300 --reps 3
+    python benchmarks/checkpoint_size.py --steps 300 --reps 3
 """
 
 from __future__ import annotations
