@@ -20,7 +20,8 @@ The fault points (``grep -rn "_storage.fault(" jaxckpt``), in the order a save m
 
 * ``data:start`` (each process, before any of its data), ``write`` (before each chunk
   write; key: the array's data key, ``0``, ``packed/p0``, ...), ``copy`` (each file a
-  persistent-tier copy writes);
+  persistent-tier copy writes), ``peer`` (each wave of a peer copy a partner host
+  writes, key the copy's directory; ``_manager/peers``);
 * ``commit:before-manifest``, ``manifest:partial`` (local: half of the manifest's bytes
   written), ``commit:after-manifest``;
 * local: ``commit:between-renames`` (an overwrite without ``RENAME_EXCHANGE``: the old
