@@ -15,14 +15,22 @@ Its 404 for a missing bucket has a body tensorstore cannot parse, so that case i
 reported as "INTERNAL: Failed to parse response metadata" (real GCS sends a JSON error).
 """
 
+import sys
+import tracemalloc
+
+import crc32c
 import jax
 import numpy as np
 import pytest
 from conftest import assert_bit_equal, sharded
 
 import jaxckpt
-from jaxckpt import _commit
+from jaxckpt import _claims, _commit, _snapshot
+from jaxckpt._storage import dataobjects as _dataobjects
+from jaxckpt._storage import gcs as _gcs
+from jaxckpt._storage import kvstore as _kvstore
 from jaxckpt._storage import location as _location
+from jaxckpt._storage import uploads as _uploads
 
 
 def test_gs_url_resolves_to_a_gcs_kvstore():
@@ -115,3 +123,160 @@ def test_missing_bucket_is_a_checkpoint_error_naming_the_url(gcs_server):
             call(url)
         assert type(e.value) is jaxckpt.CheckpointError
         assert f"'{url}' failed" in str(e.value)
+
+
+# --- format 3's data objects in composed parts (issue 22) --------------------------------
+
+
+def composes(monkeypatch):
+    """The compose requests sent from now on: ``(destination, number of sources)``."""
+    sent, real = [], _gcs._post
+
+    def post(path, body, doing, bound):
+        sent.append((path.split("/o/", 1)[1].removesuffix("/compose").replace("%2F", "/"), len(body["sourceObjects"])))
+        return real(path, body, doing, bound)
+
+    monkeypatch.setattr(_gcs, "_post", post)
+    return sent
+
+
+def test_crc32c_of_a_concatenation():
+    a, b = np.random.default_rng(0).bytes(1000), np.random.default_rng(1).bytes(777)
+    assert _gcs.crc32c_combine(crc32c.crc32c(a), crc32c.crc32c(b), len(b)) == crc32c.crc32c(a + b)
+    assert _gcs.crc32c_combine(crc32c.crc32c(a), 0, 0) == crc32c.crc32c(a)
+    assert _gcs.crc32c_combine(0, crc32c.crc32c(b), len(b)) == crc32c.crc32c(b)
+
+
+def test_a_stream_goes_up_in_parts_never_assembled_whole(gcs_server, monkeypatch):
+    # 24 entries of 1 MiB in segments of 8 MiB and parts of 1 MiB. Before issue 22's GCS
+    # parts, the writer held every segment whole in memory (24 MiB) until close.
+    monkeypatch.setattr(_uploads, "PART_BYTES", 1 << 20)
+    sent = composes(monkeypatch)
+    root = _location.resolve(gcs_server("parts/stream")).child("data")
+    stride, payload = 1 << 20, (1 << 20) - 64
+    data = np.random.default_rng(5).integers(0, 255, (24, payload), dtype=np.uint8)
+    length = 23 * stride + payload + _dataobjects.CRC_BYTES
+    tracemalloc.start()
+    try:
+        with _dataobjects.StreamWriter(root, 0, length, 8 << 20) as w:
+            for i in range(24):
+                w.write_entry(i * stride, data[i])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 12 << 20, f"{peak / 2**20:.1f} MiB held for a 24 MiB stream"
+    assert gcs_server.keys("parts/stream/") == [f"parts/stream/data/p0.{n}" for n in range(3)]
+    assert sorted(sent) == [(f"parts/stream/data/p0.{n}", 8) for n in range(3)]
+    for i in (0, 7, 8, 23):  # the first, one at a segment's end and the next, the last
+        back = np.empty(payload, np.uint8)
+        _dataobjects.read_entry(root, 0, i * stride, payload, back, 8 << 20)
+        assert_bit_equal(back, data[i])
+
+
+def big_tree(v):
+    return {"big": np.arange(1 << 21, dtype=np.float32).reshape(4, -1) + v, "step": np.int64(v)}
+
+
+def test_a_save_composes_in_rounds_and_leaves_no_parts(gcs_server, monkeypatch):
+    monkeypatch.setattr(_snapshot, "SEGMENT_BYTES", 6 << 20)
+    monkeypatch.setattr(_uploads, "PART_BYTES", 1)  # raised to gcs.MIN_PART_BYTES, 256 KiB
+    monkeypatch.setattr(_gcs, "COMPOSE_SOURCES", 4)
+    sent = composes(monkeypatch)
+    url = gcs_server("parts/save")
+    jaxckpt.save(url, big_tree(1))
+    data = _commit.read_manifest(_location.resolve(url)).data
+    assert gcs_server.keys("parts/save/") == [f"parts/save/{data}/data/p0.{n}" for n in (0, 1)] + [
+        "parts/save/manifest.json"]
+    # p0.0 (6 MiB): 24 parts -> 6 -> 2 -> 1; p0.1 (2 MiB and the step): 9 parts -> 3 -> 1
+    p00, p01 = (f"parts/save/{data}/data/p0.{n}" for n in (0, 1))
+    assert sorted(n for dest, n in sent if dest.startswith(p00)) == sorted([4] * 6 + [4, 2] + [2])
+    assert sorted(n for dest, n in sent if dest.startswith(p01)) == [1, 3, 4, 4]
+    assert [dest for dest, _ in sent if dest in (p00, p01)] != []
+    back = jaxckpt.restore(url)
+    assert_bit_equal(back["big"], big_tree(1)["big"])
+    assert back["step"] == 1
+    assert jaxckpt.verify(url).ok
+
+
+def data_prefixes(gcs_server, prefix):
+    return sorted({k[len(prefix):].split("/")[1] for k in gcs_server.keys(prefix + "d/")
+                   if not k.endswith(_claims.CLAIM_SUFFIX)})
+
+
+@pytest.mark.parametrize("fault", ["part", "compose", "crc32c"])
+def test_a_failed_part_or_compose_fails_the_save_and_leaves_nothing(gcs_server, monkeypatch, fault):
+    monkeypatch.setattr(_snapshot, "SEGMENT_BYTES", 6 << 20)
+    monkeypatch.setattr(_uploads, "PART_BYTES", 2 << 20)
+    url = gcs_server(f"parts/failed-{fault}")
+    jaxckpt.save(url, big_tree(1))
+    old = _commit.read_manifest(_location.resolve(url)).data
+    real_write, real_post = _gcs.ObjectUpload._write, _gcs._post
+
+    def write(self, name, data):
+        if fault == "part" and name.endswith("p0.0.part2"):
+            raise jaxckpt.CheckpointError(f"Writing '{self.root.url}/{name}' failed: refused")
+        real_write(self, name, data)
+
+    def post(path, body, doing, bound):
+        if fault == "compose":
+            raise jaxckpt.CheckpointError(f"{doing} failed: HTTP 503: refused")
+        made = real_post(path, body, doing, bound)
+        return {**made, "crc32c": "AAAAAA=="} if fault == "crc32c" else made
+
+    monkeypatch.setattr(_gcs.ObjectUpload, "_write", write)
+    monkeypatch.setattr(_gcs, "_post", post)
+    want = {"part": r"p0\.0\.part2' failed: refused", "compose": r"p0\.0' \(composing 3 parts\) failed: HTTP 503",
+            "crc32c": r"p0\.\d' failed: the composed object has \d+ bytes and crc32c AAAAAA=="}[fault]
+    with pytest.raises(jaxckpt.CheckpointError, match=want):
+        jaxckpt.save(url, big_tree(2), overwrite=True)
+    assert data_prefixes(gcs_server, f"parts/failed-{fault}/") == [old[2:]]  # no new data, no parts
+    assert _commit.read_manifest(_location.resolve(url)).data == old
+    assert_bit_equal(jaxckpt.restore(url)["big"], big_tree(1)["big"])
+
+
+def test_a_crashed_upload_leaves_its_parts_to_the_dead_attempt_clean_up(gcs_server, monkeypatch):
+    monkeypatch.setattr(_snapshot, "SEGMENT_BYTES", 6 << 20)
+    monkeypatch.setattr(_uploads, "PART_BYTES", 2 << 20)
+    url, prefix = gcs_server("parts/crash"), "parts/crash/"
+    jaxckpt.save(url, big_tree(1))
+    # a crash during the compose: the process is gone, nothing is cleaned up
+    monkeypatch.setattr(_commit, "abort", lambda *a, **kw: None)
+    monkeypatch.setattr(_gcs.ObjectUpload, "abort", lambda self: None)
+
+    def crash(*a):
+        raise OSError("crashed")
+
+    monkeypatch.setattr(_gcs, "_post", crash)
+    with pytest.raises(jaxckpt.CheckpointError, match="crashed$"):
+        jaxckpt.save(url, big_tree(2), overwrite=True)
+    monkeypatch.undo()
+    dead = [p for p in data_prefixes(gcs_server, prefix) if f"d/{p}" != _commit.read_manifest(_location.resolve(url)).data]
+    assert len(dead) == 1
+    parts = [k for k in gcs_server.keys(f"{prefix}d/{dead[0]}/") if ".part" in k]
+    assert parts and all(k.startswith(f"{prefix}d/{dead[0]}/data/p0.") for k in parts)
+    # older than the grace period and its claim gone (its process is), the next save removes it
+    _kvstore.delete_blob(_location.resolve(url), f"d/{dead[0]}{_claims.CLAIM_SUFFIX}")
+    monkeypatch.setattr(_claims, "ATTEMPT_GRACE_S", -1.0)
+    jaxckpt.save(url, big_tree(3), overwrite=True)
+    assert not [k for k in gcs_server.keys(prefix) if ".part" in k]
+    assert data_prefixes(gcs_server, prefix) == [_commit.read_manifest(_location.resolve(url)).data[2:]]
+    assert_bit_equal(jaxckpt.restore(url)["big"], big_tree(3)["big"])
+
+
+def test_upload_file_composes_parts_and_without_a_token_puts_whole(gcs_server, monkeypatch, tmp_path):
+    monkeypatch.setattr(_uploads, "PART_BYTES", 1 << 20)
+    sent = composes(monkeypatch)
+    path = tmp_path / "p0.0"
+    path.write_bytes(np.random.default_rng(2).bytes((3 << 20) + 5))
+    root = _location.resolve(gcs_server("parts/file"))
+    _uploads.upload_file(root, "p0.0", str(path))
+    assert sent == [("parts/file/p0.0", 4)]
+    assert gcs_server.keys("parts/file/") == ["parts/file/p0.0"]
+    assert _kvstore.read_blob(root, "p0.0") == path.read_bytes()
+    # without the token and without google-auth (the gcs extra), no composing: one upload
+    monkeypatch.delenv(_gcs.TOKEN_ENV)
+    monkeypatch.setitem(sys.modules, "google.auth", None)
+    monkeypatch.setattr(_gcs, "_found", [])
+    assert not _gcs.composing(root)
+    assert _gcs._found == [None]
+    assert _uploads.parted_object(root, "p0.1") is None

@@ -37,11 +37,18 @@ checkpoint), so the attempt prefixes of ``_commit`` stay the caller's business.
   (``_upload_bound``: the I/O bound; boto3's timeouts end each request within it).
   ``upload_file`` puts a local data object (a copy to the persistent tier) the same way,
   each part read from the file just before it goes.
-* ``memory://`` and GCS (and S3 without boto3): ``StreamWriter`` assembles each
-  segment whole in host memory and ``close`` uploads it with one PUT (``write_segment``
-  through ``kvstore.write_blob``). GCS's multipart equivalent (the XML API's multipart
-  upload, or a resumable upload) needs a client of its own and is not built: nothing
-  here can test against GCS.
+* GCS (``gcs.composing``: a token for the compose request, ``GOOGLE_AUTH_TOKEN_FOR_TESTING``
+  or google-auth's credentials, the ``gcs`` extra): the same ``SegmentParts``, each
+  part a temporary object ``p<k>.<n>.part<i>`` written through tensorstore's ``write``;
+  ``close`` composes each segment's parts into it (one JSON API ``compose`` request per
+  32 parts; tensorstore has no compose), checks its size and crc32c, and deletes the
+  parts. A failure deletes the parts written (best effort); a crashed process leaves
+  them under its attempt's data prefix, which the clean-up of dead attempts deletes.
+  (GCS's XML API also has S3-style multipart uploads, with no temporary objects; the
+  local GCS emulator the tests run against has no XML API, so that route is not taken.)
+* ``memory://`` (and S3 without boto3, GCS without a token): ``StreamWriter``
+  assembles each segment whole in host memory and ``close`` uploads it with one PUT
+  (``write_segment`` through ``kvstore.write_blob``).
 
 Counted (``_storage.io_stats``) per entry, like ``chunkfiles`` counts per chunk: the
 payload bytes (not the checksum) and one write or read. Fault points: ``write`` before
@@ -164,7 +171,7 @@ class StreamWriter:
         self._parts: _uploads.SegmentParts | None = None
         self._closed = False
         if root.local is None:
-            if self.sizes and _uploads.s3_object(root, segment_name(process, 0)) is not None:
+            if self.sizes and _uploads.parted_object(root, segment_name(process, 0)) is not None:
                 self._parts = _uploads.SegmentParts(root, process, self.sizes, segment_bytes, length)
             else:
                 self._buffers = [bytearray(size) for size in self.sizes]
@@ -225,8 +232,8 @@ class StreamWriter:
 
     @property
     def blockwise(self) -> bool:
-        """Whether ``write_entry_blocks`` writes block by block (not on S3's multipart
-        uploads, whose parts keep views of what they are given: it joins the blocks)."""
+        """Whether ``write_entry_blocks`` writes block by block (not on uploads in parts,
+        S3's or GCS's, whose parts keep views of what they are given: it joins the blocks)."""
         return self._parts is None
 
     def write_entry_blocks(self, offset: int, blocks: Iterable[np.ndarray], nbytes: int) -> None:

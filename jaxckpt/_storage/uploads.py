@@ -1,13 +1,19 @@
-"""Format 3's data objects up to S3: multipart uploads through boto3 (the ``s3`` extra).
+"""Format 3's data objects up to S3 and GCS in parallel parts.
 
+S3: multipart uploads through boto3 (the ``s3`` extra; ``s3.ObjectUpload``):
 tensorstore's s3 kvstore has no multipart upload (its ``write`` sends a value with one
-PUT), so this goes through boto3 (``s3.ObjectUpload``). ``SegmentParts`` uploads each
-segment of a ``dataobjects.StreamWriter``'s stream as one multipart upload whose parts
-fill from the entries as they arrive (views, no copy until a part is whole) and go up
-at once, ``UPLOAD_THREADS`` in flight; ``upload_file`` puts a local data object (a copy
-to the persistent tier) the same way, each part read from the file just before it goes.
-Every wait is bounded (``_upload_bound``); a failure aborts the uploads begun (best
-effort). See ``dataobjects`` for the stream and its segments.
+PUT). GCS: parallel composite uploads (``gcs.ObjectUpload``): each part its own
+temporary object written through tensorstore, then one ``compose`` request and the
+parts' deletion (tensorstore has no compose; the request is ours). ``parted_object``
+picks one for a location, or none (``memory://``, S3 without boto3, GCS without a token
+or google-auth's credentials): then each object goes up whole.
+
+``SegmentParts`` uploads each segment of a ``dataobjects.StreamWriter``'s stream in
+parts that fill from the entries as they arrive (views, no copy until a part is whole)
+and go up at once, ``UPLOAD_THREADS`` in flight; ``upload_file`` puts a local data
+object (a copy to the persistent tier) the same way, each part read from the file just
+before it goes. Every wait is bounded (``_upload_bound``); a failure aborts the uploads
+begun (best effort). See ``dataobjects`` for the stream and its segments.
 """
 
 from __future__ import annotations
@@ -16,21 +22,25 @@ import functools
 import os
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Union
 
 from .._errors import CheckpointError
 from . import dataobjects as _dataobjects
+from . import gcs as _gcs
 from . import kvstore as _kvstore
 from . import s3 as _s3
 from .bounds import DEFAULT_IO_TIMEOUT_S, io_timeout_s
 from .location import Location
 
-# A multipart upload's part (raised to S3's minimum, ``s3.MIN_PART_BYTES``, and to what
-# keeps an object within 10,000 parts); an object that fits in one part is one PUT.
+# An upload's part (on S3 raised to its minimum, ``s3.MIN_PART_BYTES``, and to what keeps
+# an object within 10,000 parts; on GCS to ``gcs.MIN_PART_BYTES`` and ``gcs.MAX_PARTS``
+# parts); an object that fits in one part is one PUT.
 PART_BYTES = 64 << 20
 # Part uploads in flight at once per stream (or per ``upload_file``): each holds one part
 # buffer, so a writer holds at most this many part buffers.
 UPLOAD_THREADS = 8
+# An object going up in parts: the two have the same methods (put, part, complete, abort).
+Parted = Union[_s3.ObjectUpload, _gcs.ObjectUpload]
 
 
 def _upload_bound(nbytes: int) -> float:
@@ -40,11 +50,23 @@ def _upload_bound(nbytes: int) -> float:
     return (io_timeout_s() or DEFAULT_IO_TIMEOUT_S) + nbytes * _kvstore.SECONDS_PER_BYTE
 
 
-def s3_object(root: Location, name: str) -> _s3.ObjectUpload | None:
-    """An ``ObjectUpload`` of ``root/name`` on S3; ``None`` elsewhere or without boto3."""
-    if root.kvstore.get("driver") != "s3" or _s3.client_for(root) is None:
-        return None
-    return _s3.ObjectUpload(root, name)
+def parted_object(root: Location, name: str) -> Parted | None:
+    """An upload of ``root/name`` in parts: S3 multipart (with boto3) or GCS composite
+    (``gcs.composing``); ``None`` elsewhere: the object then goes up whole."""
+    driver = root.kvstore.get("driver")
+    if driver == "gcs" and _gcs.composing(root):
+        return _gcs.ObjectUpload(root, name)
+    if driver == "s3" and _s3.client_for(root) is not None:
+        return _s3.ObjectUpload(root, name)
+    return None
+
+
+def part_bytes_for(root: Location, size: int) -> int:
+    """The part size of an object of ``size`` bytes under ``root``: ``PART_BYTES``,
+    raised to what the store needs."""
+    if root.kvstore.get("driver") == "gcs":
+        return _gcs.part_bytes_for(size, PART_BYTES)
+    return _s3.part_bytes_for(size, PART_BYTES)
 
 
 class _Uploads:
@@ -94,17 +116,17 @@ class _Uploads:
 
 
 def upload_file(root: Location, name: str, path: str) -> None:
-    """Upload the local file ``path`` (a data object) as ``root/name``. On S3 in parallel
-    parts (``PART_BYTES``, ``UPLOAD_THREADS`` at once), each read from the file into its
-    own part buffer (``preadv``) just before it goes: never the whole file in memory; a
-    file that fits in one part is one PUT; a failed upload is aborted (best effort). Every
-    wait is bounded (``_upload_bound``). Elsewhere (``memory://``, GCS, S3 without boto3)
-    the file goes up whole through ``kvstore.write_blob``; to a local ``root`` it is
+    """Upload the local file ``path`` (a data object) as ``root/name``. On S3 and GCS in
+    parallel parts (``PART_BYTES``, ``UPLOAD_THREADS`` at once; ``parted_object``), each
+    read from the file into its own part buffer (``preadv``) just before it goes: never
+    the whole file in memory; a file that fits in one part is one PUT; a failed upload is
+    aborted (best effort). Every wait is bounded (``_upload_bound``). Elsewhere
+    (``memory://``, S3 without boto3, GCS without a token) the file goes up whole through ``kvstore.write_blob``; to a local ``root`` it is
     copied (write, fsync, rename). Like ``write_blob``, not counted in ``io_stats`` and no
     fault point: the caller's (a copy to the persistent tier counts its files)."""
     size = os.stat(path).st_size
-    obj = s3_object(root, name)
-    part = _s3.part_bytes_for(size, PART_BYTES)
+    obj = parted_object(root, name)
+    part = part_bytes_for(root, size)
     if obj is None or size <= part:
         data = _read_file_range(path, 0, size)
         if obj is not None:
@@ -125,7 +147,7 @@ def upload_file(root: Location, name: str, path: str) -> None:
         raise
 
 
-def _upload_file_part(obj: _s3.ObjectUpload, number: int, path: str, start: int, nbytes: int) -> None:
+def _upload_file_part(obj: Parted, number: int, path: str, start: int, nbytes: int) -> None:
     obj.part(number, _read_file_range(path, start, nbytes))
 
 
@@ -148,9 +170,9 @@ def _read_file_range(path: str, start: int, nbytes: int) -> bytearray:
     return buffer
 
 
-def _abort_after(uploads: _Uploads, objects: list[_s3.ObjectUpload]) -> None:
+def _abort_after(uploads: _Uploads, objects: list[Parted]) -> None:
     """After a failure: wait (bounded) for the part uploads in flight, then abort every
-    multipart upload started (best effort: the first failure is the one to report)."""
+    upload in parts started (best effort: the first failure is the one to report)."""
     try:
         uploads.join()
     except BaseException:  # noqa: BLE001 - already failing; the parts go with the abort
@@ -160,8 +182,9 @@ def _abort_after(uploads: _Uploads, objects: list[_s3.ObjectUpload]) -> None:
 
 
 class SegmentParts:
-    """A stream's segments on S3, each going up as its parts fill: ``StreamWriter``'s
-    object-store half (boto3 multipart; see the module docstring).
+    """A stream's segments on S3 or GCS, each going up as its parts fill:
+    ``StreamWriter``'s object-store half (S3 multipart or GCS composite uploads,
+    ``parted_object``; see the module docstring).
 
     An entry owns stream bytes ``[offset, min(round_up(end, _dataobjects.ALIGN), length))``: itself and
     the zeros up to where the next entry starts (the layout packs a stream's entries at
@@ -170,12 +193,16 @@ class SegmentParts:
     of its bytes are owned; once all are, it is copied into one part buffer (the gaps stay
     zeros) and uploaded on one of ``UPLOAD_THREADS`` threads, while the entries go on
     arriving (from any thread, in any order). A segment of one part is one PUT; ``close``
-    completes the others' multipart uploads; ``abort`` drops them."""
+    completes the others' uploads (S3: CompleteMultipartUpload; GCS: compose, then the
+    parts' deletion); ``abort`` drops them."""
 
     def __init__(self, root: Location, process: int, sizes: list[int], segment_bytes: int, length: int):
         self.process, self.sizes, self.segment_bytes, self.length = process, sizes, segment_bytes, length
-        self.objects = [_s3.ObjectUpload(root, _dataobjects.segment_name(process, n)) for n in range(len(sizes))]
-        self.part_bytes = [_s3.part_bytes_for(size, PART_BYTES) for size in sizes]
+        made = [parted_object(root, _dataobjects.segment_name(process, n)) for n in range(len(sizes))]
+        if any(obj is None for obj in made):
+            raise CheckpointError(f"'{root.url}' takes no upload in parts (S3 needs boto3, GCS a token)")
+        self.objects: list[Parted] = [obj for obj in made if obj is not None]
+        self.part_bytes = [part_bytes_for(root, size) for size in sizes]
         self.uploads = _Uploads(f"{root.url}/p{process}.*")
         self._lock = threading.Lock()
         self._pieces: dict[tuple[int, int], list[tuple[int, memoryview]]] = {}
@@ -221,7 +248,7 @@ class SegmentParts:
             self.objects[n].part(i + 1, buffer)
 
     def close(self) -> None:
-        """Wait for every part (bounded), then complete every multipart upload."""
+        """Wait for every part (bounded), then complete every upload in parts."""
         self.uploads.join()
         total = sum(self.parts_of(n) for n in range(len(self.sizes)))
         if self._sent != total:
