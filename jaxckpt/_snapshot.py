@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 import os
 import time
 from collections.abc import Callable
@@ -188,12 +189,12 @@ def _snapshot(tree: Any, copy_host_arrays: bool, group: tuple[int, ...],
         rec = LeafRecord(**leaf.fields)
         records[leaf.slot] = rec
         chunks = [c for c, w in zip(leaf.chunks, leaf.writers) if w == me]
-        mine = list(zip(chunks, leaf.hosts(chunks)))
-        if rec.store != "packed":  # "file", or format 3's "stream"
-            file_shards[leaf.slot] = [(c.region, data) for c, data in mine]
-            total += sum(data.nbytes for _, data in mine)
+        hosts = leaf.hosts(chunks)
+        if rec.store != "packed":  # "file", or format 3's "stream" (map: hundreds of chunks per GiB)
+            file_shards[leaf.slot] = list(zip(map(operator.attrgetter("region"), chunks), hosts))
+            total += sum(map(operator.attrgetter("nbytes"), hosts))
         else:
-            _copy_packed(rec, mine, packed_buf)
+            _copy_packed(rec, list(zip(chunks, hosts)), packed_buf)
     return Snapshot(structure, records, file_shards, packed, packed_buf, total, group,
                     streams=streams, segment_bytes=SEGMENT_BYTES if streams is not None else 0)
 
@@ -294,8 +295,8 @@ class _ArrayLeaf:
                 out.append(self.host(first))
                 i += 1
                 continue
-            j = i
-            while j < len(chunks) and chunks[j].shard == first.shard:
+            j, shard = i, first.shard
+            while j < len(chunks) and (chunks[j].shard is shard or chunks[j].shard == shard):
                 j += 1
             start, height = first.shard[0][0], first.region[0][1] - first.region[0][0]
             if j - i == len(rows):  # every row block of the shard, in order
