@@ -223,7 +223,7 @@ def run_read_once(path, args):
     saved["step"] = 3
     if args.get("endpoint"):  # a plain s3:// URL, configured as users do: the environment
         os.environ.update(AWS_ENDPOINT_URL=args["endpoint"], AWS_REGION="us-east-1")
-    jaxckpt.save(path, saved, timeout_s=30)
+    jaxckpt.save(path, saved, timeout_s=30, compression=args.get("compression"))
     specs = {k: P() for k in host}
     specs["cols"] = P(None, "m")  # column blocks, each replicated over the processes
     specs["across"] = P(None, ("d", "m"))  # column blocks of row-block chunks: no replicas

@@ -357,3 +357,15 @@ def test_the_manager_refuses_bad_codec_options_when_made(tmp_path):
         jaxckpt.CheckpointManager(tmp_path / "m", compression="lz4")
     with pytest.raises(TypeError, match=r"quantize= takes None, a mapping"):
         jaxckpt.CheckpointManager(tmp_path / "m", quantize="int8")
+
+
+def test_read_once_hands_over_compressed_leaves_decoded(tmp_path):
+    # two processes save with zstd; the restore reads each saved chunk once per job,
+    # decodes it, and the exchange hands the decoded slices over
+    from test_multihost import read_once_job
+
+    res = read_once_job(tmp_path, read_once="1", compression="zstd")
+    assert res[0]["same"] and res[1]["same"], res
+    with open(tmp_path / "ckpt" / "manifest.json") as f:
+        codecs = {leaf["codec"] for leaf in json.load(f)["leaves"] if leaf["kind"] != "value"}
+    assert codecs == {"zstd"}
