@@ -280,3 +280,22 @@ def test_upload_file_composes_parts_and_without_a_token_puts_whole(gcs_server, m
     assert not _gcs.composing(root)
     assert _gcs._found == [None]
     assert _uploads.parted_object(root, "p0.1") is None
+
+
+def test_a_compose_request_fails_clearly_and_within_the_bound(gcs_server, monkeypatch):
+    import socket
+    import time
+
+    root = _location.resolve(gcs_server("parts/refused"))
+    upload = _gcs.ObjectUpload(root, "p0.0")
+    with pytest.raises(jaxckpt.CheckpointError, match=r"p0\.0' \(composing 2 parts\) failed: HTTP 404"):
+        upload._compose(["p0.0.part1", "p0.0.part2"], "p0.0", 0)  # no such parts
+    monkeypatch.setenv("JAXCKPT_IO_TIMEOUT_S", "1")
+    with socket.socket() as silent:  # takes the connection, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        monkeypatch.setenv(_gcs.URL_ENV, f"http://127.0.0.1:{silent.getsockname()[1]}")
+        started = time.monotonic()
+        with pytest.raises(jaxckpt.CheckpointError, match=r"failed: no answer from the store in 1 s"):
+            upload._compose(["p0.0.part1"], "p0.0", 0)
+        assert time.monotonic() - started < 1.5

@@ -180,7 +180,8 @@ def _post(path: str, body: dict[str, Any], doing: str, bound: float) -> dict[str
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             cause = _no_answer(bound) if isinstance(reason, TimeoutError) else str(reason)
-        time.sleep(min(0.2 * 4 ** attempt, max(0.0, deadline - time.monotonic())))
+        if attempt + 1 < ATTEMPTS:
+            time.sleep(min(0.2 * 4 ** attempt, max(0.0, deadline - time.monotonic())))
     raise CheckpointError(f"{doing} failed: {cause}")
 
 
