@@ -258,7 +258,8 @@ class SegmentParts:
                                   f"written whole ({missing} bytes of the parts begun are missing)")
         for n, obj in enumerate(self.objects):
             if self.parts_of(n) > 1:
-                self.uploads.submit(functools.partial(obj.complete, self.parts_of(n)), 0)
+                # (bounded as an upload of the object: assembling GiBs takes the store a while)
+                self.uploads.submit(functools.partial(obj.complete, self.parts_of(n)), self.sizes[n])
         self.uploads.join()
 
     def abort(self) -> None:
