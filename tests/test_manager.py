@@ -703,3 +703,25 @@ def test_a_step_asked_for_survives_the_retention_of_the_saves_restore_settles(tm
         mgr.save(4, {"w": np.full(4, 4.0)})
         mgr.wait_until_finished()
         assert mgr.all_steps() == [4] and visible(tmp_path) == ["4"]
+
+
+def test_an_unclosed_manager_is_freed_with_its_last_reference(tmp_path):
+    # No reference cycle through the manager: dropped unclosed, it is freed (and its
+    # lease released) at once, not by the cyclic collector at some later moment of the
+    # program (where its clean-up's I/O surprised another part: test_s3's handle counts).
+    import gc
+    import weakref
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        mgr = jaxckpt.CheckpointManager(tmp_path / "m")
+        mgr.save(0, {"x": np.arange(3)})
+        mgr.wait_until_finished()
+        ref = weakref.ref(mgr)
+        del mgr
+        assert ref() is None
+    finally:
+        if was:
+            gc.enable()
+    assert not os.path.exists(tmp_path / "m" / ".jaxckpt-writer.json")  # its lease released

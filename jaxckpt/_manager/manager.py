@@ -538,7 +538,10 @@ class _Saves:
 
     def __init__(self, lock: Any, max_pending: int, directory: Any, after: Callable[[int, Any], None]):
         self._lock, self._max_pending, self._dir = lock, max_pending, directory
-        self._after = after  # a job that returned something: the rest of the save, where it is settled
+        # a job that returned something: the rest of the save, where it is settled. Weak: the
+        # manager holds this object, so a strong bound method would keep an unclosed manager
+        # alive until the cyclic collector ran its finalizers (a lease release) at any later time
+        self._after = weakref.WeakMethod(after) if hasattr(after, "__self__") else lambda: after
         self._pending: list[_Pending] = []  # in submission order; popped in that order only
         self.submitted: set[int] = set()  # steps saved by this manager and not known to have failed
 
@@ -562,7 +565,7 @@ class _Saves:
             try:
                 result = job()
                 if result is not None:
-                    self._after(step, result)
+                    self._after()(step, result)
             except BaseException as e:
                 raise self._failure(step, e) from e
             finally:
@@ -610,7 +613,7 @@ class _Saves:
         error = pending.future.exception()
         if error is None and pending.future.result() is not None:
             try:
-                self._after(pending.step, pending.future.result())
+                self._after()(pending.step, pending.future.result())
             except BaseException as e:  # noqa: BLE001 - the save's failure, as a job's
                 error = e
         with self._lock:  # committed (now in the manager's steps) or failed (may be retried)
