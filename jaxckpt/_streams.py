@@ -122,6 +122,16 @@ def _grown(a: np.ndarray, size: int) -> np.ndarray:
     return out
 
 
+def _one_writer(writers: Sequence[int] | np.ndarray) -> int:
+    """The number of chunks when one process writes all of a leaf's (at least one) chunks,
+    else 0. A list is checked in C (``count``): a single-process save's every leaf."""
+    if len(writers) == 1:
+        return 1
+    if isinstance(writers, list) and writers and writers.count(writers[0]) == len(writers):
+        return len(writers)
+    return 0
+
+
 def plan(leaves: Iterable[tuple[int, Sequence[int] | np.ndarray]]) -> Layout:
     """Lay the chunks of array leaves out in one stream per writing process.
 
@@ -142,14 +152,14 @@ streams={0: 128, 1: 136})
     for payload, writers in leaves:
         if payload < 0:
             raise ValueError(f"payload of {payload} bytes")
-        if len(writers) == 1 and int(writers[0]) >= 0:  # one chunk (a small leaf): no numpy per leaf
+        if (n := _one_writer(writers)) and int(writers[0]) >= 0:  # one chunk, or one writer: no numpy analysis
             p, step = int(writers[0]), stride_for(entry_bytes_for(payload))
             pos, pad = _grown(pos, p + 1), _grown(pad, p + 1)
             offset = int(pos[p])
-            if offset + entry_bytes_for(payload) > MAX_STREAM_BYTES:
+            if offset + (n - 1) * step + entry_bytes_for(payload) > MAX_STREAM_BYTES:
                 raise ValueError(f"a stream of more than {MAX_STREAM_BYTES} bytes")
-            pos[p], pad[p] = offset + step, step - entry_bytes_for(payload)
-            tables.append(np.array([[p, 0, 1, offset]], np.int64))
+            pos[p], pad[p] = offset + n * step, step - entry_bytes_for(payload)
+            tables.append(np.array([[p, 0, n, offset]], np.int64))
             continue
         hit = patterns.get(id(writers))
         if hit is None or hit[0] is not writers:

@@ -336,3 +336,13 @@ def test_the_module_stays_pure():
         elif isinstance(node, ast.ImportFrom):
             imported.add("." + node.module if node.level else node.module.split(".")[0])
     assert {m for m in imported if m not in sys.stdlib_module_names} == {"numpy", "._errors"}
+
+
+def test_a_leaf_of_one_writer_is_laid_out_as_the_general_plan_lays_it_out():
+    # the fast path (a list whose every chunk one process writes) against the numpy path
+    # (the same writers as an array), leaves interleaved with other writers
+    leaves = [(60, [1, 1, 1]), (4, [0, 1, 0, 1]), (4096, [2] * 5), (8, [0]), (60, [1, 1])]
+    fast = _streams.plan(leaves)
+    general = _streams.plan([(p, np.array(w)) for p, w in leaves])
+    assert fast == general
+    assert fast.runs[0] == ((1, 0, 3, 0),) and fast.runs[2] == ((2, 0, 5, 0),)
