@@ -148,7 +148,8 @@ def snapshot(tree: Any, *, copy_host_arrays: bool, group: tuple[int, ...] = (),
     lossy by the writer (format 3 only; not with ``group``); it wins over ``compression``.
     """
     codecs = _Codecs(_codecs.parse(compression), _quantize.parse(quantize))
-    for what, given in (("compression", codecs.lossless), ("quantize", codecs.lossy)):
+    codecs = None if codecs.lossless is None and codecs.lossy is None else codecs
+    for what, given in (("compression", codecs and codecs.lossless), ("quantize", codecs and codecs.lossy)):
         if given is not None and (group or (budget is not None and what == "compression") or not streams_wanted()):
             why = ("a directory per host" if group else "max_staging_bytes" if budget is not None
                    else f"{FORMAT_ENV}={LEGACY_FORMAT} ({what} needs format 3)")
@@ -189,8 +190,12 @@ def _snapshot(tree: Any, copy_host_arrays: bool, group: tuple[int, ...],
         rec = LeafRecord(**leaf.fields)
         records[leaf.slot] = rec
         chunks = [c for c, w in zip(leaf.chunks, leaf.writers) if w == me]
+        if rec.store == "stream":  # format 3: whole shards where they are whole row blocks
+            file_shards[leaf.slot] = pieces = leaf.pieces(chunks)
+            total += sum(data.nbytes for _, data in pieces)
+            continue
         hosts = leaf.hosts(chunks)
-        if rec.store != "packed":  # "file", or format 3's "stream" (map: hundreds of chunks per GiB)
+        if rec.store != "packed":  # "file" (map: many chunks)
             file_shards[leaf.slot] = list(zip(map(operator.attrgetter("region"), chunks), hosts))
             total += sum(map(operator.attrgetter("nbytes"), hosts))
         else:
@@ -303,6 +308,28 @@ class _ArrayLeaf:
                 out += rows
             else:
                 out += [rows[(c.region[0][0] - start) // height] for c in chunks[i:j]]
+            i = j
+        return out
+
+    def pieces(self, chunks: list[_Chunk]) -> list[tuple[_layout.Index, np.ndarray]]:
+        """``(region, host buffer)`` of ``chunks`` (in C order) as format 3's writer takes
+        them: a shard whose every row-block chunk is among them is one piece, the whole
+        shard (the writer cuts it into its chunks, ``_writer.split_rows``, in the
+        background part of a save); any other chunk is a piece of its own."""
+        out: list[tuple[_layout.Index, np.ndarray]] = []
+        i = 0
+        while i < len(chunks):
+            first, j = chunks[i], i + 1
+            shard = first.shard
+            while j < len(chunks) and (chunks[j].shard is shard or chunks[j].shard == shard):
+                j += 1
+            region = first.region
+            if region and region[1:] == shard[1:] and j - i > 1 and region[0][0] == shard[0][0] \
+                    and (shard[0][1] - shard[0][0]) == (j - i) * (region[0][1] - region[0][0]):
+                data = self.local[shard]
+                out.append((shard, data if isinstance(data, np.ndarray) else np.asarray(data)))
+            else:
+                out += zip(map(operator.attrgetter("region"), chunks[i:j]), self.hosts(chunks[i:j]))
             i = j
         return out
 

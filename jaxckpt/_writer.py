@@ -20,7 +20,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -128,7 +128,7 @@ def _encode_mine(snap: Snapshot) -> dict[int, list[tuple[int, bytes | None]]]:
         if rec.codec_config is None:
             continue
         grid = _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
-        for region, data in chunks:
+        for region, data in split_rows(rec, chunks):
             jobs.append((slot, _layout.chunk_flat_index(cell_of(region, rec.chunk_shape), grid), rec, data))
     out: dict[int, list[tuple[int, bytes | None]]] = {}
     if not jobs:
@@ -234,7 +234,7 @@ def _write_entries(stream: _dataobjects.StreamWriter | None,
             continue
         grid = _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
         stride = _streams.stride_for(rec.entry_bytes)
-        for region, data in chunks:
+        for region, data in split_rows(rec, chunks):
             flat = _layout.chunk_flat_index(cell_of(region, rec.chunk_shape), grid)
             process, offset = _streams.locate(rec.runs, flat, stride)
             if process != me or stream is None:
@@ -244,6 +244,21 @@ def _write_entries(stream: _dataobjects.StreamWriter | None,
     batches = _tasks.batches(entries, ENTRY_BATCH_BYTES)
     _tasks.run_tasks([functools.partial(_write_batch, stream, b) for b in batches], WRITE_THREADS)
     return len(entries)
+
+
+def split_rows(rec: LeafRecord, pieces: list[tuple[_layout.Index, np.ndarray]]) -> Iterator[
+        tuple[_layout.Index, np.ndarray]]:
+    """Each chunk of ``pieces`` (``Snapshot.file_shards``' form): a piece taller than a
+    chunk is a shard of whole row-block chunks (``_ArrayLeaf.pieces``), cut here into
+    them (views); any other piece is one chunk."""
+    height = rec.chunk_shape[0] if rec.chunk_shape else 0
+    for region, data in pieces:
+        if not region or region[0][1] - region[0][0] <= height:
+            yield region, data
+            continue
+        start, stop = region[0]
+        for k, row in enumerate(range(start, stop, height)):
+            yield ((row, min(row + height, stop)), *region[1:]), data[k * height:(k + 1) * height]
 
 
 def _write_batch(stream: _dataobjects.StreamWriter, batch: list[_Entry]) -> None:

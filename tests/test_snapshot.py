@@ -89,3 +89,23 @@ def test_row_block_chunks_are_views_of_their_shard_in_order():
         assert np.shares_memory(data, np.asarray(shards[chunk.shard].data))
     odd = _snapshot._Chunk(((0, 4), (0, 4)), 64, (0,), ((0, 16), (0, 8)))  # not a row block: sliced
     assert np.array_equal(leaf.hosts([odd])[0], np.asarray(x)[0:4, 0:4])
+
+
+def test_format3_pieces_are_whole_shards_cut_into_chunks_by_the_writer():
+    # a shard whose every row-block chunk this process writes is one piece (one view taken
+    # in the blocking part); the writer cuts it into its chunks in the background
+    x = sharded(np.arange(64 * 8, dtype=np.float32).reshape(64, 8), (4,), ("x",), ("x", None))
+    shards = {_layout.normalize_index(s.index, x.shape): s for s in x.addressable_shards}
+    leaf = _snapshot._ArrayLeaf(0, {}, [], {k: s.data for k, s in shards.items()})
+    chunks = [_snapshot._Chunk(((r, r + 4), (0, 8)), 4 * 8 * 4, (0,), ((r // 16 * 16, r // 16 * 16 + 16), (0, 8)))
+              for r in range(0, 64, 4) if r != 20]  # the second shard lacks one chunk: 3 pieces
+    pieces = leaf.pieces(chunks)
+    assert [region for region, _ in pieces] == [
+        ((0, 16), (0, 8)), ((16, 20), (0, 8)), ((24, 28), (0, 8)), ((28, 32), (0, 8)),
+        ((32, 48), (0, 8)), ((48, 64), (0, 8))]
+    rec = _snapshot.LeafRecord(path="x", kind="array", shape=(64, 8), chunk_shape=(4, 8))
+    cut = list(_writer.split_rows(rec, pieces))
+    assert [region for region, _ in cut] == [c.region for c in chunks]
+    for region, data in cut:
+        (a, b), _ = region
+        assert np.array_equal(data, np.asarray(x)[a:b]) and data.flags.c_contiguous
