@@ -537,7 +537,7 @@ def _lay_out_streams(arrays: list[_ArrayLeaf], group: tuple[int, ...] = (),
         planned = [i for i, (_, c) in enumerate(chosen) if c is None]
         sizes = [_quantize.encoded_nbytes(tuple(arrays[i].fields["chunk_shape"]), chosen[i][0])
                  if chosen[i][0] in _quantize.FORMS else payloads[i] for i in planned]
-        layout = _streams.plan(zip(sizes, [arrays[i].writers for i in planned]))
+        layout = _plan_streams(sizes, [arrays[i].writers for i in planned])
         runs: list[Any] = [()] * len(arrays)
         for i, r, size in zip(planned, layout.runs, sizes):
             runs[i], payloads[i] = r, size
