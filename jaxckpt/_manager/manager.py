@@ -86,8 +86,8 @@ class CheckpointManager:
         bigger than the budget is staged on its own. ``None``: everything at once.
       peer_copies: a local directory per host: each host's part of every step is also kept
         on this many partner hosts (a ring), to restore a lost host from (docs/storage.md).
-      compression, quantize: as ``jaxckpt.save`` takes them, encoded in a save's background part;
-        past ``Quantize.max_lossy_resumes`` lossy resumes, quantized leaves are saved exactly.
+      compression: as ``jaxckpt.save`` takes it; encoded in the background part of a save.
+      quantize: as ``jaxckpt.save``; past ``Quantize.max_lossy_resumes`` lossy resumes: exact.
       read_only: list, restore and inspect only: never write, delete or clean. Any
         number of read-only managers (notebooks, evaluators) may watch a directory that
         a training run is writing.
