@@ -160,3 +160,24 @@ def test_rows_out_of_order_in_the_packed_array_are_assembled(ckpt):
     swapped = dataclasses.replace(rec, chunks=(rec.chunks[1], rec.chunks[0], *rec.chunks[2:]))
     assert not _reader._back_to_back(swapped, 4)
     assert len(_reader._packed_chunks(swapped, ((0, 64), (0, 48)))) == 4
+
+
+def test_run_tasks_raises_the_first_failed_task_in_order_not_in_time():
+    # task 1 fails at once, task 0 a moment later: the error raised is task 0's, every time
+    # (a restore of two damaged leaves names the same one whichever thread is faster)
+    import threading
+
+    from jaxckpt import _tasks
+
+    started = threading.Event()
+
+    def slow():
+        started.wait(5)
+        raise ValueError("task 0")
+
+    def fast():
+        started.set()
+        raise ValueError("task 1")
+
+    with pytest.raises(ValueError, match="^task 0$"):
+        _tasks.run_tasks([slow, fast], 2)
