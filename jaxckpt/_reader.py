@@ -254,13 +254,7 @@ class Reader:
             entry = (self.streams, process, offset, rec.entry_bytes - _streams.CRC_BYTES, self.man.segment_bytes)
             ops.append(_Op(dest.nbytes, [rec.path], dest, None, None, index, entry=entry, cell=(0,) * len(index)))
             return
-        users: dict[tuple[int, ...], list[tuple[_layout.Index, _layout.Index]]] = collections.defaultdict(list)
-        dests = {}
-        for index in indices:
-            dests[index] = self._out[(rec.path, index)] = _buffer(
-                self.loc, [rec.path], _layout.index_shape(index), storage)
-            for cell, overlap in _layout.chunks_overlapping(index, rec.chunk_shape):
-                users[cell].append((index, overlap))
+        dests, users = self._slices_and_users(rec, indices, storage)
         for cell, uses in users.items():
             region = _layout.chunk_region(cell, rec.chunk_shape, rec.shape)
             whole = tuple((g * c, (g + 1) * c) for g, c in zip(cell, rec.chunk_shape))  # the entry: full size
@@ -279,8 +273,10 @@ class Reader:
             temp = functools.partial(_buffer, self.loc, [rec.path], tuple(rec.chunk_shape), storage)
             ops.append(_Op(entry[3], [rec.path], temp, None, None, region, scatter, entry=entry, cell=cell))
 
-    def _plan_compressed_leaf(self, rec: LeafRecord, indices: list[_layout.Index], ops) -> None:
-        storage = _dtypes.DTYPES[rec.storage_dtype]
+    def _slices_and_users(self, rec: LeafRecord, indices: list[_layout.Index], storage: Any) -> tuple[
+            dict[_layout.Index, np.ndarray], dict[tuple[int, ...], list[tuple[_layout.Index, _layout.Index]]]]:
+        """Each slice's buffer (allocated, kept as its output) and, per chunk the slices
+        touch, the slices that need it with their overlap."""
         users: dict[tuple[int, ...], list[tuple[_layout.Index, _layout.Index]]] = collections.defaultdict(list)
         dests = {}
         for index in indices:
@@ -288,6 +284,13 @@ class Reader:
                 self.loc, [rec.path], _layout.index_shape(index), storage)
             for cell, overlap in _layout.chunks_overlapping(index, rec.chunk_shape):
                 users[cell].append((index, overlap))
+        return dests, users
+
+    def _plan_compressed_leaf(self, rec: LeafRecord, indices: list[_layout.Index], ops) -> None:
+        """A compressed or quantized leaf: each stored chunk read into a buffer of its own,
+        decoded and copied out; an all-zero one (stored nowhere) written as zeros."""
+        storage = _dtypes.DTYPES[rec.storage_dtype]
+        dests, users = self._slices_and_users(rec, indices, storage)
         for cell, uses in users.items():
             whole = tuple((g * c, (g + 1) * c) for g, c in zip(cell, rec.chunk_shape))
             entry = self._entry(rec, cell)
