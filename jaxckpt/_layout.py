@@ -180,6 +180,14 @@ def shards_of(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> tuple[Sh
     )
 
 
+@functools.lru_cache(maxsize=4096)
+def device_indices(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> tuple[dict[Any, Index], bool]:
+    """Each device's slice of an array with ``sharding`` (``normalize_index``d), and
+    whether the devices are CPUs (their shards are host memory). Cached: never mutated."""
+    out = {d: normalize_index(index, shape) for d, index in sharding.devices_indices_map(tuple(shape)).items()}
+    return out, next(iter(out)).platform == "cpu" if out else True
+
+
 MIN_PIECE_BYTES = 4 << 20  # replicated shards are split into pieces no smaller than this
 _MAX_SPLIT = 64
 

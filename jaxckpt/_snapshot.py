@@ -189,9 +189,9 @@ def _snapshot(tree: Any, copy_host_arrays: bool, group: tuple[int, ...],
     for leaf in arrays:
         rec = LeafRecord(**leaf.fields)
         records[leaf.slot] = rec
-        chunks = [c for c, w in zip(leaf.chunks, leaf.writers) if w == me]
+        chunks, plan, _ = _mine(leaf.chunks, leaf.writers, me)
         if rec.store == "stream":  # format 3: whole shards where they are whole row blocks
-            file_shards[leaf.slot] = pieces = leaf.pieces(chunks)
+            file_shards[leaf.slot] = pieces = leaf.run_plan(plan)
             total += sum(data.nbytes for _, data in pieces)
             continue
         hosts = leaf.hosts(chunks)
@@ -279,6 +279,7 @@ class _ArrayLeaf:
     chunks: list[_Chunk]
     local: dict[_layout.Index, Any]
     writers: list[int] = dataclasses.field(default_factory=list)
+    on_host: bool = False  # every shard is host memory (numpy, or CPU jax): nothing to copy
 
     def host(self, chunk: _Chunk) -> np.ndarray:
         data = self.local[chunk.shard]
@@ -316,21 +317,17 @@ class _ArrayLeaf:
         them: a shard whose every row-block chunk is among them is one piece, the whole
         shard (the writer cuts it into its chunks, ``_writer.split_rows``, in the
         background part of a save); any other chunk is a piece of its own."""
+        return self.run_plan(_piece_plan(chunks))
+
+    def run_plan(self, plan: tuple[tuple[Any, Any], ...]) -> list[tuple[_layout.Index, np.ndarray]]:
+        """The pieces a ``_piece_plan`` names, as host buffers of this leaf's shards."""
         out: list[tuple[_layout.Index, np.ndarray]] = []
-        i = 0
-        while i < len(chunks):
-            first, j = chunks[i], i + 1
-            shard = first.shard
-            while j < len(chunks) and (chunks[j].shard is shard or chunks[j].shard == shard):
-                j += 1
-            region = first.region
-            if region and region[1:] == shard[1:] and j - i > 1 and region[0][0] == shard[0][0] \
-                    and (shard[0][1] - shard[0][0]) == (j - i) * (region[0][1] - region[0][0]):
+        for shard, chunks in plan:
+            if chunks is None:
                 data = self.local[shard]
                 out.append((shard, data if isinstance(data, np.ndarray) else np.asarray(data)))
             else:
-                out += zip(map(operator.attrgetter("region"), chunks[i:j]), self.hosts(chunks[i:j]))
-            i = j
+                out += zip(map(operator.attrgetter("region"), chunks), self.hosts(chunks))
         return out
 
     def _row_blocks(self, chunk: _Chunk) -> list[np.ndarray] | None:
@@ -348,6 +345,50 @@ class _ArrayLeaf:
         return list(host.reshape((total // height, height) + host.shape[1:]))
 
 
+def _piece_plan(chunks: list[_Chunk]) -> tuple[tuple[Any, Any], ...]:
+    """How ``_ArrayLeaf.pieces`` cuts ``chunks`` (in C order): ``(shard, None)`` for a
+    shard whose every row-block chunk is among them (one piece), ``(None, chunks)`` for
+    a run of chunks of one shard that are pieces of their own."""
+    out: list[tuple[Any, Any]] = []
+    i = 0
+    while i < len(chunks):
+        first, j = chunks[i], i + 1
+        shard = first.shard
+        while j < len(chunks) and (chunks[j].shard is shard or chunks[j].shard == shard):
+            j += 1
+        region = first.region
+        if region and region[1:] == shard[1:] and j - i > 1 and region[0][0] == shard[0][0] \
+                and (shard[0][1] - shard[0][0]) == (j - i) * (region[0][1] - region[0][0]):
+            out.append((shard, None))
+        else:
+            out.append((None, chunks[i:j]))
+        i = j
+    return tuple(out)
+
+
+# What one process writes of a chunk list with a writer list (both shared between saves
+# and between leaves of one kind, ``_chunks_cached``/``_fixed_writers``): its chunks, their
+# pieces (``_piece_plan``) and the shards they lie in; kept with the lists, so their ids
+# stay theirs. The blocking part of an async save reads it instead of walking every chunk.
+_MINE: dict[tuple[int, int, int], tuple[Any, Any, tuple[Any, Any, Any]]] = {}
+
+
+def _mine(chunks: list[_Chunk], writers: list[int], me: int) -> tuple[
+        list[_Chunk], tuple[tuple[Any, Any], ...], tuple[_layout.Index, ...]]:
+    """``(the chunks process me writes, their _piece_plan, the shards they lie in)``.
+    The result is shared: never mutated."""
+    key = (id(chunks), id(writers), me)
+    hit = _MINE.get(key)
+    if hit is not None and hit[0] is chunks and hit[1] is writers:
+        return hit[2]
+    mine = [c for c, w in zip(chunks, writers) if w == me]
+    out = (mine, _piece_plan(mine), tuple(dict.fromkeys(c.shard for c in mine)))
+    if len(_MINE) >= _CACHE_LIMIT:
+        _MINE.clear()
+    _MINE[key] = (chunks, writers, out)
+    return out
+
+
 def _plan_array(slot: int, path: str, leaf: Any, fields: dict[str, Any], copy_host_arrays: bool | None,
                 fine: bool = False) -> _ArrayLeaf:
     """Shapes, chunks and the shards this process holds of one array leaf (no data moved;
@@ -359,8 +400,9 @@ def _plan_array(slot: int, path: str, leaf: Any, fields: dict[str, Any], copy_ho
         shards = _layout.shards_of(sharding, shape)
         chunk_shape = _layout.chunk_shape_for(sharding, shape, itemsize, fine)
         local = {}
+        index_of, on_host = _layout.device_indices(sharding, shape)
         for s in leaf.addressable_shards:  # a few per process, however many shards in all
-            local.setdefault(_layout.normalize_index(s.index, shape), s.data)
+            local.setdefault(index_of[s.device], s.data)
         sharding_json = _layout.sharding_to_json(sharding)
     elif isinstance(leaf, np.ndarray):
         dtype = _dtypes.dtype_name(leaf.dtype)
@@ -378,7 +420,7 @@ def _plan_array(slot: int, path: str, leaf: Any, fields: dict[str, Any], copy_ho
         else:
             data = np.array(leaf, order="C", copy=True) if copy_host_arrays else np.asarray(leaf, order="C")
         local = {full: data}
-        sharding_json = None
+        sharding_json, on_host = None, True
     else:
         raise CheckpointError(
             f"Leaf '{path}' has type {type(leaf).__name__}, which cannot be saved: use "
@@ -389,7 +431,7 @@ def _plan_array(slot: int, path: str, leaf: Any, fields: dict[str, Any], copy_ho
                   storage_dtype=_dtypes.storage_dtype_name(dtype), nbytes=nbytes,
                   store="packed" if nbytes < SMALL_LEAF_BYTES else "file")
     chunks = _chunks_cached if isinstance(leaf, jax.Array) else _chunks
-    return _ArrayLeaf(slot, fields, chunks(shape, chunk_shape, shards, itemsize), local)
+    return _ArrayLeaf(slot, fields, chunks(shape, chunk_shape, shards, itemsize), local, on_host=on_host)
 
 
 # Leaves of one shape and sharding (a model's layers) share one chunk list and, when
@@ -577,10 +619,11 @@ def _plan_streams(payloads: list[int], writers: list[Any]) -> _streams.Layout:
 def _start_transfers(arrays: list[_ArrayLeaf], me: int) -> None:
     """Start every device-to-host copy this process needs before waiting on any."""
     for a in arrays:
-        shards = {c.shard for c, w in zip(a.chunks, a.writers) if w == me}
-        for index in shards:
+        if a.on_host:
+            continue  # nothing to copy (views of host memory)
+        for index in _mine(a.chunks, a.writers, me)[2]:
             data = a.local[index]
-            if isinstance(data, jax.Array) and next(iter(data.devices())).platform != "cpu":
+            if isinstance(data, jax.Array) and not _on_cpu(data):
                 data.copy_to_host_async()
 
 
@@ -628,7 +671,7 @@ def _snapshot_in_waves(tree: Any, copy_host_arrays: bool, group: tuple[int, ...]
 
 
 def _on_cpu(data: jax.Array) -> bool:
-    return data.devices().pop().platform == "cpu"
+    return next(iter(data.devices())).platform == "cpu"
 
 
 def _cost(leaf: _ArrayLeaf, chunk: _Chunk, copy: bool) -> int:
