@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _codecs, _distributed, _dtypes, _hoststreams, _layout, _quantize, _streams, _tree
+from . import _codecs, _distributed, _dtypes, _hoststreams, _layout, _quantize, _streams, _tree, _waves
 from ._errors import CheckpointError
 from ._manifest import MAX_INLINE_BYTES, MAX_INT_DIGITS, STREAMS_VERSION, LeafRecord, PackedArray, int_fits
 from ._waves import Planned, StagingBudget, Wave, Waves, staging_budget  # noqa: F401 (re-exported)
@@ -661,7 +661,7 @@ def _snapshot_in_waves(tree: Any, copy_host_arrays: bool, group: tuple[int, ...]
         return packed_buf
 
     costs = [_cost(leaf, c, copy_host_arrays) for leaf, c in items]
-    planned = _plan_waves(items, costs, 0 if packed_buf is None else packed_buf.nbytes, budget.max_bytes)
+    planned = _waves.plan(items, costs, 0 if packed_buf is None else packed_buf.nbytes, budget.max_bytes)
     stage = functools.partial(_stage_wave, copy=copy_host_arrays, fill_packed=fill_packed)
     waves = Waves(budget, planned, stage)
     waves.stage_first()
@@ -680,23 +680,6 @@ def _cost(leaf: _ArrayLeaf, chunk: _Chunk, copy: bool) -> int:
     if isinstance(data, np.ndarray):
         return chunk.nbytes if copy or not leaf.host(chunk).flags.c_contiguous else 0
     return 0 if _on_cpu(data) else chunk.nbytes
-
-
-def _plan_waves(items: list[tuple[_ArrayLeaf, _Chunk]], costs: list[int], first_bytes: int,
-                budget: int) -> list[Planned]:
-    """The first wave: every zero-cost item and the packed leaves (``first_bytes``); then
-    the others in order, a new wave whenever one would pass half the budget."""
-    cap = max(1, budget // 2)
-    waves: list[tuple[list[tuple[_ArrayLeaf, _Chunk]], list[int]]] = [
-        ([it for it, c in zip(items, costs) if not c], [first_bytes])]
-    for it, c in zip(items, costs):
-        if not c:
-            continue
-        if sum(waves[-1][1]) and sum(waves[-1][1]) + c > cap:
-            waves.append(([], []))
-        waves[-1][0].append(it)
-        waves[-1][1].append(c)
-    return [Planned(its, sum(cs), i == 0) for i, (its, cs) in enumerate(waves)]
 
 
 def _stage_wave(planned: Planned, *, copy: bool, fill_packed: Callable[[], np.ndarray | None]) -> Wave:

@@ -179,3 +179,21 @@ class Waves:
                 self._free(self._ready.popleft())
             self._todo.clear()
             self._cond.notify_all()
+
+
+def plan(items: list[Any], costs: list[int], first_bytes: int, budget: int) -> list[Planned]:
+    """The waves of a snapshot's ``items`` (``(leaf, chunk)``), staging each costing
+    ``costs`` bytes. The first: every zero-cost item and the packed leaves
+    (``first_bytes``); then the others in order, a new wave whenever one would pass half
+    the budget."""
+    cap = max(1, budget // 2)
+    waves: list[tuple[list[Any], list[int]]] = [
+        ([it for it, c in zip(items, costs) if not c], [first_bytes])]
+    for it, c in zip(items, costs):
+        if not c:
+            continue
+        if sum(waves[-1][1]) and sum(waves[-1][1]) + c > cap:
+            waves.append(([], []))
+        waves[-1][0].append(it)
+        waves[-1][1].append(c)
+    return [Planned(its, sum(cs), i == 0) for i, (its, cs) in enumerate(waves)]
