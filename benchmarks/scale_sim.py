@@ -30,6 +30,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxckpt import (
+    _chunking,
     _dtypes,
     _layout,
     _manifest,
@@ -127,7 +128,7 @@ def plan(processes: int, per_process: int, layers: int, fine: bool = False) -> t
                                                    "spec": list(sharding.spec)},
                       "chunk_shape": chunk_shape, "storage_dtype": dtype, "nbytes": nbytes, "store": "file"}
             arrays.append(_snapshot._ArrayLeaf(len(arrays), fields,
-                                               _snapshot._chunks_cached(shape, chunk_shape, shards, itemsize), {}))
+                                               _chunking.chunks_cached(shape, chunk_shape, shards, itemsize), {}))
             specs.append(sharding)
     t_chunks = time.perf_counter() - t0
     t1 = time.perf_counter()

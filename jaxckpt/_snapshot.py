@@ -26,10 +26,11 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _codecs, _distributed, _dtypes, _hoststreams, _layout, _quantize, _streams, _tree, _waves
+from . import _chunking, _codecs, _distributed, _dtypes, _hoststreams, _layout, _quantize, _streams, _tree
 from ._errors import CheckpointError
 from ._manifest import MAX_INLINE_BYTES, MAX_INT_DIGITS, STREAMS_VERSION, LeafRecord, PackedArray, int_fits
 from ._waves import Planned, StagingBudget, Wave, Waves, staging_budget  # noqa: F401 (re-exported)
+from ._waves import plan as _plan_waves
 
 # Leaves smaller than this are packed into one byte array per process; bigger ones get
 # a zarr3 array of their own with one file per shard.
@@ -189,7 +190,7 @@ def _snapshot(tree: Any, copy_host_arrays: bool, group: tuple[int, ...],
     for leaf in arrays:
         rec = LeafRecord(**leaf.fields)
         records[leaf.slot] = rec
-        chunks, plan, _ = _mine(leaf.chunks, leaf.writers, me)
+        chunks, plan, _ = _chunking.mine(leaf.chunks, leaf.writers, me)
         if rec.store == "stream":  # format 3: whole shards where they are whole row blocks
             file_shards[leaf.slot] = pieces = leaf.run_plan(plan)
             total += sum(data.nbytes for _, data in pieces)
@@ -262,11 +263,7 @@ def _check_not_donated(path: str, leaf: Any) -> None:
             "that donates the state (donate_argnums), or save the step's output")
 
 
-class _Chunk(NamedTuple):
-    region: _layout.Index  # what the chunk covers (global coordinates)
-    nbytes: int
-    holders: tuple[int, ...]  # processes holding a copy: the candidates to write it
-    shard: _layout.Index  # the saved shard it lies in
+_Chunk = _chunking.Chunk
 
 
 @dataclass
@@ -317,10 +314,10 @@ class _ArrayLeaf:
         them: a shard whose every row-block chunk is among them is one piece, the whole
         shard (the writer cuts it into its chunks, ``_writer.split_rows``, in the
         background part of a save); any other chunk is a piece of its own."""
-        return self.run_plan(_piece_plan(chunks))
+        return self.run_plan(_chunking.piece_plan(chunks))
 
     def run_plan(self, plan: tuple[tuple[Any, Any], ...]) -> list[tuple[_layout.Index, np.ndarray]]:
-        """The pieces a ``_piece_plan`` names, as host buffers of this leaf's shards."""
+        """The pieces a ``_chunking.piece_plan`` names, as host buffers of this leaf's shards."""
         out: list[tuple[_layout.Index, np.ndarray]] = []
         for shard, chunks in plan:
             if chunks is None:
@@ -343,50 +340,6 @@ class _ArrayLeaf:
         data = self.local[shard]
         host = data if isinstance(data, np.ndarray) else np.asarray(data)
         return list(host.reshape((total // height, height) + host.shape[1:]))
-
-
-def _piece_plan(chunks: list[_Chunk]) -> tuple[tuple[Any, Any], ...]:
-    """How ``_ArrayLeaf.pieces`` cuts ``chunks`` (in C order): ``(shard, None)`` for a
-    shard whose every row-block chunk is among them (one piece), ``(None, chunks)`` for
-    a run of chunks of one shard that are pieces of their own."""
-    out: list[tuple[Any, Any]] = []
-    i = 0
-    while i < len(chunks):
-        first, j = chunks[i], i + 1
-        shard = first.shard
-        while j < len(chunks) and (chunks[j].shard is shard or chunks[j].shard == shard):
-            j += 1
-        region = first.region
-        if region and region[1:] == shard[1:] and j - i > 1 and region[0][0] == shard[0][0] \
-                and (shard[0][1] - shard[0][0]) == (j - i) * (region[0][1] - region[0][0]):
-            out.append((shard, None))
-        else:
-            out.append((None, chunks[i:j]))
-        i = j
-    return tuple(out)
-
-
-# What one process writes of a chunk list with a writer list (both shared between saves
-# and between leaves of one kind, ``_chunks_cached``/``_fixed_writers``): its chunks, their
-# pieces (``_piece_plan``) and the shards they lie in; kept with the lists, so their ids
-# stay theirs. The blocking part of an async save reads it instead of walking every chunk.
-_MINE: dict[tuple[int, int, int], tuple[Any, Any, tuple[Any, Any, Any]]] = {}
-
-
-def _mine(chunks: list[_Chunk], writers: list[int], me: int) -> tuple[
-        list[_Chunk], tuple[tuple[Any, Any], ...], tuple[_layout.Index, ...]]:
-    """``(the chunks process me writes, their _piece_plan, the shards they lie in)``.
-    The result is shared: never mutated."""
-    key = (id(chunks), id(writers), me)
-    hit = _MINE.get(key)
-    if hit is not None and hit[0] is chunks and hit[1] is writers:
-        return hit[2]
-    mine = [c for c, w in zip(chunks, writers) if w == me]
-    out = (mine, _piece_plan(mine), tuple(dict.fromkeys(c.shard for c in mine)))
-    if len(_MINE) >= _CACHE_LIMIT:
-        _MINE.clear()
-    _MINE[key] = (chunks, writers, out)
-    return out
 
 
 def _plan_array(slot: int, path: str, leaf: Any, fields: dict[str, Any], copy_host_arrays: bool | None,
@@ -430,68 +383,8 @@ def _plan_array(slot: int, path: str, leaf: Any, fields: dict[str, Any], copy_ho
     fields.update(dtype=dtype, shape=shape, sharding=sharding_json, chunk_shape=chunk_shape,
                   storage_dtype=_dtypes.storage_dtype_name(dtype), nbytes=nbytes,
                   store="packed" if nbytes < SMALL_LEAF_BYTES else "file")
-    chunks = _chunks_cached if isinstance(leaf, jax.Array) else _chunks
+    chunks = _chunking.chunks_cached if isinstance(leaf, jax.Array) else _chunking.chunks
     return _ArrayLeaf(slot, fields, chunks(shape, chunk_shape, shards, itemsize), local, on_host=on_host)
-
-
-# Leaves of one shape and sharding (a model's layers) share one chunk list and, when
-# every chunk has one holder, one writer list: a state of thousands of leaves sharded
-# over thousands of devices is chunked once per kind of leaf (see benchmarks/scale_sim.py).
-_CHUNK_LISTS: dict[tuple[Any, ...], tuple[Any, list[_Chunk]]] = {}
-_FIXED_WRITERS: dict[int, tuple[list[_Chunk], list[int], dict[int, int]] | None] = {}
-_CACHE_LIMIT = 1024
-
-
-def _chunks_cached(shape: tuple[int, ...], chunk_shape: tuple[int, ...], shards: tuple[_layout.Shard, ...],
-                   itemsize: int) -> list[_Chunk]:
-    """``_chunks`` of ``shards`` as ``_layout.shards_of`` gives them (one object per
-    sharding and shape). The result is shared: never mutated."""
-    key = (shape, chunk_shape, id(shards), itemsize)
-    hit = _CHUNK_LISTS.get(key)
-    if hit is not None and hit[0] is shards:
-        return hit[1]
-    if len(_CHUNK_LISTS) >= _CACHE_LIMIT:
-        _CHUNK_LISTS.clear()
-        _FIXED_WRITERS.clear()
-    out = _chunks(shape, chunk_shape, shards, itemsize)
-    _CHUNK_LISTS[key] = (shards, out)
-    return out
-
-
-def _fixed_writers(chunks: list[_Chunk]) -> tuple[list[int], dict[int, int]] | None:
-    """The writers and per-process bytes of a chunk list whose every chunk has a single
-    holder (no choice to make); ``None`` when some chunk is held by several processes."""
-    hit = _FIXED_WRITERS.get(id(chunks))
-    if hit is not None and hit[0] is chunks:
-        return hit[1], hit[2]
-    if any(len(c.holders) != 1 for c in chunks):
-        return None
-    writers = [c.holders[0] for c in chunks]
-    loads: dict[int, int] = {}
-    for c, w in zip(chunks, writers):
-        loads[w] = loads.get(w, 0) + c.nbytes
-    if len(_FIXED_WRITERS) >= _CACHE_LIMIT:
-        _FIXED_WRITERS.clear()
-    _FIXED_WRITERS[id(chunks)] = (chunks, writers, loads)
-    return writers, loads
-
-
-def _chunks(shape: tuple[int, ...], chunk_shape: tuple[int, ...], shards: tuple[_layout.Shard, ...],
-            itemsize: int) -> list[_Chunk]:
-    cells = _layout.chunk_cells(shape, chunk_shape)
-    if len(cells) == 1 and len(shards) == 1:  # the common small-leaf case
-        region = _layout.chunk_region(cells[0], chunk_shape, shape)
-        return [_Chunk(region, _layout.index_size(region) * itemsize, shards[0].processes, shards[0].index)]
-    owner: dict[tuple[int, ...], _layout.Shard] = {}
-    for shard in shards:
-        for cell, _ in _layout.chunks_overlapping(shard.index, chunk_shape):
-            owner[cell] = shard
-    out = []
-    for cell in cells:
-        region = _layout.chunk_region(cell, chunk_shape, shape)
-        shard = owner[cell]
-        out.append(_Chunk(region, _layout.index_size(region) * itemsize, shard.processes, shard.index))
-    return out
 
 
 def _assign(arrays: list[_ArrayLeaf], group: tuple[int, ...]) -> None:
@@ -508,7 +401,7 @@ def _assign(arrays: list[_ArrayLeaf], group: tuple[int, ...]) -> None:
     load: dict[int, int] = {}
     flexible = []
     for a in arrays:
-        fixed = _fixed_writers(a.chunks)
+        fixed = _chunking.fixed_writers(a.chunks)
         if fixed is None:
             flexible.append(a)
             continue
@@ -523,14 +416,14 @@ def _assign(arrays: list[_ArrayLeaf], group: tuple[int, ...]) -> None:
 def _group_writers(arrays: list[_ArrayLeaf], group: tuple[int, ...]) -> list[list[int]]:
     """Per leaf, each chunk's writer among ``group``'s processes holding it, balanced
     over the whole tree (``-1``: nobody in the group holds it). Leaves whose chunks have
-    one holder each are counted once per kind of leaf (``_fixed_writers``), the rest
+    one holder each are counted once per kind of leaf (``_chunking.fixed_writers``), the rest
     balanced on top: what ``_layout.assign_writers`` gives for all of them at once."""
     members, load = set(group), {}
     out: list[list[int]] = [[] for _ in arrays]
     kinds: dict[int, list[int]] = {}
     flexible = []
     for i, a in enumerate(arrays):
-        fixed = _fixed_writers(a.chunks)
+        fixed = _chunking.fixed_writers(a.chunks)
         if fixed is None:
             flexible.append(i)
             continue
@@ -621,7 +514,7 @@ def _start_transfers(arrays: list[_ArrayLeaf], me: int) -> None:
     for a in arrays:
         if a.on_host:
             continue  # nothing to copy (views of host memory)
-        for index in _mine(a.chunks, a.writers, me)[2]:
+        for index in _chunking.mine(a.chunks, a.writers, me)[2]:
             data = a.local[index]
             if isinstance(data, jax.Array) and not _on_cpu(data):
                 data.copy_to_host_async()
@@ -661,7 +554,7 @@ def _snapshot_in_waves(tree: Any, copy_host_arrays: bool, group: tuple[int, ...]
         return packed_buf
 
     costs = [_cost(leaf, c, copy_host_arrays) for leaf, c in items]
-    planned = _waves.plan(items, costs, 0 if packed_buf is None else packed_buf.nbytes, budget.max_bytes)
+    planned = _plan_waves(items, costs, 0 if packed_buf is None else packed_buf.nbytes, budget.max_bytes)
     stage = functools.partial(_stage_wave, copy=copy_host_arrays, fill_packed=fill_packed)
     waves = Waves(budget, planned, stage)
     waves.stage_first()

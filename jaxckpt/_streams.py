@@ -132,6 +132,32 @@ def _one_writer(writers: Sequence[int] | np.ndarray) -> int:
     return 0
 
 
+def _place_whole(quick: dict[int, tuple[int, int]] | None, pos: np.ndarray, pad: np.ndarray, p: int, n: int,
+                 entry: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """``plan``'s step for ``n`` entries of ``entry`` bytes that process ``p`` writes one
+    after the other: their first offset, its ends moved on (``quick``, or the arrays)."""
+    step = stride_for(entry)
+    if quick is not None:
+        offset = quick.get(p, (0, 0))[0]
+    else:
+        pos, pad = _grown(pos, p + 1), _grown(pad, p + 1)
+        offset = int(pos[p])
+    if offset + (n - 1) * step + entry > MAX_STREAM_BYTES:
+        raise ValueError(f"a stream of more than {MAX_STREAM_BYTES} bytes")
+    if quick is not None:
+        quick[p] = (offset + n * step, step - entry)
+    else:
+        pos[p], pad[p] = offset + n * step, step - entry
+    return offset, pos, pad
+
+
+def _as_arrays(quick: dict[int, tuple[int, int]], column: int) -> np.ndarray:
+    out = np.zeros(max(quick, default=-1) + 1, np.int64)
+    for p, pair in quick.items():
+        out[p] = pair[column]
+    return out
+
+
 def plan(leaves: Iterable[tuple[int, Sequence[int] | np.ndarray]]) -> Layout:
     """Lay the chunks of array leaves out in one stream per writing process.
 
@@ -145,22 +171,23 @@ def plan(leaves: Iterable[tuple[int, Sequence[int] | np.ndarray]]) -> Layout:
         Layout(runs=[((0, 0, 1, 0), (1, 1, 1, 0), (0, 2, 1, 64), (1, 3, 1, 64)), ((1, 0, 1, 128),)], \
 streams={0: 128, 1: 136})
     """
-    pos = np.zeros(0, np.int64)  # per process: the next free (aligned) offset of its stream
-    pad = np.zeros(0, np.int64)  # per process: the padding after its last entry (not in the stream)
+    # per process: the next free (aligned) offset of its stream, and the padding after its
+    # last entry (not in the stream); in dicts while every leaf so far is one writer's, then
+    # in arrays (``pos``/``pad``: numpy from the first leaf analysed as a pattern on)
+    quick: dict[int, tuple[int, int]] | None = {}
+    pos = pad = np.zeros(0, np.int64)
     patterns: dict[int, tuple[Any, _Pattern]] = {}  # holds the lists, so no id is reused meanwhile
-    tables: list[np.ndarray] = []  # per leaf its runs, turned into tuples at once at the end
+    tables: list[Any] = []  # per leaf its runs (a leaf one process writes whole: as returned; else a table)
     for payload, writers in leaves:
         if payload < 0:
             raise ValueError(f"payload of {payload} bytes")
         if (n := _one_writer(writers)) and int(writers[0]) >= 0:  # one chunk, or one writer: no numpy analysis
-            p, step = int(writers[0]), stride_for(entry_bytes_for(payload))
-            pos, pad = _grown(pos, p + 1), _grown(pad, p + 1)
-            offset = int(pos[p])
-            if offset + (n - 1) * step + entry_bytes_for(payload) > MAX_STREAM_BYTES:
-                raise ValueError(f"a stream of more than {MAX_STREAM_BYTES} bytes")
-            pos[p], pad[p] = offset + n * step, step - entry_bytes_for(payload)
-            tables.append(np.array([[p, 0, n, offset]], np.int64))
+            p = int(writers[0])
+            offset, pos, pad = _place_whole(quick, pos, pad, p, n, entry_bytes_for(payload))
+            tables.append(((p, 0, n, offset),))  # its runs as they are returned
             continue
+        if quick is not None:  # from here on in arrays
+            pos, pad, quick = _as_arrays(quick, 0), _as_arrays(quick, 1), None
         hit = patterns.get(id(writers))
         if hit is None or hit[0] is not writers:
             hit = patterns[id(writers)] = (writers, _pattern(writers))
@@ -177,9 +204,11 @@ streams={0: 128, 1: 136})
         if int(pos[pat.writers].max()) - step + entry > MAX_STREAM_BYTES:  # a reader would refuse it
             raise ValueError(f"a stream of more than {MAX_STREAM_BYTES} bytes")
         tables.append(np.stack((pat.procs, pat.firsts, pat.counts, offsets), axis=1))
+    if quick is not None:  # every leaf written whole by one process: no numpy
+        return Layout(list(tables), {p: at - gap for p, (at, gap) in sorted(quick.items()) if at})
+    tables = [np.array(t, np.int64) if type(t) is tuple else t for t in tables]
+    runs = _split(np.concatenate(tables) if tables else np.zeros((0, 4), np.int64), [len(t) for t in tables])
     written = np.flatnonzero(pos)
-    rows = np.concatenate(tables) if tables else np.zeros((0, 4), np.int64)
-    runs = _split(rows, [len(t) for t in tables])
     return Layout(runs, dict(zip(written.tolist(), (pos[written] - pad[written]).tolist())))
 
 
@@ -589,7 +618,7 @@ def _split(rows: np.ndarray, sizes: Sequence[int]) -> list[tuple[Run, ...]]:
     lists of ints, zipped into tuples: no list per run, so hundreds of thousands of runs
     do not set off the garbage collector's full passes over a big heap (measured 3× faster)."""
     flat = list(zip(*rows.T.tolist())) if len(rows) else []
-    bounds = np.cumsum([0, *sizes]).tolist()
+    bounds = [0, *itertools.accumulate(sizes)]
     return [tuple(flat[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 

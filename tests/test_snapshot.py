@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from conftest import sharded
 
-from jaxckpt import _layout, _snapshot, _writer
+from jaxckpt import _chunking, _layout, _snapshot, _writer
 
 
 @pytest.mark.format1
@@ -109,3 +109,50 @@ def test_format3_pieces_are_whole_shards_cut_into_chunks_by_the_writer():
     for region, data in cut:
         (a, b), _ = region
         assert np.array_equal(data, np.asarray(x)[a:b]) and data.flags.c_contiguous
+
+
+def _chunks_by_cells(shape, chunk_shape, shards, itemsize):
+    """The chunk list read literally: every grid cell in C order, its region clipped, its
+    owner the last shard overlapping it."""
+    owner = {}
+    for shard in shards:
+        for cell, _ in _layout.chunks_overlapping(shard.index, chunk_shape):
+            owner[cell] = shard
+    out = []
+    for cell in _layout.chunk_cells(shape, chunk_shape):
+        region = _layout.chunk_region(cell, chunk_shape, shape)
+        out.append(_chunking.Chunk(region, _layout.index_size(region) * itemsize, owner[cell].processes,
+                                   owner[cell].index))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_row_block_chunk_lists_match_the_cell_by_cell_list(seed):
+    # Format 3's fine chunks are blocks of whole rows; their list is built by arithmetic
+    # (``_chunking.row_chunks``), which must give exactly the cell-by-cell list
+    rng = np.random.default_rng(seed)
+    devices = np.array(jax.devices())
+    meshes = [jax.sharding.Mesh(devices.reshape(8), ("a",)), jax.sharding.Mesh(devices.reshape(4, 2), ("a", "b"))]
+    checked = 0
+    for _ in range(30):
+        mesh = meshes[int(rng.integers(2))]
+        ndim = int(rng.integers(1, 4))
+        shape = tuple(int(rng.choice([0, 8, 16, 24, 40, 48])) for _ in range(ndim))  # every split divides
+        spec = [None] * ndim
+        for axis in mesh.axis_names:
+            if rng.integers(2):
+                spec[int(rng.integers(ndim))] = axis if spec[0] != axis else None
+        if len([a for a in spec if a]) != len({a for a in spec if a}):
+            continue
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+        shards = _layout.shards_of(sharding, shape)
+        rows = shards[0].index[0][1] - shards[0].index[0][0] if shards else 1
+        # a divisor of the shard's rows (what a save picks), or any height (straddling shards)
+        height = max(1, rows // int(rng.choice([1, 2, 4]))) if rng.integers(2) else int(rng.integers(1, 50))
+        chunk_shape = (height, *(max(1, d) for d in shape[1:]))
+        if any(d == 0 for d in shape[1:]):
+            continue  # a zero-width row: the chunk extent 1 is not the shape's; not a row block
+        got = _chunking.chunks(shape, chunk_shape, shards, 4)
+        assert got == _chunks_by_cells(shape, chunk_shape, shards, 4), (shape, spec, chunk_shape)
+        checked += 1
+    assert checked

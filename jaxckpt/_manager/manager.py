@@ -149,6 +149,8 @@ class CheckpointManager:
         self._steps = _tiers.Listing(self._lock, self._dir, local, self._persistent)
         self._peers = _peers.start(peer_copies, self._groups, self._lease, self._persistent, self._sources())
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
+        if async_save and not read_only:  # its thread starts now, not in the first save's blocking part
+            self._executor.submit(int)
         self._deleter = _cleanup.Deleter(self._dir)
         self._retention = _cleanup.Retainer(policy, self._steps, self._pins, self._deleter, self._groups.leads,
                                             self._lock)
