@@ -1,6 +1,6 @@
 """Soak: async saves every step, with retention and random restores, for a while.
 
-The run lasts ``JAXCKPT_SOAK_S`` seconds (default 10; ``make test-all``, which CI runs, sets 60,
+The run lasts ``JAXCKPT_SOAK_S`` seconds (default 10; ``make test-all``, which CI runs, sets 30,
 and ``JAXCKPT_SOAK_S=3600 pytest -m slow tests/test_soak.py`` is the long soak). Checked: every step
 retention must keep is there and restores bit for bit, every random restore is exact,
 and nothing leaks: threads, file descriptors, and memory (the RSS trend over the second
