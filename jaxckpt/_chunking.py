@@ -141,3 +141,39 @@ def row_chunks(shape: tuple[int, ...], height: int, shards: tuple[_layout.Shard,
         lo, hi, shard = k * height, min(k * height + height, n), owner[k]
         out.append(Chunk(((lo, hi), *rest), (hi - lo) * row_bytes, shard.processes, shard.index))
     return out
+
+
+# The last call of ``writers_of``: the chunk lists it was given (kept, so their ids stay
+# theirs) and the writer lists it returned.
+_LAST_WRITERS: list[Any] = [(), None]
+
+
+def writers_of(chunk_lists: list[list[Chunk]]) -> list[list[int]]:
+    """Every chunk's writer, per chunk list (a save's array leaves, in order), balanced over
+    the whole tree: the same plan in every process. Chunks with a single holder have no
+    choice (counted first, whole lists at once, ``fixed_writers``); the rest are balanced
+    on top (``_layout.assign_with_loads``).
+
+    A repeated save of the same leaves (a training loop's: the same shared chunk lists)
+    gets the same writer lists back, the very objects, so that what is cached per writer
+    list (``mine``, the stream layout) is reused: replicated leaves no longer cost a new
+    plan per save. The lists returned are shared: never mutated."""
+    last_lists, last = _LAST_WRITERS
+    if len(last_lists) == len(chunk_lists) and all(a is b for a, b in zip(chunk_lists, last_lists)):
+        return last
+    out: list[Any] = [None] * len(chunk_lists)
+    load: dict[int, int] = {}
+    flexible = []
+    for i, chunks in enumerate(chunk_lists):
+        fixed = fixed_writers(chunks)
+        if fixed is None:
+            flexible.append(i)
+            continue
+        out[i] = fixed[0]
+        for p, n in fixed[1].items():
+            load[p] = load.get(p, 0) + n
+    picked = iter(_layout.assign_with_loads([(c.nbytes, c.holders) for i in flexible for c in chunk_lists[i]], load))
+    for i in flexible:
+        out[i] = [next(picked) for _ in chunk_lists[i]]
+    _LAST_WRITERS[:] = [tuple(chunk_lists), out]
+    return out

@@ -396,21 +396,8 @@ def _assign(arrays: list[_ArrayLeaf], group: tuple[int, ...]) -> None:
         for a, writers in zip(arrays, _group_writers(arrays, group)):
             a.writers = writers
         return
-    # Chunks with a single holder have no choice: counted first (whole leaves at once,
-    # cached per chunk list); the rest are balanced on top (``assign_with_loads``).
-    load: dict[int, int] = {}
-    flexible = []
-    for a in arrays:
-        fixed = _chunking.fixed_writers(a.chunks)
-        if fixed is None:
-            flexible.append(a)
-            continue
-        a.writers = fixed[0]  # shared: never mutated
-        for p, n in fixed[1].items():
-            load[p] = load.get(p, 0) + n
-    picked = iter(_layout.assign_with_loads([(c.nbytes, c.holders) for a in flexible for c in a.chunks], load))
-    for a in flexible:
-        a.writers = [next(picked) for _ in a.chunks]
+    for a, writers in zip(arrays, _chunking.writers_of([a.chunks for a in arrays])):
+        a.writers = writers  # shared: never mutated
 
 
 def _group_writers(arrays: list[_ArrayLeaf], group: tuple[int, ...]) -> list[list[int]]:

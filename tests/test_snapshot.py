@@ -156,3 +156,30 @@ def test_row_block_chunk_lists_match_the_cell_by_cell_list(seed):
         assert got == _chunks_by_cells(shape, chunk_shape, shards, 4), (shape, spec, chunk_shape)
         checked += 1
     assert checked
+
+
+def test_a_repeated_save_of_the_same_leaves_gets_the_same_writer_lists():
+    # Replicated chunks (several holders) are balanced per save; a training loop's repeated
+    # save of the same leaves gets the very same writer lists back, so that the stream
+    # layout and each process's share (cached per writer list) are not planned again.
+    def chunk(row, holders, nbytes=64):
+        return _chunking.Chunk(((row, row + 1), (0, 16)), nbytes, holders, ((0, 8), (0, 16)))
+
+    replicated = [chunk(r, (0, 1, 2)) for r in range(8)]
+    sharded_ = [chunk(r, (r % 3,), 128) for r in range(6)]
+    lists = [sharded_, replicated]
+    first = _chunking.writers_of(lists)
+    load = {}
+    for c in sharded_:
+        load[c.holders[0]] = load.get(c.holders[0], 0) + c.nbytes
+    assert first[0] == [0, 1, 2, 0, 1, 2]
+    assert first[1] == _layout.assign_with_loads([(c.nbytes, c.holders) for c in replicated], load)
+    again = _chunking.writers_of([sharded_, replicated])
+    assert again is first and again[1] is first[1]
+    copy = list(replicated)  # equal chunks, another list (a numpy leaf's, made per save): planned anew
+    other = _chunking.writers_of([sharded_, copy])
+    assert other == first and other is not first and other[1] is not first[1]
+    # the stream layout is then reused: the same writer lists give the last layout's runs
+    payloads = [64, 128]
+    layout = _snapshot._plan_streams(payloads, first)
+    assert _snapshot._plan_streams(payloads, first).runs is layout.runs
