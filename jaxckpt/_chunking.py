@@ -1,8 +1,9 @@
-"""Which chunks an array leaf is cut into and which of them a process writes: the chunk
-lists of a save's leaves (``chunks``; shared, cached per shape and sharding), the writers of
-chunks that have one holder (``fixed_writers``), and what one process writes of a leaf
-(``mine``: its chunks, and the pieces ``_snapshot`` hands the writer). Pure: global facts
-only, the same in every process."""
+"""Which chunks an array leaf is cut into and which process writes each: the chunk lists
+of a save's leaves (``chunks``; shared, cached per shape and sharding), every chunk's
+writer (``writers_of``: the same lists again for a repeated save of the same leaves),
+and what one process writes of a leaf (``mine``: its chunks, and the pieces
+``_snapshot`` hands the writer). Pure functions of the global tree (and, for ``mine``,
+of the process asking): every process plans the same."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ class Chunk(NamedTuple):
 
 
 def piece_plan(chunks: list[Chunk]) -> tuple[tuple[Any, Any], ...]:
-    """How ````_snapshot._ArrayLeaf.pieces```` cuts ``chunks`` (in C order): ``(shard, None)`` for a
+    """How ``_snapshot._ArrayLeaf.pieces`` cuts ``chunks`` (in C order): ``(shard, None)`` for a
     shard whose every row-block chunk is among them (one piece), ``(None, chunks)`` for
     a run of chunks of one shard that are pieces of their own."""
     out: list[tuple[Any, Any]] = []
@@ -72,7 +73,7 @@ _CACHE_LIMIT = 1024
 
 
 def chunks_cached(shape: tuple[int, ...], chunk_shape: tuple[int, ...], shards: tuple[_layout.Shard, ...],
-                   itemsize: int) -> list[Chunk]:
+                  itemsize: int) -> list[Chunk]:
     """``chunks`` of ``shards`` as ``_layout.shards_of`` gives them (one object per
     sharding and shape). The result is shared: never mutated."""
     key = (shape, chunk_shape, id(shards), itemsize)
@@ -106,7 +107,9 @@ def fixed_writers(chunks: list[Chunk]) -> tuple[list[int], dict[int, int]] | Non
 
 
 def chunks(shape: tuple[int, ...], chunk_shape: tuple[int, ...], shards: tuple[_layout.Shard, ...],
-            itemsize: int) -> list[Chunk]:
+           itemsize: int) -> list[Chunk]:
+    """Every chunk of an array of ``shape`` cut in ``chunk_shape``, in C order, with the
+    shard it lies in (the last one overlapping it) and that shard's holders."""
     cells = _layout.chunk_cells(shape, chunk_shape)
     if len(cells) == 1 and len(shards) == 1:  # the common small-leaf case
         region = _layout.chunk_region(cells[0], chunk_shape, shape)
@@ -126,7 +129,7 @@ def chunks(shape: tuple[int, ...], chunk_shape: tuple[int, ...], shards: tuple[_
 
 
 def row_chunks(shape: tuple[int, ...], height: int, shards: tuple[_layout.Shard, ...],
-                itemsize: int) -> list[Chunk]:
+               itemsize: int) -> list[Chunk]:
     """``chunks`` where every chunk is a block of ``height`` whole rows: each shard's
     blocks by arithmetic (the owner of a block: the last shard overlapping it)."""
     n, rest = shape[0], tuple((0, d) for d in shape[1:])
