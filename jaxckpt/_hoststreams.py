@@ -152,9 +152,17 @@ def lay_out(payloads: Sequence[int], chunk_lists: Sequence[Sequence[Any]], group
             hit = cache[id(chunks)] = np.array([min(gid[h] for h in c.holders) for c in chunks], np.int64)
         owners.append(hit)
     view = ordered.index(group)
-    mine = [np.asarray(w, np.int64) for w in own]
+    converted: dict[int, tuple[Any, np.ndarray]] = {}  # a writer list shared by leaves of a kind: once
+
+    def as_array(w: Sequence[int]) -> np.ndarray:
+        hit = converted.get(id(w))
+        if hit is None or hit[0] is not w:
+            hit = converted[id(w)] = (w, np.asarray(w, np.int64))  # the list kept: its id stays its
+        return hit[1]
+
+    mine = [as_array(w) for w in own]
     lacking = [o[w < 0] for o, w in zip(owners, mine) if o.size]
     needed = set(np.unique(np.concatenate(lacking)).tolist()) if lacking else set()
-    writers = {k: [np.asarray(w, np.int64) for w in writers_of(ordered[k])] for k in needed - {view}}
+    writers = {k: [as_array(w) for w in writers_of(ordered[k])] for k in needed - {view}}
     writers[view] = mine
     return plan_view(payloads, owners, writers, view)

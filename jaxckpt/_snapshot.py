@@ -393,8 +393,10 @@ def _assign(arrays: list[_ArrayLeaf], group: tuple[int, ...]) -> None:
     With a ``group``, each chunk that a process of the group holds gets a writer among
     those (``-1``: nobody in the group holds it, so the group writes no copy of it)."""
     if group:
-        for a, writers in zip(arrays, _group_writers(arrays, group)):
-            a.writers = writers
+        lists = [a.chunks for a in arrays]
+        writers = _repeated(_LAST_GROUP_WRITERS, lists, (group,), functools.partial(_group_writers, arrays, group))
+        for a, w in zip(arrays, writers):
+            a.writers = w  # shared with the last save of the same leaves: never mutated
         return
     for a, writers in zip(arrays, _chunking.writers_of([a.chunks for a in arrays])):
         a.writers = writers  # shared: never mutated
@@ -417,10 +419,14 @@ def _group_writers(arrays: list[_ArrayLeaf], group: tuple[int, ...]) -> list[lis
         if id(a.chunks) not in kinds:
             kinds[id(a.chunks)] = [p if p in members else -1 for p in fixed[0]]
         out[i] = kinds[id(a.chunks)]  # shared: never mutated
-        for p, n in fixed[1].items():
-            if p in members:
-                load[p] = load.get(p, 0) + n
-    held = {i: [tuple(h for h in c.holders if h in members) for c in arrays[i].chunks] for i in flexible}
+        for p in members:  # a few: not the hundreds of processes a leaf's chunks may have
+            if p in fixed[1]:
+                load[p] = load.get(p, 0) + fixed[1][p]
+    within: dict[tuple[int, ...], tuple[int, ...]] = {}  # holders -> those in the group (few distinct)
+    held = {}
+    for i in flexible:
+        held[i] = [within.get(c.holders) or within.setdefault(c.holders, tuple(h for h in c.holders if h in members))
+                   for c in arrays[i].chunks]
     picked = iter(_layout.assign_with_loads(
         [(c.nbytes, h) for i in flexible for c, h in zip(arrays[i].chunks, held[i]) if h], load))
     for i in flexible:
@@ -469,14 +475,35 @@ def _lay_out_streams(arrays: list[_ArrayLeaf], group: tuple[int, ...] = (),
                             runs=r, codec_config=None if c is None else c.config(itemsize))
         return layout.streams
     if group:
-        layout = _hoststreams.lay_out(payloads, [a.chunks for a in arrays], groups, group,
-                                      [a.writers for a in arrays], functools.partial(_group_writers, arrays))
+        lists = [a.chunks for a in arrays]
+        layout = _repeated(_LAST_HOST_LAYOUT, lists, (tuple(payloads), group, groups), functools.partial(
+            _hoststreams.lay_out, payloads, lists, groups, group, [a.writers for a in arrays],
+            functools.partial(_group_writers, arrays)))
+        layout = _streams.Layout(layout.runs, dict(layout.streams))
     else:
         layout = _plan_streams(payloads, [a.writers for a in arrays])
     for a, payload, runs in zip(arrays, payloads, layout.runs):
         a.fields.update(store="stream", key="", codec=_streams.CODEC_RAW,
                         entry_bytes=_streams.entry_bytes_for(payload), runs=runs)
     return layout.streams
+
+
+# A directory per host: the last save's writer lists of this host's group and its layout
+# (``_repeated``'s entries: key, the chunk lists it was made of, kept, and the result).
+_LAST_GROUP_WRITERS: list[Any] = [None, (), None]
+_LAST_HOST_LAYOUT: list[Any] = [None, (), None]
+
+
+def _repeated(last: list[Any], lists: list[Any], key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+    """``make()``, or what it gave the last time for the same chunk lists (the very
+    objects: shared, never mutated) and the same ``key``. It is a pure function of them,
+    so a training loop's repeated save reuses it instead of planning every group again."""
+    last_key, last_lists, result = last
+    if key == last_key and len(lists) == len(last_lists) and all(a is b for a, b in zip(lists, last_lists)):
+        return result
+    result = make()
+    last[:] = [key, tuple(lists), result]
+    return result
 
 
 # The last layout planned, for a save of the same leaves with the same writer lists (a

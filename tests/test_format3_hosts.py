@@ -239,3 +239,41 @@ def test_one_process_copies_its_data_objects_to_the_persistent_tier(tmp_path, mo
     back = jaxckpt.restore(durable)
     assert back["w"].tobytes() == tree["w"].tobytes() and back["b"].tobytes() == tree["b"].tobytes()
     assert back["step"] == 3
+
+
+def test_a_repeated_save_per_host_reuses_its_groups_writers_and_layout(monkeypatch):
+    """A directory per host: each save plans its group's writers and its view of every
+    group's streams; a repeated save of the same leaves (the same shared chunk lists)
+    gets the same writer lists and the same layout back, without planning again."""
+    from jaxckpt import _chunking, _snapshot
+
+    def chunk(row, holders):
+        return _chunking.Chunk(((row, row + 1), (0, 4)), 16, holders, ((row, row + 1), (0, 4)))
+
+    sharded = [chunk(r, (r % 4,)) for r in range(8)]  # one holder each: processes 0..3
+    replicated = [chunk(r, (0, 1, 2, 3)) for r in range(2)]
+    groups, group = ((0, 1), (2, 3)), (2, 3)
+    calls = []
+    real = _hoststreams.lay_out
+    monkeypatch.setattr(_hoststreams, "lay_out", lambda *a: calls.append(1) or real(*a))
+
+    def save():
+        arrays = [_snapshot._ArrayLeaf(i, {"path": f"l{i}", "dtype": "float32", "storage_dtype": "float32",
+                                           "shape": (8, 4), "chunk_shape": (1, 4)}, chunks, {})
+                  for i, chunks in enumerate([sharded, replicated])]
+        _snapshot._assign(arrays, group)
+        streams = _snapshot._lay_out_streams(arrays, group, groups)
+        return [a.writers for a in arrays], [a.fields["runs"] for a in arrays], streams
+
+    writers, runs, streams = save()
+    assert writers[0] == [-1, -1, 2, 3, -1, -1, 2, 3] and sorted(writers[1]) == [2, 3]
+    again = save()
+    assert all(a is b for a, b in zip(again[0], writers)) and again[1] == runs and again[2] == streams
+    assert again[2] is not streams and len(calls) == 1  # planned once; each save its own dict
+    other = [list(sharded), replicated]  # equal chunks in another list (made anew): planned anew
+    arrays = [_snapshot._ArrayLeaf(i, {"path": f"l{i}", "dtype": "float32", "storage_dtype": "float32",
+                                       "shape": (8, 4), "chunk_shape": (1, 4)}, chunks, {})
+              for i, chunks in enumerate(other)]
+    _snapshot._assign(arrays, group)
+    assert _snapshot._lay_out_streams(arrays, group, groups) == streams and len(calls) == 2
+    assert [a.fields["runs"] for a in arrays] == runs
