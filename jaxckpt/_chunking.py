@@ -7,7 +7,9 @@ of the process asking): every process plans the same."""
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from . import _layout
@@ -146,9 +148,20 @@ def row_chunks(shape: tuple[int, ...], height: int, shards: tuple[_layout.Shard,
     return out
 
 
-# The last call of ``writers_of``: the chunk lists it was given (kept, so their ids stay
-# theirs) and the writer lists it returned.
-_LAST_WRITERS: list[Any] = [(), None]
+def repeated(last: list[Any], lists: Sequence[Any], key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+    """``make()``, or what it gave the last time for the same ``lists`` (the very objects:
+    shared, never mutated) and the same ``key``. For a plan that is a pure function of
+    them: a training loop's repeated save of the same leaves reuses it. ``last``: the
+    cache, one entry ``[key, lists (kept, so their ids stay theirs), result]``."""
+    last_key, last_lists, result = last
+    if key == last_key and len(lists) == len(last_lists) and all(a is b for a, b in zip(lists, last_lists)):
+        return result
+    result = make()
+    last[:] = [key, tuple(lists), result]
+    return result
+
+
+_LAST_WRITERS: list[Any] = [None, (), None]  # ``writers_of``'s ``repeated`` entry
 
 
 def writers_of(chunk_lists: list[list[Chunk]]) -> list[list[int]]:
@@ -158,12 +171,13 @@ def writers_of(chunk_lists: list[list[Chunk]]) -> list[list[int]]:
     on top (``_layout.assign_with_loads``).
 
     A repeated save of the same leaves (a training loop's: the same shared chunk lists)
-    gets the same writer lists back, the very objects, so that what is cached per writer
-    list (``mine``, the stream layout) is reused: replicated leaves no longer cost a new
-    plan per save. The lists returned are shared: never mutated."""
-    last_lists, last = _LAST_WRITERS
-    if len(last_lists) == len(chunk_lists) and all(a is b for a, b in zip(chunk_lists, last_lists)):
-        return last
+    gets the same writer lists back, the very objects (``repeated``), so that what is
+    cached per writer list (``mine``, the stream layout) is reused: replicated leaves no
+    longer cost a new plan per save. The lists returned are shared: never mutated."""
+    return repeated(_LAST_WRITERS, chunk_lists, (), functools.partial(_writers, chunk_lists))
+
+
+def _writers(chunk_lists: list[list[Chunk]]) -> list[list[int]]:
     out: list[Any] = [None] * len(chunk_lists)
     load: dict[int, int] = {}
     flexible = []
@@ -178,5 +192,4 @@ def writers_of(chunk_lists: list[list[Chunk]]) -> list[list[int]]:
     picked = iter(_layout.assign_with_loads([(c.nbytes, c.holders) for i in flexible for c in chunk_lists[i]], load))
     for i in flexible:
         out[i] = [next(picked) for _ in chunk_lists[i]]
-    _LAST_WRITERS[:] = [tuple(chunk_lists), out]
     return out

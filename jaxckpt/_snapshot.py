@@ -394,7 +394,7 @@ def _assign(arrays: list[_ArrayLeaf], group: tuple[int, ...]) -> None:
     those (``-1``: nobody in the group holds it, so the group writes no copy of it)."""
     if group:
         lists = [a.chunks for a in arrays]
-        writers = _repeated(_LAST_GROUP_WRITERS, lists, (group,), functools.partial(_group_writers, arrays, group))
+        writers = _chunking.repeated(_LAST_GROUP_WRITERS, lists, (group,), functools.partial(_group_writers, arrays, group))
         for a, w in zip(arrays, writers):
             a.writers = w  # shared with the last save of the same leaves: never mutated
         return
@@ -422,11 +422,9 @@ def _group_writers(arrays: list[_ArrayLeaf], group: tuple[int, ...]) -> list[lis
         for p in members:  # a few: not the hundreds of processes a leaf's chunks may have
             if p in fixed[1]:
                 load[p] = load.get(p, 0) + fixed[1][p]
-    within: dict[tuple[int, ...], tuple[int, ...]] = {}  # holders -> those in the group (few distinct)
-    held = {}
-    for i in flexible:
-        held[i] = [within.get(c.holders) or within.setdefault(c.holders, tuple(h for h in c.holders if h in members))
-                   for c in arrays[i].chunks]
+    # each distinct set of holders (a few) filtered once, not once per chunk
+    within = {h: tuple(p for p in h if p in members) for h in {c.holders for i in flexible for c in arrays[i].chunks}}
+    held = {i: [within[c.holders] for c in arrays[i].chunks] for i in flexible}
     picked = iter(_layout.assign_with_loads(
         [(c.nbytes, h) for i in flexible for c, h in zip(arrays[i].chunks, held[i]) if h], load))
     for i in flexible:
@@ -476,7 +474,7 @@ def _lay_out_streams(arrays: list[_ArrayLeaf], group: tuple[int, ...] = (),
         return layout.streams
     if group:
         lists = [a.chunks for a in arrays]
-        layout = _repeated(_LAST_HOST_LAYOUT, lists, (tuple(payloads), group, groups), functools.partial(
+        layout = _chunking.repeated(_LAST_HOST_LAYOUT, lists, (tuple(payloads), group, groups), functools.partial(
             _hoststreams.lay_out, payloads, lists, groups, group, [a.writers for a in arrays],
             functools.partial(_group_writers, arrays)))
         layout = _streams.Layout(layout.runs, dict(layout.streams))
@@ -488,39 +486,19 @@ def _lay_out_streams(arrays: list[_ArrayLeaf], group: tuple[int, ...] = (),
     return layout.streams
 
 
-# A directory per host: the last save's writer lists of this host's group and its layout
-# (``_repeated``'s entries: key, the chunk lists it was made of, kept, and the result).
+# The last save's plans, for a repeated save of the same leaves (``_chunking.repeated``'s
+# entries): a directory per host, its group's writer lists and its layout; else the layout.
 _LAST_GROUP_WRITERS: list[Any] = [None, (), None]
 _LAST_HOST_LAYOUT: list[Any] = [None, (), None]
-
-
-def _repeated(last: list[Any], lists: list[Any], key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
-    """``make()``, or what it gave the last time for the same chunk lists (the very
-    objects: shared, never mutated) and the same ``key``. It is a pure function of them,
-    so a training loop's repeated save reuses it instead of planning every group again."""
-    last_key, last_lists, result = last
-    if key == last_key and len(lists) == len(last_lists) and all(a is b for a, b in zip(lists, last_lists)):
-        return result
-    result = make()
-    last[:] = [key, tuple(lists), result]
-    return result
-
-
-# The last layout planned, for a save of the same leaves with the same writer lists (a
-# training loop saves one state over and over): its key, the writer lists it was made
-# of (kept, so their ids stay theirs) and the layout.
-_LAST_LAYOUT: list[Any] = [None, None, None]
+_LAST_LAYOUT: list[Any] = [None, (), None]
 
 
 def _plan_streams(payloads: list[int], writers: list[Any]) -> _streams.Layout:
-    """``_streams.plan``, or the last save's layout when it was of the same leaves."""
-    key = tuple(zip(payloads, map(id, writers)))
-    last_key, last_writers, layout = _LAST_LAYOUT
-    if key == last_key and all(a is b for a, b in zip(writers, last_writers)):
-        return _streams.Layout(layout.runs, dict(layout.streams))
-    layout = _streams.plan(zip(payloads, writers))
-    _LAST_LAYOUT[:] = [key, writers, layout]
-    return layout
+    """``_streams.plan``, or the last save's layout when it was of the same leaves (the
+    same writer lists). Each call gets a streams dict of its own."""
+    layout = _chunking.repeated(_LAST_LAYOUT, writers, tuple(payloads),
+                                lambda: _streams.plan(zip(payloads, writers)))
+    return _streams.Layout(layout.runs, dict(layout.streams))
 
 
 def _start_transfers(arrays: list[_ArrayLeaf], me: int) -> None:

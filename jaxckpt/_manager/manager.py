@@ -196,7 +196,10 @@ class CheckpointManager:
         """``True`` at the one step, the same in every process, at which a preempted job
         must save and exit: after SIGTERM (or JAX's preemption notice) reached any
         process. Call it every step, in every process, with consecutive steps; it costs
-        well under a microsecond. See docs/multihost.md, "Preemption".
+        well under a microsecond. See docs/multihost.md, "Preemption". Process-wide: its
+        first call from the main thread installs a SIGTERM handler (unless JAX's
+        preemption notifier is in use), which passes the signal on to the one before it;
+        ``close()`` puts that one back.
 
         Example:
           >>> if mgr.reached_preemption(step):
