@@ -502,14 +502,47 @@ def _plan_streams(payloads: list[int], writers: list[Any]) -> _streams.Layout:
 
 
 def _start_transfers(arrays: list[_ArrayLeaf], me: int) -> None:
-    """Start every device-to-host copy this process needs before waiting on any."""
+    """Start every device-to-host copy this process needs before waiting on any.
+
+    Where the device has pinned host memory (GPUs), each shard goes there in one batched
+    ``device_put`` and the leaf's shard is replaced by the pinned copy, which
+    ``np.asarray`` views without a copy: a DMA at the link's rate (4 GiB on an H200: 0.08 s
+    against 2.5 s for ``copy_to_host_async`` into pageable memory, benchmarks/RESULTS.md),
+    and the host copy belongs to the snapshot, not to the caller's array. Elsewhere (or if
+    the put is refused) ``copy_to_host_async``, whose copy ``np.asarray`` waits for."""
+    pending: list[tuple[_ArrayLeaf, Any, jax.Array, Any]] = []
     for a in arrays:
         if a.on_host:
             continue  # nothing to copy (views of host memory)
         for index in _chunking.mine(a.chunks, a.writers, me)[2]:
             data = a.local[index]
             if isinstance(data, jax.Array) and not _on_cpu(data):
-                data.copy_to_host_async()
+                pinned = _pinned_sharding(next(iter(data.devices())))
+                if pinned is None:
+                    data.copy_to_host_async()
+                else:
+                    pending.append((a, index, data, pinned))
+    if not pending:
+        return
+    try:
+        copies = jax.device_put([d for _, _, d, _ in pending], [p for _, _, _, p in pending])
+    except Exception:  # noqa: BLE001 - a backend that lists pinned memory but refuses the put
+        for _, _, data, _ in pending:
+            data.copy_to_host_async()
+        return
+    for (a, index, _, _), copy in zip(pending, copies):
+        a.local[index] = copy
+
+
+@functools.lru_cache(maxsize=None)
+def _pinned_sharding(device: Any) -> Any:
+    """A single-device sharding of ``device``'s pinned host memory, or None without one."""
+    try:
+        if "pinned_host" not in {m.kind for m in device.addressable_memories()}:
+            return None
+        return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    except Exception:  # noqa: BLE001 - a backend without memory kinds
+        return None
 
 
 def _copy_packed(rec: LeafRecord, mine: list[tuple[_Chunk, np.ndarray]], packed_buf: np.ndarray | None) -> None:

@@ -28,7 +28,8 @@ def _run(args, timeout):
 
 def test_gpu_check_runs_on_cpu(tmp_path):
     out, err = _run(["benchmarks/gpu_check.py", "--gib", "0.05", "--reps", "1",
-                     "--dir", str(tmp_path), "--json", str(tmp_path / "gpu.json")], 120)
+                     "--dir", str(tmp_path), "--json", str(tmp_path / "gpu.json"),
+                     "--pinned-probe", "2"], 120)
     assert "rep 0: async save blocking" in err  # progress
     rows = {}
     for line in out.splitlines():
@@ -47,6 +48,8 @@ def test_gpu_check_runs_on_cpu(tmp_path):
         assert rows[label] != "n/a", (label, out)
     assert "D2H: `device_put` to `pinned_host`" in rows
     assert "Target: blocking <= 1.2x the D2H limit" in out
+    assert "Target (issue 34): blocking <= 1.2x the pinned-host transfer" in out
+    assert re.search(r"then `np.asarray` of every pinned shard: [0-9.]+ s \(zero-copy: (True|False)\)", out), out
     res = json.loads((tmp_path / "gpu.json").read_text())
     assert res["reps"] == 1 and res["bytes"] > 0
     assert os.listdir(tmp_path) == ["gpu.json"]  # the checkpoints are gone
