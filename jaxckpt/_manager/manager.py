@@ -146,6 +146,11 @@ class CheckpointManager:
         else:
             self._groups, self._lease, local = _cleanup.start_writer(
                 self._dir, self._persistent, timeout_s, self._partial, owner=self)
+            try:  # known once the groups are: refused here, not by every save
+                self._codecs.check_groups(self._groups.per_host, self._groups.groups, peer_copies, self._dir)
+            except CheckpointError:
+                _cleanup.release_leases(self._lease, self._persistent)
+                raise
         self._steps = _tiers.Listing(self._lock, self._dir, local, self._persistent)
         self._peers = _peers.start(peer_copies, self._groups, self._lease, self._persistent, self._sources())
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
