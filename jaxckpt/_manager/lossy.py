@@ -17,6 +17,7 @@ from typing import Any
 from .. import _codecs, _commit, _quantize, _streams
 from .._errors import CheckpointError
 from .._manifest import Manifest
+from . import cleanup as _cleanup
 
 log = logging.getLogger("jaxckpt")
 
@@ -29,19 +30,21 @@ class Codecs:
         self.quantize = _quantize.parse(quantize)
         self.lossy_resumes = 0
 
-    def check_groups(self, per_host: bool, groups: Any, peer_copies: Any, directory: Any) -> None:
+    def check_groups(self, groups: Any, peer_copies: Any, directory: Any, lease: Any, persistent: Any) -> None:
         """Refuse codecs with a local directory per host (so with ``peer_copies``), when
-        the manager is made rather than at every save: each host's streams hold its copies
-        of fixed-size raw entries there (``_hoststreams``), which a compressed or quantized
-        leaf's entries are not. The same facts, the same answer, in every process."""
+        the manager is made (its leases released) rather than at every save: each host's
+        streams hold its copies of fixed-size raw entries there (``_hoststreams``), which a
+        compressed or quantized leaf's entries are not. The same facts (``groups``, a
+        ``hosts.HostGroups``), the same answer, in every process."""
         given = [name for name, value in (("compression", self.compression), ("quantize", self.quantize))
                  if value is not None]
-        if not given or not per_host:
+        if not given or not groups.per_host:
             return
+        _cleanup.release_leases(lease, persistent)
         why = f"peer_copies={peer_copies} (a local directory per host)" if peer_copies else "a local directory per host"
         raise CheckpointError(
             f"{' and '.join(f'{n}=' for n in given)} cannot be used with {why}: "
-            f"'{directory}' is each host's own (groups {[list(g) for g in groups]}); compressed and quantized "
+            f"'{directory}' is each host's own (groups {[list(g) for g in groups.groups]}); compressed and quantized "
             "leaves need a directory every process shares")
 
     def save_options(self) -> dict[str, Any]:
