@@ -466,3 +466,36 @@ def test_the_manager_compresses_and_quantizes_within_max_staging_bytes(tmp_path,
         "w00": "zstd", "zeros": "zstd", "ints": "raw", "nu": "int8", "dev": "blosc"}
     assert leaves["zeros"]["sizes"] == [0]  # all zero: stored nowhere
     assert jaxckpt.verify(tmp_path / "m" / "2").ok
+
+
+@pytest.mark.parametrize("point,nth", [("encode", 3), ("encode", 9), ("write", 2)])
+def test_a_compressed_save_in_waves_that_fails_gives_its_budget_and_encoded_bytes_back(tmp_path, point, nth):
+    # a failure while sizing (encode 3 of 6), while writing (encode 9: the second pass) or
+    # at a write: the waves held for the stream are freed, nothing encoded stays counted,
+    # and the next save of the same manager commits
+    from jaxckpt import _storage, _writer
+
+    state = _random_leaves(6)
+    hits = []
+
+    def hook(op, key):
+        if op == point:
+            hits.append(key)
+            if len(hits) == nth:
+                raise OSError("injected")
+
+    with jaxckpt.CheckpointManager(tmp_path / "m", compression="zstd", max_staging_bytes=2 << 20) as mgr:
+        _storage.fault_hook = hook
+        try:
+            mgr.save(0, state)
+            with pytest.raises(jaxckpt.CheckpointError, match=r"failed: .*injected"):
+                mgr.wait_until_finished()
+        finally:
+            _storage.fault_hook = None
+        assert mgr._staging.in_flight == 0 and _writer.ENCODED.now == 0
+        mgr.save(1, state)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1]
+        back = mgr.restore(1)
+    for k, v in state.items():
+        assert_bit_equal(back[k], v)
