@@ -76,6 +76,8 @@ class Snapshot:
     # restores from quantized leaves the state has been through (the manager's count),
     # recorded in the manifest's info when some leaf is stored quantized
     lossy_resumes: int = 0
+    # staged in waves: how many compressed chunks this process encodes (``Wave.sizing``)
+    encodes: int = 0
 
     def stage_rest(self) -> None:
         """Staged in waves: stage the rest as the writer frees room; return once nothing
@@ -144,16 +146,16 @@ def snapshot(tree: Any, *, copy_host_arrays: bool, group: tuple[int, ...] = (),
     the waves itself. Whoever runs the save calls ``close()`` when it is over.
 
     ``compression``: ``compression=`` as ``save`` takes it (``_codecs.parse``); the leaves
-    it selects are encoded by the writer (format 3 only; not with ``group`` or ``budget``).
+    it selects are encoded by the writer (format 3 only; not with ``group``). In waves each
+    compressed chunk is staged twice: to be sized (``_Sizing``), then to be written.
     ``quantize``: ``quantize=`` (``_quantize.parse``): the leaves it selects are stored
     lossy by the writer (format 3 only; not with ``group``); it wins over ``compression``.
     """
     codecs = _Codecs(_codecs.parse(compression), _quantize.parse(quantize))
     codecs = None if codecs.lossless is None and codecs.lossy is None else codecs
     for what, given in (("compression", codecs and codecs.lossless), ("quantize", codecs and codecs.lossy)):
-        if given is not None and (group or (budget is not None and what == "compression") or not streams_wanted()):
-            why = ("a directory per host" if group else "max_staging_bytes" if budget is not None
-                   else f"{FORMAT_ENV}={LEGACY_FORMAT} ({what} needs format 3)")
+        if given is not None and (group or not streams_wanted()):
+            why = "a directory per host" if group else f"{FORMAT_ENV}={LEGACY_FORMAT} ({what} needs format 3)"
             raise CheckpointError(f"{what}= is not supported with {why}")
     with _tree.gc_paused():
         if budget is None:
@@ -563,14 +565,18 @@ def _snapshot_in_waves(tree: Any, copy_host_arrays: bool, group: tuple[int, ...]
     structure, records, arrays, packed, packed_buf, streams = _plan(tree, None, group, groups, codecs)
     me = _distributed.process_index()
     items: list[tuple[_ArrayLeaf, _Chunk]] = []
+    sizing: list[_Sizing] = []  # compressed chunks, staged first to be sized (and again to be written)
     small = []
     for leaf in arrays:
         rec = records[leaf.slot] = LeafRecord(**leaf.fields)
         mine = [c for c, w in zip(leaf.chunks, leaf.writers) if w == me]
         if rec.store != "packed":  # "file", or format 3's "stream"
             items += [(leaf, c) for c in mine if c.nbytes]
+            if rec.codec_config is not None:
+                sizing += [_Sizing(leaf, c) for c in mine if c.nbytes]
         else:
             small.append((rec, leaf, mine))
+    items = [*sizing, *items]
 
     def fill_packed() -> np.ndarray | None:
         _start_transfers([leaf for _, leaf, _ in small], me)
@@ -585,7 +591,15 @@ def _snapshot_in_waves(tree: Any, copy_host_arrays: bool, group: tuple[int, ...]
     waves.stage_first()
     most = min(sum(p.nbytes for p in planned), max(budget.max_bytes, max(p.nbytes for p in planned)))
     return Snapshot(structure, records, {}, packed, None, most, group, waves, streams=streams,
-                    segment_bytes=SEGMENT_BYTES if streams is not None else 0)
+                    segment_bytes=SEGMENT_BYTES if streams is not None else 0, encodes=len(sizing))
+
+
+class _Sizing(NamedTuple):
+    """A compressed chunk staged for its size only: ``_writer`` encodes it before the
+    stream is opened (its length depends on every encoded size), then drops the bytes."""
+
+    leaf: _ArrayLeaf
+    chunk: _Chunk
 
 
 def _on_cpu(data: jax.Array) -> bool:
@@ -605,9 +619,12 @@ def _stage_wave(planned: Planned, *, copy: bool, fill_packed: Callable[[], np.nd
     every device-to-host copy started, then each waited for."""
     started = [_start_host(leaf, chunk, copy) for leaf, chunk in planned.items]
     shards: dict[int, list[tuple[_layout.Index, np.ndarray]]] = {}
-    for (leaf, chunk), host in zip(planned.items, started):
-        shards.setdefault(leaf.slot, []).append((chunk.region, np.asarray(host)))
-    return Wave(shards, fill_packed() if planned.first else None, planned.nbytes)
+    sizing: dict[int, list[tuple[_layout.Index, np.ndarray]]] = {}
+    for item, host in zip(planned.items, started):
+        leaf, chunk = item
+        into = sizing if isinstance(item, _Sizing) else shards
+        into.setdefault(leaf.slot, []).append((chunk.region, np.asarray(host)))
+    return Wave(shards, fill_packed() if planned.first else None, planned.nbytes, sizing)
 
 
 def _start_host(leaf: _ArrayLeaf, chunk: _Chunk, copy: bool) -> Any:

@@ -6,6 +6,7 @@ writes and frees them. ``_snapshot`` plans the waves and stages each one."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -56,6 +57,9 @@ class Wave:
     shards: dict[int, list[tuple[_layout.Index, np.ndarray]]]  # as Snapshot.file_shards
     packed: np.ndarray | None  # the first wave: the packed small leaves
     nbytes: int  # what it counts against the budget
+    # format 3's compressed chunks staged to be encoded for their sizes only (the stream's
+    # length needs them before any entry is written); they are staged again, in ``shards``
+    sizing: dict[int, list[tuple[_layout.Index, np.ndarray]]] = dataclasses.field(default_factory=dict)
 
 
 class Planned(NamedTuple):
@@ -166,7 +170,7 @@ class Waves:
             self._free(wave)
 
     def _free(self, wave: Wave) -> None:
-        wave.shards, wave.packed = {}, None
+        wave.shards, wave.packed, wave.sizing = {}, None, {}
         self._budget.give(wave.nbytes)
 
     def close(self, error: BaseException | None = None) -> None:

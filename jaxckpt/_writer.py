@@ -14,12 +14,14 @@ offset its leaf's runs give, written from the snapshot's host buffers by a few t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import math
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -102,71 +104,224 @@ ENTRY_BATCH_BYTES = 16 << 20
 def _write_stream(staging: Location, snap: Snapshot) -> bytes:
     """Format 3: write this process's entries (every wave's, staged in waves) into its
     stream, then make the stream durable (``close``: fsync) before returning. A failure
-    abandons the stream unsynced. Compressed leaves' chunks are encoded first, on a few
-    threads, and go after the raw entries (their sizes make the stream's length); what
-    is returned says where (``compressed_table``)."""
+    abandons the stream unsynced.
+
+    Compressed leaves' entries go after the raw ones and their sizes make the stream's
+    length, which the stream needs before its first entry: each compressed chunk is
+    encoded once to learn its size (``_Encoder.size``, a few threads; the encoded bytes
+    kept only within ``ENCODED_KEEP_BYTES``), the stream is opened, and it is encoded again
+    (unless kept) as its entry is written (``_Encoder.write``). The encoded bytes held at
+    once are thus bounded whatever the state's size (``ENCODED``). What is returned says
+    where they went (``compressed_table``). In waves, a wave taken before every compressed
+    chunk was sized (they are staged first) waits, holding its budget, for the stream."""
     assert snap.streams is not None
     me = _distributed.process_index()
-    encoded = _encode_mine(snap)
-    table, compressed, length = _lay_out_compressed(encoded, snap.streams.get(me, 0))
-    if not length:  # nothing to write (waves, if any, hold no chunk of ours)
-        _fill_stream(None, snap, me)
-        return table
-    with _dataobjects.StreamWriter(staging.child(STREAM_DIR), me, length, snap.segment_bytes) as stream:
-        _fill_stream(stream, snap, me)
-        stream.write_entries(compressed)
-    return table
+    coder = _Encoder(snap)
+    taken: list[Wave] = []
+    written = 0
+    try:
+        with contextlib.ExitStack() as opened:
+            stream, table = None, None
+            for wave in _parts(snap):
+                taken.append(wave)
+                coder.size(snap, wave.sizing)
+                if not wave.shards:  # sized only: its budget goes back at once
+                    _release(snap, taken.pop())
+                if not coder.sized:
+                    continue  # later waves hold compressed chunks still to size
+                if table is None:
+                    table, length = coder.lay_out(snap.streams.get(me, 0))
+                    if length:
+                        stream = opened.enter_context(
+                            _dataobjects.StreamWriter(staging.child(STREAM_DIR), me, length, snap.segment_bytes))
+                while taken:
+                    part = taken.pop(0)
+                    try:
+                        written += _write_entries(stream, snap, part.shards)
+                        coder.write(stream, snap, part.shards)
+                    finally:
+                        _release(snap, part)
+            coder.check_written()
+            expected = sum(c for rec in snap.records for p, _, c, _ in rec.runs if p == me)
+            if written != expected:  # a snapshot that does not match its own layout: never made durable
+                raise CheckpointError(f"process {me} wrote {written} entries of its stream, its layout has {expected}")
+    finally:
+        coder.drop_kept()
+        for part in taken:
+            _release(snap, part)
+    return table or b""
 
 
-def _encode_mine(snap: Snapshot) -> dict[int, list[tuple[int, bytes | None]]]:
-    """Per compressed leaf (slot), this process's chunks ``(flat index, encoded payload
-    or None for all-zero bytes)`` in C order, encoded on ``WRITE_THREADS`` threads
-    (tensorstore's codecs; the GIL is released while each chunk is encoded)."""
-    jobs = []
-    for slot, chunks in snap.file_shards.items():
-        rec = snap.records[slot]
-        if rec.codec_config is None:
-            continue
-        grid = _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
-        for region, data in split_rows(rec, chunks):
-            jobs.append((slot, _layout.chunk_flat_index(cell_of(region, rec.chunk_shape), grid), rec, data))
-    out: dict[int, list[tuple[int, bytes | None]]] = {}
-    if not jobs:
+def _parts(snap: Snapshot) -> Iterator[Wave]:
+    """What the writer takes in turn: the waves, or the whole snapshot as one."""
+    if snap.waves is None:
+        yield Wave(snap.file_shards, None, 0, sizing=snap.file_shards)
+        return
+    while (wave := snap.waves.take()) is not None:
+        yield wave
+
+
+def _release(snap: Snapshot, part: Wave) -> None:
+    if snap.waves is not None:
+        snap.waves.done(part)
+
+
+# Encoded bytes of compressed chunks kept from the sizing pass for the write (so that a
+# small state is encoded once); beyond it a chunk is encoded again as it is written. Not
+# with a staging budget (max_staging_bytes): then only the chunks in flight are held.
+ENCODED_KEEP_BYTES = 64 << 20
+
+
+class _Held:
+    """Encoded bytes of compressed chunks this process holds at once (``now``) and the most
+    so far (``peak``; tests and benchmarks read it, ``reset`` starts it again)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.now = self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.now += nbytes
+            self.peak = max(self.peak, self.now)
+
+    def sub(self, nbytes: int) -> None:
+        with self._lock:
+            self.now -= nbytes
+
+    def reset(self) -> None:
+        with self._lock:
+            self.peak = self.now
+
+
+ENCODED = _Held()
+
+
+class _Encoder:
+    """One save's compressed chunks of this process: sized (encoded, the bytes dropped or
+    kept), laid out after the raw entries, then written (encoded again unless kept), each
+    on ``WRITE_THREADS`` threads. Encoding counts as progress (``_storage.count``), as a
+    write does, so a long encode is never taken for a hang by the peers waiting for it;
+    fault point ``encode`` (key ``<leaf path>@<chunk>``) before each chunk is encoded."""
+
+    def __init__(self, snap: Snapshot):
+        self.keep_left = ENCODED_KEEP_BYTES if snap.waves is None else 0
+        if snap.waves is None:
+            self.expected = len(self._jobs(snap, snap.file_shards))
+        else:
+            self.expected = snap.encodes
+        self.sizes: dict[tuple[int, int], int] = {}  # (slot, flat) -> encoded bytes; 0: all zero
+        self.kept: dict[tuple[int, int], bytes] = {}
+        self.offsets: dict[tuple[int, int], int] = {}
+        self.done: set[tuple[int, int]] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def sized(self) -> bool:
+        return len(self.sizes) >= self.expected
+
+    @staticmethod
+    def _jobs(snap: Snapshot, shards: dict[int, list[tuple[_layout.Index, np.ndarray]]]) -> list[
+            tuple[int, int, LeafRecord, np.ndarray]]:
+        jobs = []
+        for slot, chunks in shards.items():
+            rec = snap.records[slot]
+            if rec.codec_config is None:
+                continue
+            grid = _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
+            for region, data in split_rows(rec, chunks):
+                jobs.append((slot, _layout.chunk_flat_index(cell_of(region, rec.chunk_shape), grid), rec, data))
+        return jobs
+
+    @staticmethod
+    def _encode(rec: LeafRecord, flat: int, data: np.ndarray) -> bytes | None:
+        _storage.fault("encode", f"{rec.path}@{flat}")
+        out = _tscodecs.encode(rec.codec, rec.codec_config, entry_payload(rec, data))
+        _storage.count()  # progress (see the class)
         return out
-    results: list[bytes | None] = [None] * len(jobs)
 
-    def encode(i: int) -> None:
-        _, _, rec, data = jobs[i]
-        results[i] = _tscodecs.encode(rec.codec, rec.codec_config, entry_payload(rec, data))
+    def size(self, snap: Snapshot, shards: dict[int, list[tuple[_layout.Index, np.ndarray]]]) -> None:
+        """Encode these chunks (``Snapshot.file_shards``' form; raw leaves' are skipped) to
+        learn their sizes; keep their bytes while ``keep_left`` allows."""
+        def one(slot: int, flat: int, rec: LeafRecord, data: np.ndarray) -> None:
+            enc = self._encode(rec, flat, data)
+            n = 0 if enc is None else len(enc)
+            ENCODED.add(n)
+            with self._lock:
+                if (slot, flat) in self.sizes:
+                    raise CheckpointError(f"leaf '{rec.path}': chunk {flat} was staged twice for encoding")
+                self.sizes[slot, flat] = n
+                keep = enc is not None and n <= self.keep_left
+                if keep:
+                    self.kept[slot, flat] = enc
+                    self.keep_left -= n
+            if not keep:
+                ENCODED.sub(n)
 
-    _tasks.run_tasks([functools.partial(encode, i) for i in range(len(jobs))], WRITE_THREADS)
-    for (slot, flat, _, _), enc in zip(jobs, results):
-        out.setdefault(slot, []).append((flat, enc))
-    return {slot: sorted(entries, key=lambda e: e[0]) for slot, entries in out.items()}
+        _tasks.run_tasks([functools.partial(one, *job) for job in self._jobs(snap, shards)], WRITE_THREADS)
 
-
-def _lay_out_compressed(encoded: dict[int, list[tuple[int, bytes | None]]],
-                        fixed: int) -> tuple[bytes, list[tuple[int, np.ndarray]], int]:
-    """The compressed entries after the ``fixed`` bytes of raw ones, each aligned: the
-    table for process 0 (``{"length": stream length, "leaves": {slot: [[flat, offset,
-    entry bytes], ...]}}``, entry bytes 0 for a chunk stored nowhere), the entries to
-    write and the stream's length."""
-    if not encoded:
-        return b"", [], fixed
-    pos, length = _streams.stride_for(fixed), fixed
-    leaves: dict[str, list[list[int]]] = {}
-    entries = []
-    for slot in sorted(encoded):
-        rows = leaves[str(slot)] = []
-        for flat, enc in encoded[slot]:
-            if enc is None:
+    def lay_out(self, fixed: int) -> tuple[bytes, int]:
+        """The compressed entries after the ``fixed`` bytes of raw ones, each aligned, in
+        leaf then chunk order: the table for process 0 (``{"length": stream length,
+        "leaves": {slot: [[flat, offset, entry bytes], ...]}}``, entry bytes 0 for a chunk
+        stored nowhere) and the stream's length."""
+        if not self.sizes:
+            return b"", fixed
+        pos, length = _streams.stride_for(fixed), fixed
+        leaves: dict[str, list[list[int]]] = {}
+        for slot, flat in sorted(self.sizes):
+            n = self.sizes[slot, flat]
+            rows = leaves.setdefault(str(slot), [])
+            if not n:
                 rows.append([flat, 0, 0])
                 continue
-            rows.append([flat, pos, len(enc) + _streams.CRC_BYTES])
-            entries.append((pos, np.frombuffer(enc, np.uint8)))
-            length = pos + len(enc) + _streams.CRC_BYTES
+            rows.append([flat, pos, n + _streams.CRC_BYTES])
+            self.offsets[slot, flat] = pos
+            length = pos + n + _streams.CRC_BYTES
             pos = _streams.stride_for(length)
-    return json.dumps({"length": length, "leaves": leaves}).encode(), entries, length
+        return json.dumps({"length": length, "leaves": leaves}).encode(), length
+
+    def write(self, stream: _dataobjects.StreamWriter | None, snap: Snapshot,
+              shards: dict[int, list[tuple[_layout.Index, np.ndarray]]]) -> None:
+        """Write these compressed chunks' entries (each encoded again unless kept, checked
+        to have the size it had when sized), a few threads, one chunk each at a time."""
+        def one(slot: int, flat: int, rec: LeafRecord, data: np.ndarray) -> None:
+            with self._lock:
+                if (slot, flat) in self.done:
+                    raise CheckpointError(f"leaf '{rec.path}': chunk {flat} was staged twice for writing")
+                self.done.add((slot, flat))
+                enc = self.kept.pop((slot, flat), None)
+            want = self.sizes.get((slot, flat))
+            if want is None:
+                raise CheckpointError(f"leaf '{rec.path}': chunk {flat} was never sized before its write")
+            if not want:
+                return  # all zero: stored nowhere
+            if enc is None:
+                enc = self._encode(rec, flat, data)
+                ENCODED.add(0 if enc is None else len(enc))
+            got = 0 if enc is None else len(enc)
+            try:
+                if got != want:
+                    raise CheckpointError(f"leaf '{rec.path}': chunk {flat} encoded to {want} bytes, then to {got} "
+                                          f"(its {rec.codec} encoding is not deterministic)")
+                if stream is None:
+                    raise CheckpointError(f"leaf '{rec.path}': chunk {flat} has no stream to go to")
+                stream.write_entry(self.offsets[slot, flat], np.frombuffer(enc, np.uint8))
+            finally:
+                ENCODED.sub(got)
+
+        _tasks.run_tasks([functools.partial(one, *job) for job in self._jobs(snap, shards)], WRITE_THREADS)
+
+    def check_written(self) -> None:
+        if len(self.sizes) != self.expected or self.done != set(self.sizes):
+            raise CheckpointError(f"process {_distributed.process_index()} sized {len(self.sizes)} compressed "
+                                  f"chunks of the {self.expected} it writes and wrote {len(self.done)}")
+
+    def drop_kept(self) -> None:
+        """The kept bytes not written (a failed save): dropped and uncounted."""
+        with self._lock:
+            kept, self.kept = self.kept, {}
+        ENCODED.sub(sum(map(len, kept.values())))
 
 
 def place_compressed(snap: Snapshot, tables: dict[int, bytes]) -> Snapshot:
@@ -196,21 +351,6 @@ def place_compressed(snap: Snapshot, tables: dict[int, bytes]) -> Snapshot:
         runs = tuple((got[f][0], f, 1, got[f][1]) for f in range(n))
         records[slot] = dataclasses.replace(rec, runs=runs, sizes=tuple(got[f][2] for f in range(n)))
     return dataclasses.replace(snap, records=records, streams=streams)
-
-
-def _fill_stream(stream: _dataobjects.StreamWriter | None, snap: Snapshot, me: int) -> None:
-    written = 0
-    if snap.waves is None:
-        written = _write_entries(stream, snap, snap.file_shards)
-    else:
-        while (wave := snap.waves.take()) is not None:
-            try:
-                written += _write_entries(stream, snap, wave.shards)
-            finally:
-                snap.waves.done(wave)
-    expected = sum(c for rec in snap.records for p, _, c, _ in rec.runs if p == me)
-    if written != expected:  # a snapshot that does not match its own layout: never made durable
-        raise CheckpointError(f"process {me} wrote {written} entries of its stream, its layout has {expected}")
 
 
 class _Entry(NamedTuple):

@@ -154,9 +154,44 @@ def run_slow_chain(mesh):
     return {"error": error, "seconds": seconds, "writes": len(writes), "restored": restored}
 
 
+def run_slow_encode(mesh):
+    """Process ``slow`` encodes its compressed chunks one at a time, each taking ``sleep``
+    seconds (the first ``hang`` seconds, if given: stuck), through a slowed codec (the
+    module function the writer calls), longer in all than the stall bound. Process 0
+    waits for it with no I/O of its own."""
+    from jaxckpt._storage import codecs as _tscodecs
+
+    os.environ["JAXCKPT_STALL_S"] = str(args["stall"])
+    encodes = []
+    if pid == args["slow"]:
+        one_at_a_time = threading.Lock()
+        real = _tscodecs.encode
+
+        def slow(*a):
+            with one_at_a_time:
+                time.sleep(args["hang"] if args.get("hang") and not encodes else args["sleep"])
+                encodes.append(1)
+            return real(*a)
+        _tscodecs.encode = slow
+    leaves = args["leaves"]
+    t0 = time.monotonic()
+    try:
+        jaxckpt.save(args["path"], device_state(mesh, 1, leaves), timeout_s=args["timeout"], compression="zstd")
+        error = None
+    except jaxckpt.CheckpointError as e:
+        error = str(e)
+    seconds = time.monotonic() - t0
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P("x", None)))
+              for k, v in host_state(1, leaves).items()}
+    restored = error is None and same(jaxckpt.restore(args["path"], target), 1, leaves)
+    return {"error": error, "seconds": seconds, "encodes": len(encodes), "restored": restored,
+            "committed": os.path.exists(os.path.join(args["path"], "manifest.json"))}
+
+
 def main():
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
-    run = {"shared_lane": run_shared_lane, "hang": run_hang, "slow_chain": run_slow_chain}[scenario]
+    run = {"shared_lane": run_shared_lane, "hang": run_hang, "slow_chain": run_slow_chain,
+           "slow_encode": run_slow_encode}[scenario]
     result = {"pid": pid, **run(mesh)}
     print("RESULT " + json.dumps(result), flush=True)
 

@@ -93,8 +93,35 @@ def hostcopy(local):
     return out
 
 
+def refused(local):
+    """Each of ``args["refuse"]`` (manager options) on a directory per host: made (then one
+    save tried) or refused; then a plain manager takes the directory (the lease released)."""
+    out = []
+    for kw in args["refuse"]:
+        try:
+            mgr = jaxckpt.CheckpointManager(local, timeout_s=30, async_save=False, **kw)
+        except jaxckpt.CheckpointError as e:
+            out.append({"made": False, "error": f"{type(e).__name__}: {e}"})
+            continue
+        try:
+            mgr.save(1, state(1))
+            out.append({"made": True, "error": None})
+        except jaxckpt.CheckpointError as e:
+            out.append({"made": True, "error": f"{type(e).__name__}: {e}"})
+        finally:
+            mgr.close()
+    with jaxckpt.CheckpointManager(local, timeout_s=30) as mgr:
+        mgr.save(3, state(3))
+        mgr.wait_until_finished()
+        after = check(mgr.restore(3, state(0)), 3)
+    return {"refused": out, "after": after}
+
+
 def main():
     host = args["hosts"][pid]
+    if args.get("refuse"):
+        print("RESULT " + json.dumps({"pid": pid, **refused(os.path.join(args["local"], host))}), flush=True)
+        return
     out = {"pid": pid, "runs": [run(os.path.join(r["local"], host), r["durable"]) for r in args["runs"]]}
     if args.get("hostcopy"):
         out["hostcopy"] = hostcopy(os.path.join(args["hostcopy"], host))

@@ -369,3 +369,133 @@ def test_read_once_hands_over_compressed_leaves_decoded(tmp_path):
     with open(tmp_path / "ckpt" / "manifest.json") as f:
         codecs = {leaf["codec"] for leaf in json.load(f)["leaves"] if leaf["kind"] != "value"}
     assert codecs == {"zstd"}
+
+
+def _random_leaves(n, shape=(256, 1024)):
+    """``n`` float32 leaves of random values (zstd barely shrinks them): one 1 MiB chunk each."""
+    rng = np.random.default_rng(30)
+    return {f"w{i:02d}": rng.standard_normal(shape, dtype=np.float32) for i in range(n)}
+
+
+def test_a_compressed_save_holds_a_few_encoded_chunks_at_once_not_its_share(tmp_path, monkeypatch):
+    # Issue 30, defect 3: c1abc6a encoded every chunk of the process's share first and held
+    # the lot until written (here ~15 MiB of Python bytes). Now each chunk is encoded to
+    # learn its size, dropped (nothing kept: ENCODED_KEEP_BYTES 0), and encoded again as
+    # it is written: at most one chunk per writer thread is held, whatever the state's size.
+    import tracemalloc
+
+    from jaxckpt import _writer
+
+    monkeypatch.setattr(_writer, "ENCODED_KEEP_BYTES", 0, raising=False)
+    state = _random_leaves(16)
+    chunk = 256 * 1024 * 4
+    jaxckpt.save(tmp_path / "warm", {"w": state["w00"]}, compression="zstd")  # scratch arrays, threads
+    tracemalloc.start()
+    try:
+        jaxckpt.save(tmp_path / "c", state, compression="zstd")
+        _, traced = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    stored = sum(sum(leaf["sizes"]) for leaf in _leaves(tmp_path / "c").values())
+    bound = _writer.WRITE_THREADS * (chunk + 4096)  # an encoded chunk is at most a little more than the chunk
+    assert stored > 3 * bound  # the share is many times the bound
+    assert traced < bound + (1 << 20), (traced, bound)  # Python-side buffers (the encoded bytes are bytes)
+    _writer.ENCODED.reset()
+    jaxckpt.save(tmp_path / "c2", state, compression="zstd")
+    assert 0 < _writer.ENCODED.peak <= bound and _writer.ENCODED.now == 0, _writer.ENCODED.peak
+    for d in ("c", "c2"):
+        back = jaxckpt.restore(tmp_path / d)
+        for k, v in state.items():
+            assert_bit_equal(back[k], v)
+
+
+def test_encoded_chunks_kept_for_the_write_stay_within_their_bound(tmp_path, monkeypatch):
+    # a small share is encoded once (kept from sizing to writing) up to ENCODED_KEEP_BYTES,
+    # the rest encoded again: the bytes held are that bound plus the chunks in flight
+    from jaxckpt import _writer
+
+    keep = 3 << 20
+    monkeypatch.setattr(_writer, "ENCODED_KEEP_BYTES", keep)
+    encodes = []
+    real = _tscodecs.encode
+    monkeypatch.setattr(_tscodecs, "encode", lambda *a: encodes.append(1) or real(*a))
+    state = _random_leaves(12)
+    _writer.ENCODED.reset()
+    jaxckpt.save(tmp_path / "c", state, compression="zstd")
+    chunk = 256 * 1024 * 4
+    assert _writer.ENCODED.peak <= keep + _writer.WRITE_THREADS * (chunk + 4096), _writer.ENCODED.peak
+    assert _writer.ENCODED.now == 0
+    assert 12 + 1 <= len(encodes) <= 12 + 12 - 2  # some (at least 2, at most 3 of ~0.93 MiB) kept
+    back = jaxckpt.restore(tmp_path / "c")
+    for k, v in state.items():
+        assert_bit_equal(back[k], v)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_the_manager_compresses_and_quantizes_within_max_staging_bytes(tmp_path, async_save):
+    # Issue 30, defects 3 and 11: c1abc6a built this manager and then failed every save
+    # ("compression= is not supported with max_staging_bytes"). The numpy leaves are
+    # copied (async) or staged in waves of 2 MiB: compressed chunks are staged twice (to be
+    # sized, then written), raw, all-zero and quantized ones once; every value comes back
+    from jaxckpt import _writer
+
+    state = _random_leaves(6)
+    state["zeros"] = np.zeros((256, 1024), np.float32)
+    state["ints"] = np.arange(256 * 1024, dtype=np.int32).reshape(256, 1024)
+    state["nu"] = np.abs(_random_leaves(1)["w00"]) + 1e-3
+    state["dev"] = sharded(_random_leaves(1, (512, 1024))["w00"], (4,), ("x",), ("x", None))
+    budget = 2 << 20
+    with jaxckpt.CheckpointManager(tmp_path / "m", compression={"w*": "zstd", "zeros": "zstd", "dev": "blosc"},
+                                   quantize={"nu": "int8"}, max_staging_bytes=budget, async_save=async_save) as mgr:
+        mgr.save(1, state)
+        mgr.wait_until_finished()
+        _writer.ENCODED.reset()
+        mgr.save(2, state)
+        mgr.wait_until_finished()
+        assert mgr._staging.peak <= budget and mgr._staging.in_flight == 0
+        assert _writer.ENCODED.now == 0 and _writer.ENCODED.peak <= _writer.WRITE_THREADS * ((1 << 20) + 4096)
+        for step in (1, 2):
+            back = mgr.restore(step)
+            for k in state:
+                if k == "nu":
+                    assert np.abs(back[k] - state[k]).max() <= np.abs(state[k]).max() / 254 * 1.001  # int8's bound
+                else:
+                    assert_bit_equal(back[k], state[k])
+    leaves = _leaves(tmp_path / "m" / "2")
+    assert {k: leaves[k]["codec"] for k in ("w00", "zeros", "ints", "nu", "dev")} == {
+        "w00": "zstd", "zeros": "zstd", "ints": "raw", "nu": "int8", "dev": "blosc"}
+    assert leaves["zeros"]["sizes"] == [0]  # all zero: stored nowhere
+    assert jaxckpt.verify(tmp_path / "m" / "2").ok
+
+
+@pytest.mark.parametrize("point,nth", [("encode", 3), ("encode", 9), ("write", 2)])
+def test_a_compressed_save_in_waves_that_fails_gives_its_budget_and_encoded_bytes_back(tmp_path, point, nth):
+    # a failure while sizing (encode 3 of 6), while writing (encode 9: the second pass) or
+    # at a write: the waves held for the stream are freed, nothing encoded stays counted,
+    # and the next save of the same manager commits
+    from jaxckpt import _storage, _writer
+
+    state = _random_leaves(6)
+    hits = []
+
+    def hook(op, key):
+        if op == point:
+            hits.append(key)
+            if len(hits) == nth:
+                raise OSError("injected")
+
+    with jaxckpt.CheckpointManager(tmp_path / "m", compression="zstd", max_staging_bytes=2 << 20) as mgr:
+        _storage.fault_hook = hook
+        try:
+            mgr.save(0, state)
+            with pytest.raises(jaxckpt.CheckpointError, match=r"failed: .*injected"):
+                mgr.wait_until_finished()
+        finally:
+            _storage.fault_hook = None
+        assert mgr._staging.in_flight == 0 and _writer.ENCODED.now == 0
+        mgr.save(1, state)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1]
+        back = mgr.restore(1)
+    for k, v in state.items():
+        assert_bit_equal(back[k], v)

@@ -73,6 +73,34 @@ def test_a_slow_writer_and_the_processes_waiting_for_it_are_not_stalled(tmp_path
         assert res[i]["seconds"] >= 6, (i, res[i]["seconds"])
 
 
+def test_a_slow_encode_is_progress_not_a_hang(tmp_path):
+    # Issue 30, defect 7: process 1 encodes its 6 compressed chunks one at a time, 1 s
+    # each: 6 s, twice the 3 s stall bound, but moving. c1abc6a counted no progress while
+    # encoding, so process 0 declared it hung ("process 1 made no progress for 3s") and
+    # the save failed in both; every encoded chunk now counts, as a write does
+    args = {"path": str(tmp_path / "ckpt"), "slow": 1, "sleep": 1, "leaves": 6, "stall": 3, "timeout": 20}
+    res = run_job(2, "slow_encode", args, timeout=150)
+    assert res[1]["encodes"] >= 6, res[1]
+    for i in (0, 1):
+        assert res[i]["error"] is None, (i, res[i]["error"])
+        assert res[i]["restored"] is True, i
+        assert res[i]["seconds"] >= 6, (i, res[i]["seconds"])
+
+
+def test_a_process_stuck_in_one_encode_is_still_caught(tmp_path):
+    # the other side of defect 7: a process stuck inside one encode for 12 s counts nothing
+    # and is caught within the 3 s stall bound, naming it; nothing commits
+    path = str(tmp_path / "ckpt")
+    args = {"path": path, "slow": 1, "sleep": 0, "hang": 12, "leaves": 1, "stall": 3, "timeout": 20}
+    res = run_job(2, "slow_encode", args, timeout=120)
+    err = res[0]["error"]
+    assert err is not None and err.startswith(f"save0/written '{path}': process 1 made no progress for "), err
+    assert err.endswith("the stall bound is 3s, JAXCKPT_STALL_S)"), err
+    assert 3 <= res[0]["seconds"] < 10, res[0]["seconds"]
+    assert res[1]["error"] is not None and str(tmp_path) in res[1]["error"], res[1]
+    assert not res[0]["committed"] and not res[1]["committed"]
+
+
 def test_the_stall_bound_is_read_from_the_environment_at_each_call(monkeypatch):
     monkeypatch.delenv("JAXCKPT_STALL_S", raising=False)
     assert _distributed.stall_s() == _distributed.STALL_S == 600.0

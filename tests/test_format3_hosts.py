@@ -277,3 +277,30 @@ def test_a_repeated_save_per_host_reuses_its_groups_writers_and_layout(monkeypat
     _snapshot._assign(arrays, group)
     assert _snapshot._lay_out_streams(arrays, group, groups) == streams and len(calls) == 2
     assert [a.fields["runs"] for a in arrays] == runs
+
+
+def test_codecs_with_a_directory_per_host_are_refused_when_the_manager_is_made(tmp_path):
+    # Issue 30, defect 11: c1abc6a made these managers and then failed every save
+    # ("compression= is not supported with a directory per host"). Now the manager is
+    # refused when made, naming both options, in every process, its lease released
+    kws = [{"compression": "zstd"}, {"quantize": {"w": "int8"}}, {"peer_copies": 1, "compression": "zstd"},
+           {"peer_copies": 1, "quantize": {"w": "int8"}, "compression": {"r": "blosc"}}]
+    args = {"hosts": ["a", "b"], "local": str(tmp_path / "local"), "refuse": kws}
+    res = run_workers(os.path.join(ROOT, "tests", "mp_f3hosts_worker.py"), 2,
+                      lambda i, port: [port, 2, i, 1, "refuse", json.dumps(args)], 150)
+    tail = "'{d}' is each host's own (groups [[0], [1]]); compressed and " \
+           "quantized leaves need a directory every process shares"
+    for p in (0, 1):
+        d = tmp_path / "local" / "ab"[p]
+        assert res[p]["refused"] == [
+            {"made": False, "error": "CheckpointError: compression= cannot be used with a local directory per host: "
+                                     + tail.format(d=d)},
+            {"made": False, "error": "CheckpointError: quantize= cannot be used with a local directory per host: "
+                                     + tail.format(d=d)},
+            {"made": False, "error": "CheckpointError: compression= cannot be used with peer_copies=1 (a local "
+                                     "directory per host): " + tail.format(d=d)},
+            {"made": False, "error": "CheckpointError: compression= and quantize= cannot be used with "
+                                     "peer_copies=1 (a local directory per host): " + tail.format(d=d)},
+        ], (p, res[p]["refused"])
+        assert res[p]["after"] == 3
+        assert set(os.listdir(d)) - {"history.jsonl"} == {"3"}  # no other step, no attempt left

@@ -88,6 +88,7 @@ class CheckpointManager:
         on this many partner hosts (a ring), to restore a lost host from (docs/storage.md).
       compression: as ``jaxckpt.save`` takes it; encoded in the background part of a save.
       quantize: as ``jaxckpt.save``; past ``Quantize.max_lossy_resumes`` lossy resumes: exact.
+        Neither with a local directory per host (nor ``peer_copies``): refused when made.
       read_only: list, restore and inspect only: never write, delete or clean. Any
         number of read-only managers (notebooks, evaluators) may watch a directory that
         a training run is writing.
@@ -146,6 +147,7 @@ class CheckpointManager:
         else:
             self._groups, self._lease, local = _cleanup.start_writer(
                 self._dir, self._persistent, timeout_s, self._partial, owner=self)
+            self._codecs.check_groups(self._groups, peer_copies, self._dir, self._lease, self._persistent)
         self._steps = _tiers.Listing(self._lock, self._dir, local, self._persistent)
         self._peers = _peers.start(peer_copies, self._groups, self._lease, self._persistent, self._sources())
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")

@@ -18,7 +18,9 @@ costs two ``is None`` checks.
 
 The fault points (``grep -rn "_storage.fault(" jaxckpt``), in the order a save meets them:
 
-* ``data:start`` (each process, before any of its data), ``write`` (before each chunk
+* ``data:start`` (each process, before any of its data), ``encode`` (before each
+  compressed chunk is encoded, twice unless kept, see ``_writer._Encoder``; key
+  ``<leaf path>@<flat chunk index>``), ``write`` (before each chunk
   write; key: the array's data key, ``0``, ``packed/p0``, ...), ``copy`` (each file a
   persistent-tier copy writes), ``peer`` (each wave of a peer copy a partner host
   writes, key the copy's directory; ``_manager/peers``);
