@@ -28,6 +28,7 @@ from typing import Any
 
 from . import _manifest, _owner, _untrusted
 from ._storage import kvstore as _kvstore
+from ._storage import location as _location
 from ._storage.location import Location
 
 TMP_MARK = ".jaxckpt-tmp-"  # an attempt's staging directory: .<name>.jaxckpt-tmp-<token>
@@ -146,6 +147,56 @@ def remove_dead_claims(directory: Location) -> list[str]:
             removed.append(name)
         except OSError:
             pass
+    return removed
+
+
+def remove_dead_attempts_at(final: Location, names: list[str] | None = None) -> list[str]:
+    """Local: remove the attempts at ``final`` (``.<name>.jaxckpt-tmp-<token>`` and its
+    claim, or a claim left alone) that a save killed before its commit or abort left,
+    when their writer is provably gone: a plain save's (no lease) whose process is gone
+    (``claim_alive``), or, when this process holds the lease above ``final``, one made
+    under another lease of that directory. An attempt without a claim (an older
+    version's) or made under a lease while this process holds none is left to a writer
+    taking the directory over (a manager's start, ``jaxckpt gc``), which can tell.
+    ``names``: the listing of ``final``'s directory, if already made. Returns the names
+    removed; a removal that fails is logged (the save goes on)."""
+    if final.local is None:
+        return []
+    parent, target = os.path.split(final.local)
+    if names is None:
+        try:
+            names = os.listdir(parent)
+        except OSError:
+            return []
+    lease = _owner.held_token_above(final)
+    tmp_prefix, claim_prefix = f".{target}{TMP_MARK}", f".{target}{CLAIM_MARK}"
+    tokens = {n[len(tmp_prefix):] for n in names if n.startswith(tmp_prefix)}
+    tokens |= {n[len(claim_prefix):-len(".json")] for n in names if n.startswith(claim_prefix) and n.endswith(".json")}
+    removed = []
+    for token in sorted(t for t in tokens if t):
+        try:
+            with open(os.path.join(parent, claim_name(target, token)), "rb") as f:
+                owner = _untrusted.load_record(f.read())
+        except OSError:
+            continue  # no claim: an older version's attempt, or a step being deleted
+        if owner is None:
+            owner = {}  # unreadable: being written (alive)
+        if owner.get("lease") is not None and lease is None:
+            continue  # a writer's: a plain save cannot tell whether its lease is still held
+        if claim_alive(owner, lease):
+            continue
+        staging = f"{tmp_prefix}{token}"
+        try:
+            if staging in names:
+                _kvstore.delete_tree(_location.resolve(os.path.join(parent, staging)))
+                removed.append(staging)
+            os.remove(os.path.join(parent, claim_name(target, token)))
+            removed.append(claim_name(target, token))
+        except OSError as e:
+            _log.warning("jaxckpt: removing attempt %s of '%s' left by a save that is gone failed: %s",
+                         token, final, e)
+    if removed:
+        _log.info("jaxckpt: removed %s, left at '%s' by a save that is gone", ", ".join(removed), final)
     return removed
 
 

@@ -105,10 +105,12 @@ def has_manifest(loc: Location) -> bool:
 def prepare(final: Location, token: str, overwrite: bool) -> Location:
     """Check the destination and create the staging location (process 0 only).
 
-    Nothing that exists is deleted here: on a local disk the old checkpoint is renamed
+    No checkpoint is deleted here: on a local disk the old checkpoint is renamed
     aside at the commit; on an object store its data goes after the new manifest. A
     local checkpoint that an overwrite stopped between its renames left aside is put
-    back first (``recover``): it is the one this save replaces, or refuses to.
+    back first (``recover``): it is the one this save replaces, or refuses to. The
+    attempts (staging directory and claim) that earlier saves to ``final`` left when they
+    were killed go, once their writer is provably gone (``_claims.remove_dead_attempts_at``).
     """
     if final.local is not None and not os.path.lexists(final.local):
         try:
@@ -116,6 +118,8 @@ def prepare(final: Location, token: str, overwrite: bool) -> Location:
         except OSError as e:
             raise CheckpointError(f"Putting back the checkpoint an overwrite of '{final}' left aside "
                                   f"failed: {e}") from e
+    # the attempts of earlier saves here that were killed before their commit or abort
+    _claims.remove_dead_attempts_at(final)
     children = set(_kvstore.list_children(final))
     if children:
         # On an object store, data prefixes (and format-1 data dirs) without a manifest
