@@ -308,13 +308,7 @@ def remove_dead_data(loc: Location, keep: str | None, grace_s: float | None, *, 
     Returns the keys removed.
     """
     children = set(_kvstore.list_children(loc))
-    if uploads is None:
-        uploads = _s3.multipart_uploads(loc) if loc.kvstore.get("driver") == "s3" else None
-    pending: dict[str, list[tuple[str, str]]] = {}  # data prefix -> its uploads
-    for name, upload_id in uploads or ():
-        head, _, rest = name.partition("/")
-        if head == DATA_PREFIX_DIR and "/" in rest:
-            pending.setdefault(f"{DATA_PREFIX_DIR}/{rest.split('/', 1)[0]}", []).append((name, upload_id))
+    pending = _uploads_by_prefix(loc, uploads)
     removed = []
     if keep != "":
         removed += sorted(children & _manifest.DATA_DIRS)
@@ -349,6 +343,19 @@ def remove_dead_data(loc: Location, keep: str | None, grace_s: float | None, *, 
     for name in () if dry_run else orphans:  # claims of the gone (a format-3 attempt killed before its first upload)
         _kvstore.delete_blob(loc, f"{DATA_PREFIX_DIR}/{name}")
     return removed
+
+
+def _uploads_by_prefix(loc: Location, uploads: list[tuple[str, str]] | None) -> dict[str, list[tuple[str, str]]]:
+    """``uploads`` (S3's unfinished multipart uploads under ``loc``; listed when ``None``)
+    by the attempt's data prefix ``d/<token>`` they lie under."""
+    if uploads is None:
+        uploads = _s3.multipart_uploads(loc) if loc.kvstore.get("driver") == "s3" else None
+    pending: dict[str, list[tuple[str, str]]] = {}
+    for name, upload_id in uploads or ():
+        head, _, rest = name.partition("/")
+        if head == DATA_PREFIX_DIR and "/" in rest:
+            pending.setdefault(f"{DATA_PREFIX_DIR}/{rest.split('/', 1)[0]}", []).append((name, upload_id))
+    return pending
 
 
 def _read_claim(loc: Location, name: str) -> dict[str, Any]:
