@@ -26,6 +26,7 @@ import functools
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -39,6 +40,7 @@ from ._restore import key_dtype
 from ._snapshot import FORMAT_ENV, Snapshot, snapshot
 from ._storage import dataobjects as _dataobjects
 from ._storage import location as _location
+from ._storage import uploads as _uploads
 from ._storage.location import Location
 from ._writer import STREAM_DIR, place_compressed, write_data
 
@@ -129,6 +131,8 @@ def save_snapshot(path: Any, snap: Snapshot, *, metadata: Any = None, overwrite:
     """
     try:
         final = _location.resolve(path)
+        if snap.streams is not None:  # smaller data objects where each goes up whole
+            snap.segment_bytes = _uploads.segment_bytes_for(final, snap.segment_bytes)
         op_id = _distributed.next_id() if op_id is None else op_id
         with _distributed.Operation(f"save{op_id}", str(final), timeout_s) as op:
             if _distributed.process_index() == 0:
@@ -178,15 +182,30 @@ def _check_streams(data: Location, snap: Snapshot) -> None:
                                   f"({FORMAT_ENV}=1): set {FORMAT_ENV} alike in every process of the job")
         return
     stored = _dataobjects.stored_sizes(data.child(STREAM_DIR))
+    expected: set[str] = set()
     for p, length in snap.streams.items():
         if _per_host(snap) and p not in snap.group:
             continue  # per-host directories: other hosts' processes' objects are on their disks
         for n, size in enumerate(_dataobjects.segment_sizes(length, snap.segment_bytes)):
             name = _dataobjects.segment_name(p, n)
+            expected.add(name)
             got = "is missing" if name not in stored else f"has {stored[name]} bytes"
             if got != f"has {size} bytes" and not (name in stored and stored[name] is None):
                 raise CheckpointError(f"process {p}'s data object {STREAM_DIR}/{name} {got}, its layout {size}: "
                                       f"was {FORMAT_ENV} set alike in every process of the job?")
+    # A process that cut its stream finer (its store took no upload in parts: the s3 or gcs
+    # extra missing there, ``uploads.segment_bytes_for``) wrote objects process 0's layout
+    # has no place for; where sizes are listed its first object's size gives it away
+    # above, where they are not (GCS) these do.
+    extra = sorted(n for n in stored if _SEGMENT.fullmatch(n) and n not in expected
+                   and not (_per_host(snap) and int(n[1:].split(".")[0]) not in snap.group))
+    if extra:
+        raise CheckpointError(f"data object {STREAM_DIR}/{extra[0]} is not in process 0's layout (data objects of "
+                              f"{snap.segment_bytes} bytes): install jaxckpt's extras (s3, gcs) alike in every "
+                              "process of the job")
+
+
+_SEGMENT = re.compile(r"p[0-9]+\.[0-9]+")
 
 
 def _save_as_follower(op: _distributed.Operation, final: Location, snap: Snapshot,

@@ -51,6 +51,7 @@ from ._claims import OLD_MARK, TMP_MARK
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ._storage import kvstore as _kvstore
 from ._storage import location as _location
+from ._storage import s3 as _s3
 from ._storage.location import Location
 
 DATA_DIRS = _manifest.DATA_DIRS  # a checkpoint's data when it has no data prefix (formats 1 and 3)
@@ -105,10 +106,12 @@ def has_manifest(loc: Location) -> bool:
 def prepare(final: Location, token: str, overwrite: bool) -> Location:
     """Check the destination and create the staging location (process 0 only).
 
-    Nothing that exists is deleted here: on a local disk the old checkpoint is renamed
+    No checkpoint is deleted here: on a local disk the old checkpoint is renamed
     aside at the commit; on an object store its data goes after the new manifest. A
     local checkpoint that an overwrite stopped between its renames left aside is put
-    back first (``recover``): it is the one this save replaces, or refuses to.
+    back first (``recover``): it is the one this save replaces, or refuses to. The
+    attempts (staging directory and claim) that earlier saves to ``final`` left when they
+    were killed go, once their writer is provably gone (``_claims.remove_dead_attempts_at``).
     """
     if final.local is not None and not os.path.lexists(final.local):
         try:
@@ -116,6 +119,8 @@ def prepare(final: Location, token: str, overwrite: bool) -> Location:
         except OSError as e:
             raise CheckpointError(f"Putting back the checkpoint an overwrite of '{final}' left aside "
                                   f"failed: {e}") from e
+    # the attempts of earlier saves here that were killed before their commit or abort
+    _claims.remove_dead_attempts_at(final)
     children = set(_kvstore.list_children(final))
     if children:
         # On an object store, data prefixes (and format-1 data dirs) without a manifest
@@ -553,7 +558,8 @@ def remove_dead_step_data(directory: Location, *, dry_run: bool = False, lease_t
                           live: list[str] | None = None) -> list[str]:
     """Remove, under every step of manager ``directory`` on an object store, the data no
     manifest names: attempts that died before their commit, or whose replaced data was
-    never deleted. Only for a writer holding the directory's lease (every earlier writer
+    never deleted, with their S3 multipart uploads never completed (listed once for the
+    directory). Only for a writer holding the directory's lease (every earlier writer
     is gone). A step whose manifest does not validate is left alone. Steps are looked at
     on a few threads (one or two listings each). Returns the keys removed, relative to
     ``directory`` (``dry_run``: the keys it would remove, removing nothing).
@@ -566,26 +572,35 @@ def remove_dead_step_data(directory: Location, *, dry_run: bool = False, lease_t
             recover(directory)
         return []
     removed: list[str] = []
-    names = [n for n in _kvstore.list_children(directory) if step_of(n) is not None]
-    _tasks.run_tasks([lambda n=n: removed.extend(_remove_dead_in_step(directory, n, dry_run, lease_token, live))
+    # S3: the multipart uploads never completed under the directory, by step (one listing)
+    uploads: dict[str, list[tuple[str, str]]] = {}
+    for key, upload_id in (_s3.multipart_uploads(directory) if directory.kvstore.get("driver") == "s3" else None) or ():
+        step, _, rest = key.partition("/")
+        if step_of(step) is not None:
+            uploads.setdefault(step, []).append((rest, upload_id))
+    names = sorted({n for n in _kvstore.list_children(directory) if step_of(n) is not None} | set(uploads))
+    _tasks.run_tasks([lambda n=n: removed.extend(_remove_dead_in_step(directory, n, dry_run, lease_token, live,
+                                                                      uploads.get(n, [])))
                       for n in names], CLEAN_THREADS)
     return sorted(removed)
 
 
 def _remove_dead_in_step(directory: Location, name: str, dry_run: bool = False,
-                         lease_token: str | None = None, live: list[str] | None = None) -> list[str]:
+                         lease_token: str | None = None, live: list[str] | None = None,
+                         uploads: list[tuple[str, str]] | None = None) -> list[str]:
     loc = directory.child(name)
     children = set(_kvstore.list_children(loc))
     candidates = 1 if children & DATA_DIRS else 0
     if DATA_PREFIX_DIR in children:
         candidates += len(_kvstore.list_children(loc.child(DATA_PREFIX_DIR)))
-    if not candidates or (candidates == 1 and _manifest.MANIFEST in children):
+    if not uploads and (not candidates or (candidates == 1 and _manifest.MANIFEST in children)):
         return []  # nothing, or only the data its manifest names
     keep = named_data(loc)
     if keep is None and _manifest.MANIFEST in children:
         return []  # a manifest that does not validate: not ours to judge
     kept: list[str] = []
-    dead = _claims.remove_dead_data(loc, keep, None, dry_run=dry_run, lease_token=lease_token, live=kept)
+    dead = _claims.remove_dead_data(loc, keep, None, dry_run=dry_run, lease_token=lease_token, live=kept,
+                                    uploads=uploads or [])
     if live is not None:
         live.extend(f"{name}/{key}" for key in kept)
     return [f"{name}/{key}" for key in dead]

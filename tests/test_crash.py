@@ -286,6 +286,29 @@ def test_plain_path_overwrite_killed_between_renames_is_put_back_by_the_next_sav
     assert same(jaxckpt.restore(path), 7) and sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
+def test_a_killed_plain_overwrite_leaves_nothing_once_the_next_save_there_commits(tmp_path):
+    # issue 30, defect 9: a plain save killed mid-data left its staging directory and its
+    # claim beside the checkpoint, and every later save to that path left them there
+    path = str(tmp_path / "ckpt")
+    jaxckpt.save(path, state(5))
+    run = finish(spawn({"scenario": "overwrite", "path": path, "value": 6, "format": 3},
+                       f"write@p0@{2 * V3_STRIDE}"))
+    assert run["rc"] == -signal.SIGKILL, run
+    staging = only(hidden(tmp_path, ".ckpt.jaxckpt-tmp-"))
+    token = staging.split(_claims.TMP_MARK)[1]
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", staging, _claims.claim_name("ckpt", token)])
+    # a live save's attempt at the same path (this process's claim) is never taken for dead
+    live = _commit._location.resolve(path)
+    _claims.write_claim(live, "0123456789ab")
+    os.makedirs(os.path.join(tmp_path, ".ckpt.jaxckpt-tmp-0123456789ab"))
+    jaxckpt.save(path, state(7), overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", ".ckpt.jaxckpt-tmp-0123456789ab",
+                                                  _claims.claim_name("ckpt", "0123456789ab")])
+    assert same(jaxckpt.restore(path), 7) and jaxckpt.verify(path).ok
+    _commit.abort(live, _commit.staging_location(live, "0123456789ab"), "0123456789ab")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
 @pytest.mark.parametrize("exchange", [True, False])
 def test_a_failed_local_overwrite_commit_puts_the_old_copy_back(tmp_path, monkeypatch, exchange):
     path = str(tmp_path / "ckpt")

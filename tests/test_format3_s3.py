@@ -248,3 +248,47 @@ def test_process_0_checks_the_data_objects_before_the_manifest(s3_server, monkey
                                                      r"did not \(JAXCKPT_FORMAT=1\)"):
         jaxckpt.save(spec, tree(1))
     assert keys(client, "f3/check/") == []
+
+
+def without_boto3(monkeypatch):
+    """This process as if the s3 extra were not installed: boto3 does not import, and no
+    client made before is reused (listing, deleting and uploading go through tensorstore)."""
+    import collections
+    import sys
+
+    monkeypatch.setitem(sys.modules, "boto3", None)
+    monkeypatch.setattr(_storage.s3, "_clients", collections.OrderedDict())
+
+
+def test_without_boto3_a_save_puts_small_objects_one_by_one_never_its_stream(s3_server, monkeypatch):
+    # issue 30, defect 4: without boto3 each data object goes up whole (one PUT through
+    # tensorstore), and the writer held every object of the stream (1 GiB each) until
+    # the end: a 16 MiB state took 16 MiB more. Now the stream is cut into objects of
+    # WHOLE_OBJECT_BYTES (here 1 MiB) put as they fill, WHOLE_UPLOADS at once.
+    import tracemalloc
+
+    monkeypatch.setattr(_uploads, "WHOLE_OBJECT_BYTES", 1 << 20, raising=False)
+    without_boto3(monkeypatch)
+    spec = s3_server("f3/whole")
+    state = tree(4, n=1 << 20)  # big: 4 rows of 4 MiB
+    tracemalloc.start()
+    try:
+        jaxckpt.save(spec, state)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < (4 + 2) << 20, f"{peak / 2**20:.1f} MiB held to save 16 MiB"
+    man = _commit.read_manifest(_location.resolve(spec))
+    assert man.segment_bytes == 1 << 20 and man.streams[0] > 16 << 20
+    count = -(-man.streams[0] // (1 << 20))
+    assert keys(s3_server.client, f"f3/whole/{man.data}/") == sorted(
+        f"f3/whole/{man.data}/data/p0.{n}" for n in range(count))
+    assert_is(jaxckpt.restore(spec), 4, n=1 << 20)
+    assert jaxckpt.verify(spec).ok
+    # with boto3 the objects stay 1 GiB, in parts (one object here)
+    monkeypatch.undo()
+    jaxckpt.save(spec, tree(5), overwrite=True)
+    man = _commit.read_manifest(_location.resolve(spec))
+    assert man.segment_bytes == _snapshot.SEGMENT_BYTES == 1 << 30
+    assert keys(s3_server.client, f"f3/whole/{man.data}/") == [f"f3/whole/{man.data}/data/p0.0"]
+    assert_is(jaxckpt.restore(spec), 5)

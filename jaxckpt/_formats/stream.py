@@ -54,6 +54,7 @@ from .._storage import chunkfiles as _chunkfiles
 from .._storage import dataobjects as _dataobjects
 from .._storage import kvstore as _kvstore
 from .._storage import location as _location
+from .._storage import uploads as _uploads
 from .._storage import zarr as _zarr
 from .._storage.location import Location
 
@@ -93,7 +94,7 @@ def write_checkpoint(path: Any, structure: dict[str, Any], leaves: Sequence[Leaf
     if _snapshot.streams_wanted():
         records, layout, packed = *plan_streams(leaves), ()
         snap = Snapshot(structure, records, {}, (), None, 0, streams=layout.streams,
-                        segment_bytes=_snapshot.SEGMENT_BYTES)
+                        segment_bytes=_uploads.segment_bytes_for(final, _snapshot.SEGMENT_BYTES))
     else:
         records, packed = plan(leaves)
         snap = Snapshot(structure, records, {}, packed, None, 0)

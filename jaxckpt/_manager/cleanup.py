@@ -108,6 +108,8 @@ def take_directory(where: _location.Location, owner: object) -> _lease.Lease:
             _log.info("jaxckpt: removing attempt %s left by a writer that is gone", attempt)
             _claims.remove_attempt(where, attempt)
         _claims.remove_dead_claims(where)
+        for name in _claims.remove_dead_scratch(where):  # a persistent copy's, killed while uploading
+            _log.info("jaxckpt: removed %s left by a copy that is gone", name)
         # On an object store: data prefixes inside steps that no manifest names.
         for key in _commit.remove_dead_step_data(where, lease_token=lease.owner["token"]):
             _log.info("jaxckpt: removed data %s left by a writer that is gone", key)
@@ -293,6 +295,13 @@ def attempts(directory: _location.Location) -> list[dict[str, Any]]:
             "kind": "tmp" if _claims.TMP_MARK in name else "old",
             "bytes": size, "mtime": mtime, "writer": who, "writer_alive": alive,
         })
+    for name, dead in _claims.dead_scratch(directory):  # persistent copies' temporary files (local)
+        try:
+            st = os.lstat(os.path.join(directory.local, name))
+        except OSError:
+            continue  # gone meanwhile
+        out.append({"step": None, "name": name, "kind": "upload", "bytes": st.st_size, "mtime": st.st_mtime,
+                    "writer": _claims.scratch_maker(name), "writer_alive": not dead})
     live: list[str] = []  # object stores: data prefixes of attempts (claimed) in progress
     dead = _commit.remove_dead_step_data(directory, dry_run=True, lease_token=token, live=live)
     for key, alive in sorted([(k, False) for k in dead] + [(k, True) for k in live]):

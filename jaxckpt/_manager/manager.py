@@ -426,17 +426,19 @@ class CheckpointManager:
         """The hidden, uncommitted attempts in the directory (read-only managers too).
 
         Each is a save in progress or left by a crash (``.<step>.jaxckpt-tmp-*``), or a
-        step being deleted (``.<step>.jaxckpt-old-*``); on an object store, a data prefix
+        step being deleted (``.<step>.jaxckpt-old-*``); a temporary file of a copy to
+        the persistent tier (``.jaxckpt-upload-*``, kind ``"upload"``, step ``None``; its
+        ``writer`` is the process that made it); on an object store, a data prefix
         under a step that its manifest does not name (``<step>/d/<token>``, kind
         ``"data"``). A writing manager removes those of a writer that is gone when it
         starts.
 
         Returns:
-          One dict per attempt, by name: ``step``, ``name``, ``kind`` (``"tmp"`` or
-          ``"old"``), ``bytes`` and ``mtime`` (local disks; ``None`` elsewhere),
-          ``writer`` (who holds the directory's writer lease, or ``None``) and
-          ``writer_alive`` (``False`` when no writer holds it or the holder is provably
-          gone: its attempts are dead).
+          One dict per attempt, by name: ``step``, ``name``, ``kind`` (``"tmp"``,
+          ``"old"``, ``"upload"`` or ``"data"``), ``bytes`` and ``mtime`` (local disks;
+          ``None`` elsewhere), ``writer`` (who holds the directory's writer lease, or
+          ``None``) and ``writer_alive`` (``False`` when no writer holds it or the holder
+          is provably gone: its attempts are dead).
 
         Example:
           >>> [(a["name"], a["writer_alive"]) for a in mgr.attempts()]

@@ -39,7 +39,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from .. import _commit, _distributed, _layout, _manifest, _storage, _tasks, _verify
+from .. import _claims, _commit, _distributed, _layout, _manifest, _storage, _tasks, _verify
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._manifest import Manifest
 from .._storage import kvstore as _kvstore
@@ -127,7 +127,7 @@ def copy_object(src: str, dest: Location, path: str, size: int, scratch: str) ->
     if os.stat(src).st_size == size:
         _uploads.upload_file(root, name, src)
         return
-    fd, tmp = tempfile.mkstemp(prefix=".jaxckpt-upload-", dir=scratch)
+    fd, tmp = tempfile.mkstemp(prefix=_claims.scratch_prefix(), dir=scratch)  # says who made it
     try:
         with open(src, "rb") as f, os.fdopen(fd, "wb") as out:
             _copy_bytes(f, out, size, path)

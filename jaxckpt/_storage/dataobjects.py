@@ -46,9 +46,13 @@ checkpoint), so the attempt prefixes of ``_commit`` stay the caller's business.
   them under its attempt's data prefix, which the clean-up of dead attempts deletes.
   (GCS's XML API also has S3-style multipart uploads, with no temporary objects; the
   local GCS emulator the tests run against has no XML API, so that route is not taken.)
-* ``memory://`` (and S3 without boto3, GCS without a token): ``StreamWriter``
-  assembles each segment whole in host memory and ``close`` uploads it with one PUT
-  (``write_segment`` through ``kvstore.write_blob``).
+* ``memory://``, S3 without boto3, GCS without a token (no upload in parts: each object
+  goes up whole with one PUT through tensorstore's kvstore, which takes the whole
+  value): the same ``SegmentParts``, each segment one part (``uploads.WholeObject``),
+  assembled once all of its bytes are written and put at once, ``uploads.WHOLE_UPLOADS``
+  at a time. The save makes its segments small there (``uploads.segment_bytes_for``:
+  ``uploads.WHOLE_OBJECT_BYTES``), so what is assembled at once stays within a constant,
+  whatever the stream's length.
 
 Counted (``_storage.io_stats``) per entry, like ``chunkfiles`` counts per chunk: the
 payload bytes (not the checksum) and one write or read. Fault points: ``write`` before
@@ -167,14 +171,11 @@ class StreamWriter:
         self.segment_bytes = segment_bytes
         self.sizes = segment_sizes(length, segment_bytes)
         self._fds: list[int] = []
-        self._buffers: list[bytearray] = []
         self._parts: _uploads.SegmentParts | None = None
         self._closed = False
         if root.local is None:
-            if self.sizes and _uploads.parted_object(root, segment_name(process, 0)) is not None:
+            if self.sizes:
                 self._parts = _uploads.SegmentParts(root, process, self.sizes, segment_bytes, length)
-            else:
-                self._buffers = [bytearray(size) for size in self.sizes]
             return
         os.makedirs(root.local, exist_ok=True)
         try:
@@ -232,8 +233,8 @@ class StreamWriter:
 
     @property
     def blockwise(self) -> bool:
-        """Whether ``write_entry_blocks`` writes block by block (not on uploads in parts,
-        S3's or GCS's, whose parts keep views of what they are given: it joins the blocks)."""
+        """Whether ``write_entry_blocks`` writes block by block (not on an object store,
+        whose parts keep views of what they are given until they go: it joins the blocks)."""
         return self._parts is None
 
     def write_entry_blocks(self, offset: int, blocks: Iterable[np.ndarray], nbytes: int) -> None:
@@ -279,20 +280,15 @@ class StreamWriter:
         _storage.count(bytes_written=nbytes, writes=1)
 
     def _put(self, position: int, parts: list[memoryview]) -> None:
-        """``parts``' bytes at stream ``position``: into the segment files (or buffers)."""
+        """``parts``' bytes at stream ``position``: into the segment files."""
         spans = list(pieces(position, sum(map(len, parts)), self.segment_bytes))
         groups = _split(parts, [stop - start for _, start, stop in spans])
         for (n, start, stop), group in zip(spans, groups):
-            if self._fds:
-                _pwrite_all(self._fds[n], group, start)
-                if _sync_file_range is not None:
-                    # Start the entry's writeback now, as a file per chunk's fsync in its
-                    # own thread does: the final fsync then waits for little, not the lot.
-                    _sync_file_range(self._fds[n], start, stop - start, SYNC_FILE_RANGE_FLAGS)
-            else:
-                for part in group:
-                    self._buffers[n][start:start + len(part)] = part
-                    start += len(part)
+            _pwrite_all(self._fds[n], group, start)
+            if _sync_file_range is not None:
+                # Start the entry's writeback now, as a file per chunk's fsync in its
+                # own thread does: the final fsync then waits for little, not the lot.
+                _sync_file_range(self._fds[n], start, stop - start, SYNC_FILE_RANGE_FLAGS)
 
     def close(self) -> None:
         """Make the stream durable: locally fsync every segment file and the directory,
@@ -304,8 +300,6 @@ class StreamWriter:
                 for fd in self._fds:
                     os.fsync(fd)
                 _kvstore.fsync_dir(self.root.local)
-            for n, buffer in enumerate(self._buffers):
-                write_segment(self.root, self.process, n, buffer)
             if self._parts is not None:
                 self._parts.close()
                 self._parts = None  # complete: nothing to abort
@@ -314,7 +308,7 @@ class StreamWriter:
 
     def _release(self) -> None:
         self._closed = True
-        fds, self._fds, self._buffers = self._fds, [], []
+        fds, self._fds = self._fds, []
         parts, self._parts = self._parts, None
         for fd in fds:
             os.close(fd)

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any
 
+from .. import _storage
 from .._errors import CheckpointError
 from . import kvstore as _kvstore
 from .bounds import DEFAULT_IO_TIMEOUT_S, IO_TIMEOUT_ENV, io_timeout_s
@@ -219,17 +220,7 @@ class ObjectUpload:
         self._lock = threading.Lock()
 
     def _call(self, doing: str, fn: Any, **kw: Any) -> Any:
-        import botocore.exceptions
-
-        started = time.monotonic()
-        try:
-            return fn(Bucket=self.bucket, Key=self.key, **kw)
-        except botocore.exceptions.ClientError as e:
-            err = e.response.get("Error", {})
-            cause = f"{err.get('Code', '?')}: {err.get('Message', '')}".rstrip(": ")
-        except botocore.exceptions.BotoCoreError as e:  # unreachable, timed out, no credentials
-            cause = _cause(e, started)
-        raise CheckpointError(f"{doing.capitalize()} '{self.url}' failed: {cause}") from None
+        return _request(doing, self.url, fn, Bucket=self.bucket, Key=self.key, **kw)
 
     def put(self, data: Any) -> None:
         """The whole object in one PUT."""
@@ -243,6 +234,7 @@ class ObjectUpload:
                 raise CheckpointError(f"Writing '{self.url}' failed: its upload was aborted")
             if self.upload_id is None:
                 self.upload_id = self._call("starting the upload of", self.client.create_multipart_upload)["UploadId"]
+        _storage.fault("upload:part", f"{self.name}#{number}")
         out = self._call("writing a part of", self.client.upload_part, UploadId=self.upload_id,
                          PartNumber=number, Body=data)
         with self._lock:
@@ -309,3 +301,63 @@ def sizes(root: Location) -> dict[str, int] | None:
     except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
         raise _failed("Listing", root, e, started) from None
     return out
+
+
+def _request(doing: str, url: str, fn: Any, **kw: Any) -> Any:
+    """``fn(**kw)`` (a boto3 client's request about the object at ``url``); a failure is
+    a ``CheckpointError``: ``<Doing> '<url>' failed: <cause>``."""
+    import botocore.exceptions
+
+    started = time.monotonic()
+    try:
+        return fn(**kw)
+    except botocore.exceptions.ClientError as e:
+        err = e.response.get("Error", {})
+        cause = f"{err.get('Code', '?')}: {err.get('Message', '')}".rstrip(": ")
+    except botocore.exceptions.BotoCoreError as e:  # unreachable, timed out, no credentials
+        cause = _cause(e, started)
+    raise CheckpointError(f"{doing.capitalize()} '{url}' failed: {cause}") from None
+
+
+def multipart_uploads(root: Location) -> list[tuple[str, str]] | None:
+    """The multipart uploads begun and neither completed nor aborted under ``root`` on
+    S3, as ``(name relative to root, upload id)``: one listing per 1,000; ``None``
+    without boto3 or credentials it can find (then jaxckpt began none: its uploads in
+    parts go through boto3)."""
+    try:
+        import botocore.exceptions
+    except ImportError:
+        return None
+    spec = root.kvstore
+    prefix = spec.get("path", "")
+    out: list[tuple[str, str]] = []
+    started = time.monotonic()
+    try:
+        client = client_for(root)
+        if client is None:
+            return None
+        pages = client.get_paginator("list_multipart_uploads").paginate(Bucket=spec["bucket"], Prefix=prefix)
+        for page in pages:
+            out.extend((u["Key"][len(prefix):], u["UploadId"]) for u in page.get("Uploads", []))
+    except (botocore.exceptions.NoCredentialsError, botocore.exceptions.NoRegionError,
+            botocore.exceptions.ProfileNotFound):
+        return None
+    except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
+        raise _failed("Listing the uploads under", root, e, started) from None
+    return out
+
+
+def abort_uploads(root: Location, uploads: list[tuple[str, str]]) -> None:
+    """Abort the multipart uploads ``(name relative to root, upload id)`` (their parts
+    go; S3 bills them until then). One already gone is no error."""
+    if not uploads:
+        return
+    spec = root.kvstore
+    client = client_for(root)
+    for name, upload_id in uploads:
+        try:
+            _request("aborting the upload of", f"{root.url}/{name}", client.abort_multipart_upload,
+                     Bucket=spec["bucket"], Key=spec.get("path", "") + name, UploadId=upload_id)
+        except CheckpointError as e:
+            if "NoSuchUpload" not in str(e):
+                raise

@@ -6,7 +6,10 @@ PUT). GCS: parallel composite uploads (``gcs.ObjectUpload``): each part its own
 temporary object written through tensorstore, then one ``compose`` request and the
 parts' deletion (tensorstore has no compose; the request is ours). ``parted_object``
 picks one for a location, or none (``memory://``, S3 without boto3, GCS without a token
-or google-auth's credentials): then each object goes up whole.
+or google-auth's credentials): then each object goes up whole (``WholeObject``, one PUT
+through tensorstore's kvstore), so a save there cuts its stream into smaller objects
+(``segment_bytes_for``: ``WHOLE_OBJECT_BYTES``) and puts them one by one as they fill,
+at most ``WHOLE_UPLOADS`` at once: never the stream in memory.
 
 ``SegmentParts`` uploads each segment of a ``dataobjects.StreamWriter``'s stream in
 parts that fill from the entries as they arrive (views, no copy until a part is whole)
@@ -39,8 +42,53 @@ PART_BYTES = 64 << 20
 # Part uploads in flight at once per stream (or per ``upload_file``): each holds one part
 # buffer, so a writer holds at most this many part buffers.
 UPLOAD_THREADS = 8
-# An object going up in parts: the two have the same methods (put, part, complete, abort).
+# Where no upload in parts is to be had (S3 without boto3, GCS without a token for the
+# compose request, ``memory://``), an object goes up whole with one PUT through
+# tensorstore's kvstore, whose ``write`` takes the whole value: the object is assembled in
+# host memory first (and tensorstore copies it as the write is issued; ours is freed
+# then). A save there cuts its stream into objects of at most WHOLE_OBJECT_BYTES (the
+# manifest's ``segment_bytes`` says so: format 3 as it is) and puts at most WHOLE_UPLOADS
+# at once, each as soon as its bytes are all written: its assembled objects take at most
+# WHOLE_UPLOADS x WHOLE_OBJECT_BYTES (128 MiB) whatever the state's size; before, every
+# object of the process (1 GiB each) was held until the end. 32 MiB: a PUT long enough to
+# keep a link busy, and a TiB per process is 32,768 objects.
+WHOLE_OBJECT_BYTES = 32 << 20
+WHOLE_UPLOADS = 4
+
+
+class WholeObject:
+    """One object written whole (``put``: one PUT through tensorstore's kvstore), where
+    the store takes no upload in parts: the interface of ``s3.ObjectUpload`` without
+    parts. Nothing is left to abort: an object either landed whole or not at all."""
+
+    def __init__(self, root: Location, name: str):
+        self.root, self.name = root, name
+        self.url = f"{root.url}/{name}"
+
+    def put(self, data: Any) -> None:
+        self.put_made(lambda: data, len(data))
+
+    def put_made(self, make: Any, nbytes: int) -> None:
+        """Put the ``nbytes`` bytes ``make()`` returns. tensorstore copies them as the write
+        is issued: ours are freed then, before the PUT is waited for."""
+        kv = _kvstore._kvstore(self.root)
+        future = _kvstore.track(kv.write(self.name, make()))
+        _kvstore.wait(future, self.root, "writing", self.name, nbytes=nbytes)
+
+    def part(self, number: int, data: Any) -> None:
+        raise CheckpointError(f"Writing '{self.url}' failed: this store takes no upload in parts")
+
+    def complete(self, parts: int) -> None:
+        raise CheckpointError(f"Writing '{self.url}' failed: this store takes no upload in parts")
+
+    def abort(self) -> None:
+        pass
+
+
+# An object going up: in parts (S3's or GCS's) or whole; the same methods (put, part,
+# complete, abort).
 Parted = Union[_s3.ObjectUpload, _gcs.ObjectUpload]
+Upload = Union[_s3.ObjectUpload, _gcs.ObjectUpload, WholeObject]
 
 
 def _upload_bound(nbytes: int) -> float:
@@ -61,6 +109,25 @@ def parted_object(root: Location, name: str) -> Parted | None:
     return None
 
 
+def in_parts(root: Location) -> bool:
+    """Whether objects under ``root`` (an object store) go up in parts (``parted_object``)."""
+    driver = root.kvstore.get("driver")
+    if driver == "gcs":
+        return _gcs.composing(root)
+    return driver == "s3" and _s3.client_for(root) is not None
+
+
+def segment_bytes_for(root: Location, wanted: int) -> int:
+    """The size of the data objects of a save to ``root``: ``wanted`` on a local disk and
+    where objects go up in parts, at most ``WHOLE_OBJECT_BYTES`` where each goes up whole
+    (see there). Every process of a job decides it alike when their extras are alike; a
+    job where they differ fails its save (``_checkpoint``: process 0 checks every
+    process's objects against its own layout)."""
+    if root.local is not None or in_parts(root):
+        return wanted
+    return min(wanted, WHOLE_OBJECT_BYTES)
+
+
 def part_bytes_for(root: Location, size: int) -> int:
     """The part size of an object of ``size`` bytes under ``root``: ``PART_BYTES``,
     raised to what the store needs."""
@@ -75,9 +142,9 @@ class _Uploads:
     one, within the bound; ``join`` waits for all, within the bound, and raises the first
     error."""
 
-    def __init__(self, what: str):
+    def __init__(self, what: str, threads: int = UPLOAD_THREADS):
         self.what = what
-        self._slots = threading.Semaphore(UPLOAD_THREADS)
+        self._slots = threading.Semaphore(threads)
         self._lock = threading.Lock()
         self._threads: list[tuple[threading.Thread, int]] = []
         self._errors: list[BaseException] = []
@@ -170,7 +237,7 @@ def _read_file_range(path: str, start: int, nbytes: int) -> bytearray:
     return buffer
 
 
-def _abort_after(uploads: _Uploads, objects: list[Parted]) -> None:
+def _abort_after(uploads: _Uploads, objects: list[Upload] | list[Parted]) -> None:
     """After a failure: wait (bounded) for the part uploads in flight, then abort every
     upload in parts started (best effort: the first failure is the one to report)."""
     try:
@@ -198,12 +265,16 @@ class SegmentParts:
 
     def __init__(self, root: Location, process: int, sizes: list[int], segment_bytes: int, length: int):
         self.process, self.sizes, self.segment_bytes, self.length = process, sizes, segment_bytes, length
-        made = [parted_object(root, _dataobjects.segment_name(process, n)) for n in range(len(sizes))]
-        if any(obj is None for obj in made):
-            raise CheckpointError(f"'{root.url}' takes no upload in parts (S3 needs boto3, GCS a token)")
-        self.objects: list[Parted] = [obj for obj in made if obj is not None]
-        self.part_bytes = [part_bytes_for(root, size) for size in sizes]
-        self.uploads = _Uploads(f"{root.url}/p{process}.*")
+        names = [_dataobjects.segment_name(process, n) for n in range(len(sizes))]
+        self.objects: list[Upload]
+        if in_parts(root):
+            self.objects = [_made(parted_object(root, name), root) for name in names]
+            self.part_bytes = [part_bytes_for(root, size) for size in sizes]
+            self.uploads = _Uploads(f"{root.url}/p{process}.*")
+        else:  # each segment one part, put whole (its size is ``segment_bytes_for``'s)
+            self.objects = [WholeObject(root, name) for name in names]
+            self.part_bytes = [max(1, size) for size in sizes]
+            self.uploads = _Uploads(f"{root.url}/p{process}.*", WHOLE_UPLOADS)
         self._lock = threading.Lock()
         self._pieces: dict[tuple[int, int], list[tuple[int, memoryview]]] = {}
         self._owned: dict[tuple[int, int], int] = {}
@@ -239,13 +310,13 @@ class SegmentParts:
             self.uploads.submit(functools.partial(self._upload, n, i, nbytes, got), nbytes)
 
     def _upload(self, n: int, i: int, nbytes: int, got: list[tuple[int, memoryview]]) -> None:
-        buffer = bytearray(nbytes)  # zeros: the gaps between entries
-        for at, view in got:
-            buffer[at:at + len(view)] = view
-        if self.parts_of(n) == 1:
-            self.objects[n].put(buffer)
+        obj = self.objects[n]
+        if isinstance(obj, WholeObject):  # our buffer freed as soon as tensorstore has it
+            obj.put_made(lambda: _assemble(nbytes, got), nbytes)
+        elif self.parts_of(n) == 1:
+            obj.put(_assemble(nbytes, got))
         else:
-            self.objects[n].part(i + 1, buffer)
+            obj.part(i + 1, _assemble(nbytes, got))
 
     def close(self) -> None:
         """Wait for every part (bounded), then complete every upload in parts."""
@@ -264,6 +335,20 @@ class SegmentParts:
 
     def abort(self) -> None:
         _abort_after(self.uploads, self.objects)
+
+
+def _made(obj: Parted | None, root: Location) -> Parted:
+    if obj is None:  # (in_parts said yes: credentials that went away meanwhile)
+        raise CheckpointError(f"'{root.url}' takes no upload in parts (S3 needs boto3, GCS a token)")
+    return obj
+
+
+def _assemble(nbytes: int, got: list[tuple[int, memoryview]]) -> bytearray:
+    """A part's bytes: the pieces of the entries that reach it, zeros between them."""
+    buffer = bytearray(nbytes)
+    for at, view in got:
+        buffer[at:at + len(view)] = view
+    return buffer
 
 
 def _within(parts: list[memoryview], lo: int, hi: int) -> Iterator[tuple[int, memoryview]]:
