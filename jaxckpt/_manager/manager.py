@@ -426,12 +426,11 @@ class CheckpointManager:
         """The hidden, uncommitted attempts in the directory (read-only managers too).
 
         Each is a save in progress or left by a crash (``.<step>.jaxckpt-tmp-*``), or a
-        step being deleted (``.<step>.jaxckpt-old-*``); a temporary file of a copy to
-        the persistent tier (``.jaxckpt-upload-*``, kind ``"upload"``, step ``None``; its
-        ``writer`` is the process that made it); on an object store, a data prefix
-        under a step that its manifest does not name (``<step>/d/<token>``, kind
-        ``"data"``). A writing manager removes those of a writer that is gone when it
-        starts.
+        step being deleted (``.<step>.jaxckpt-old-*``); a persistent copy's temporary file
+        (``.jaxckpt-upload-*``, kind ``"upload"``, step ``None``, ``writer`` its maker); on
+        an object store, a data prefix under a step that its manifest does not name
+        (``<step>/d/<token>``, kind ``"data"``). A writing manager removes those of a
+        writer that is gone when it starts.
 
         Returns:
           One dict per attempt, by name: ``step``, ``name``, ``kind`` (``"tmp"``,
