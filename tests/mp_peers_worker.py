@@ -8,6 +8,7 @@ bytes (``unshare -rm``: a full RAM disk without root or a shared /dev/shm).
 """
 
 import json
+import logging
 import os
 import shlex
 import sys
@@ -39,28 +40,41 @@ MESH = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
 ROWS = args.get("rows", 64)
 
 
-def values(i):
-    """Sharded over the processes: each host's part exists only in its directory."""
-    w = np.random.default_rng(i).standard_normal((ROWS * nproc, 256)).astype(np.float32)
-    return {"w": w, "b": np.arange(1000, dtype=np.int32) * i}
+def values(i, version=1):
+    """Sharded over the processes: each host's part exists only in its directory. A step
+    saved again (``version`` 2, 3, ...) has other values."""
+    w = np.random.default_rng(i + 1000 * (version - 1)).standard_normal((ROWS * nproc, 256)).astype(np.float32)
+    return {"w": w, "b": np.arange(1000, dtype=np.int32) * i * version}
 
 
-def state(i):
+def state(i, version=1):
     out = {}
-    for k, v in values(i).items():
+    for k, v in values(i, version).items():
         spec = P("x", None) if k == "w" else P(None)
         out[k] = jax.make_array_from_callback(v.shape, NamedSharding(MESH, spec), lambda idx, v=v: v[idx])
     out["step"] = i
+    out["version"] = version
     return out
 
 
 def check(back):
     i = back["step"]
-    for k, full in values(i).items():
+    for k, full in values(i, back["version"]).items():
         for shard in back[k].addressable_shards:
             got = np.asarray(shard.data)
             assert got.dtype == full.dtype and got.tobytes() == full[shard.index].tobytes(), (k, i)
     return i
+
+
+def versions_of(back, versions=(1, 2, 3)):
+    """Which saved version each leaf of this process's shards matches bit for bit (0: none)."""
+    out = {"version": back["version"]}
+    for k in ("w", "b"):
+        shards = [(np.asarray(s.data), s.index) for s in back[k].addressable_shards]
+        out[k] = next((v for v in versions
+                       if all(got.tobytes() == values(back["step"], v)[k][index].tobytes() for got, index in shards)),
+                      0)
+    return out
 
 
 def listing(root):
@@ -77,8 +91,59 @@ def fail_peer_write(op, key):
         raise OSError(28, "No space left on device (injected)")
 
 
+def tiers(mgr):
+    return {str(k): list(v) for k, v in mgr.step_tiers().items()}
+
+
+def run_op(mgr, op):
+    """One of "ops": ["save", step, version], ["delete", step], ["restore", step or None],
+    ["no_room", pid, step] (this process's partner finds no room for the peer copies of
+    that step: its free-space check reports 0 bytes), ["tiers"], ["wait"]."""
+    from jaxckpt._manager import peers
+
+    kind = op[0]
+    try:
+        if kind == "save":
+            room = peers.free_bytes
+            if args.get("no_room") in ([pid, op[1]], [pid, op[1], op[2] if len(op) > 2 else 1]):
+                peers.free_bytes = lambda path: 0
+            try:
+                mgr.save(op[1], state(op[1], op[2] if len(op) > 2 else 1))
+                mgr.wait_until_finished()
+            finally:
+                peers.free_bytes = room
+            return {"steps": mgr.all_steps(), "tiers": tiers(mgr)}
+        if kind == "delete":
+            mgr.delete(op[1])
+            return {"steps": mgr.all_steps()}
+        if kind == "restore":
+            back = mgr.restore(op[1], state(0))
+            return {"step": back["step"], **versions_of(back), "steps": mgr.all_steps()}
+        if kind == "tiers":
+            return {"steps": mgr.all_steps(), "tiers": tiers(mgr)}
+        if kind == "wait":
+            mgr.wait_until_finished()
+            return {"steps": mgr.all_steps(), "tiers": tiers(mgr)}
+        raise ValueError(f"unknown op {op!r}")
+    except jaxckpt.CheckpointError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+class Warnings(logging.Handler):
+    """jaxckpt's warnings and errors in this process, for the result."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.seen = []
+
+    def emit(self, record):
+        self.seen.append(record.getMessage())
+
+
 def main():
     out = {"pid": pid}
+    seen = Warnings()
+    logging.getLogger("jaxckpt").addHandler(seen)
     options = dict(max_to_keep=args.get("keep", 2), timeout_s=20, peer_copies=args.get("copies", 1),
                    async_save=args.get("async", True))
     if "durable" in args:
@@ -102,12 +167,16 @@ def main():
             except jaxckpt.CheckpointError as e:
                 out.setdefault("save_errors", {})[str(i)] = str(e)
             _storage.fault_hook = None
+        out["ops"] = [run_op(mgr, op) for op in args.get("ops", [])]
         out["steps"] = mgr.all_steps()
     out["on_disk"] = listing(local)
     out["peers"] = peer_listing()
+    if "durable" in args and not isinstance(args["durable"], dict):
+        out["durable_on_disk"] = listing(args["durable"])
     top = os.path.join(local, ".jaxckpt-peers")
     out["peer_attempts"] = sorted(n for d in (os.listdir(top) if os.path.isdir(top) else [])
                                   for n in os.listdir(os.path.join(top, d)) if n.startswith("."))
+    out["warnings"] = seen.seen
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -5,6 +5,7 @@ Real 2-process jobs (tests/mp_hosts_worker.py)."""
 import json
 import os
 import shutil
+import socket
 
 import numpy as np
 import pytest
@@ -62,6 +63,72 @@ def test_a_step_no_host_holds_whole_is_named_with_the_host_that_lacks_it(tmp_pat
         assert res[p]["error"].startswith("CheckpointNotFoundError: No committed step in "), res[p]["error"]
         assert "step 2 is missing on process 1" in res[p]["error"] and "step 1 is missing" in res[p]["error"]
     assert res[0]["on_disk"] == ["1", "2"]
+
+
+def run_sharded_job(args, nproc=2, timeout=120):
+    """A job of tests/mp_peers_worker.py (its "ops": saves of versions, deletes, restores)
+    without peer copies: state sharded over the hosts, a directory per host."""
+    worker = os.path.join(ROOT, "tests", "mp_peers_worker.py")
+    return run_workers(worker, nproc, lambda i, port: [port, nproc, i, "job", json.dumps({**args, "copies": 0})],
+                       timeout)
+
+
+def test_a_step_the_hosts_hold_from_two_saves_is_never_restored_mixed(tmp_path):
+    """Host 1 keeps its copy of step 3 (version 1) aside while step 3 is deleted and
+    saved again with other values (version 2), then puts it back (a disk restored from a
+    backup; a host whose commit of the new save failed keeps the old one). Every host
+    holds step 3, from two saves: it is not listed, restoring it is refused in both
+    processes naming the hosts of each save (never one process's version 2 beside the
+    other's version 1), the latest restore gives step 2, and the next save lets step 3
+    go on both hosts."""
+    run_sharded_job({"path": str(tmp_path), "save": [1, 2, 3], "keep": 3})
+    shutil.copytree(tmp_path / "host1" / "3", tmp_path / "old3")
+    res = run_sharded_job({"path": str(tmp_path), "keep": 3, "ops": [["delete", 3], ["save", 3, 2]]})
+    assert [op["steps"] for op in res[0]["ops"]] == [[1, 2], [1, 2, 3]]
+    shutil.rmtree(tmp_path / "host1" / "3")
+    shutil.copytree(tmp_path / "old3", tmp_path / "host1" / "3")
+    res = run_sharded_job({"path": str(tmp_path), "keep": 3, "ops": [["restore", 3], ["restore", None], ["save", 4]]})
+    for p in (0, 1):
+        assert res[p]["steps_at_start"] == [1, 2]
+        error = res[p]["ops"][0]["error"]
+        assert error.startswith(f"CheckpointError: Cannot restore step 3 from '{tmp_path / f'host{p}'}': the hosts "
+                                "hold step 3 from 2 different saves (process 0 on host "), error
+        assert error.endswith("; deleted and saved again while a host kept its old copy?) and the persistent tier "
+                              "does not hold it"), error
+        assert res[p]["ops"][1] == {"step": 2, "version": 1, "w": 1, "b": 1, "steps": [1, 2]}
+        assert res[p]["ops"][2]["steps"] == [1, 2, 4] and res[p]["on_disk"] == ["1", "2", "4"]
+        host = socket.gethostname()
+        assert [w for w in res[p]["warnings"] if "different saves" in w] == [
+            f"jaxckpt: the hosts hold steps [3] in '{tmp_path / f'host{p}'}' from different saves (deleted and "
+            "saved again while a host kept its old copy); not listed, never restored from the hosts' directories",
+            f"jaxckpt: the hosts hold step 3 from 2 different saves (process 0 on host {host!r}; process 1 on host "
+            f"{host!r}; deleted and saved again while a host kept its old copy?) and the persistent tier does not "
+            "hold it; restoring an older step"]
+
+
+def test_the_persistent_copy_of_another_save_of_a_step_is_never_read_for_it(tmp_path):
+    """Every step goes to the persistent tier (a local directory here) at first. A job
+    copying every 2nd step deletes step 3 and saves it again with other values (version
+    2): the persistent tier keeps version 1's copy. Host 1's directory is wiped: restoring
+    step 3 never reads version 1 for it (both processes refuse, naming the other save),
+    and the latest restore gives the persistent tier's step 2, of the same save as host
+    0's."""
+    durable = str(tmp_path / "durable")
+    run_sharded_job({"path": str(tmp_path), "save": [1, 2, 3], "keep": 3, "durable": durable, "every": 1})
+    res = run_sharded_job({"path": str(tmp_path), "keep": 3, "durable": durable, "ops": [["delete", 3], ["save", 3, 2]]})
+    assert res[0]["ops"][1] == {"steps": [1, 2, 3], "tiers": {"1": ["local", "persistent"], "2": ["local", "persistent"],
+                                                             "3": ["local", "persistent"]}}
+    shutil.rmtree(tmp_path / "host1")
+    res = run_sharded_job({"path": str(tmp_path), "keep": 3, "durable": durable,
+                           "ops": [["restore", 3], ["restore", None]]})
+    for p in (0, 1):
+        error = res[p]["ops"][0]["error"]
+        assert error.startswith(f"CheckpointError: Cannot restore step 3 from '{tmp_path / f'host{p}'}': step 3 is "
+                                "missing on process 1 on host "), error
+        assert error.endswith(", no host holds all of it and the persistent tier holds only another save of it"), error
+        assert res[p]["ops"][1] == {"step": 2, "version": 1, "w": 1, "b": 1, "steps": [1, 2, 3]}
+        assert "jaxckpt: the persistent tier's steps [3] are other saves than the hosts' steps of those numbers " \
+            "(deleted and saved again since); they are not read for them" in res[p]["warnings"]
 
 
 def test_the_source_is_the_lowest_host_holding_every_file():

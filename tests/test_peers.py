@@ -54,28 +54,31 @@ def test_a_lost_host_is_restored_from_its_peer_bit_for_bit(ram_dir):
         assert res[p]["steps"] == [3, 4]
         assert res[p]["on_disk"] == ["3", "4"]  # host 0's step 2, which host 1 lacked: gone with step 4
     # host 0 keeps host 1's part of steps 3 and 4; host 1's copy of host 0's step 3 was lost with its
-    # disk (a repair sends back a host's own part only): step 4 is the first it holds again
-    assert res[0]["peers"] == {"p1": ["3", "4"]} and res[1]["peers"] == {"p0": ["4"]}
+    # disk (a repair sends back a host's own part only): step 3 was listed as lacking it until the save
+    # of step 4 sent it again
+    assert res[0]["tiers_after_restore"] == res[1]["tiers_after_restore"] == {"3": ["local", "peer-copies-missing"]}
+    assert res[0]["peers"] == {"p1": ["3", "4"]} and res[1]["peers"] == {"p0": ["3", "4"]}
 
 
-def test_a_failed_peer_copy_fails_the_save_in_every_process(tmp_path):
-    """Host 1 cannot write host 0's part of step 2 (an I/O error). The save of step 2
-    fails in both processes with the same cause, step 2 is deleted from both hosts (and
-    from the peer directories), step 1 and its copies are untouched, and step 3 saves."""
-    res = run_job({"path": str(tmp_path), "save": [1, 2, 3], "fail_peer": [1, 2], "keep": 3})
+def test_a_failed_peer_copy_keeps_the_step_in_every_process(tmp_path):
+    """Host 1 cannot write host 0's part of step 2 (an I/O error in the middle of the
+    copy). The save of step 2 does not fail: in both processes step 2 stays committed and
+    listed, marked as lacking its peer copies, with the cause in a warning; the save of
+    step 3 copies step 3 and sends step 2's copies again, and no attempt is left."""
+    res = run_job({"path": str(tmp_path), "save": [1, 2], "fail_peer": [1, 2], "keep": 3,
+                   "ops": [["tiers"], ["save", 3]]})
     for p in (0, 1):
-        error = res[p]["save_errors"]["2"]
-        assert error.startswith("Saving step 2 to "), error
-        assert "the peer copy failed (the step is deleted on every host): " in error
-        assert list(res[p]["save_errors"]) == ["2"]
-        assert res[p]["steps"] == [1, 3] and res[p]["on_disk"] == ["1", "3"]
-        assert res[p]["peers"] == {f"p{1 - p}": ["1", "3"]}
+        assert "save_errors" not in res[p]
+        assert res[p]["ops"][0] == {"steps": [1, 2], "tiers": {"1": ["local"], "2": ["local", "peer-copies-missing"]}}
+        assert res[p]["ops"][1] == {"steps": [1, 2, 3], "tiers": {"1": ["local"], "2": ["local"], "3": ["local"]}}
+        assert res[p]["on_disk"] == ["1", "2", "3"] and res[p]["peers"] == {f"p{1 - p}": ["1", "2", "3"]}
         assert res[p]["peer_attempts"] == []  # the failed copy's staging went with the next copy
-    assert res[1]["save_errors"]["2"].endswith(
-        "the peer copy failed (the step is deleted on every host): process 1: OSError: [Errno 28] No space left "
-        "on device (injected)")
-    assert res[0]["save_errors"]["2"].endswith(
-        "/2': failed in process 1 (process 1: OSError: [Errno 28] No space left on device (injected))"), res[0]
+        assert [w for w in res[p]["warnings"] if "peer cop" in w] == [
+            f"jaxckpt: the peer copy of step 2 in '{tmp_path / f'host{p}'}' failed: "
+            + ("process 1: OSError: [Errno 28] No space left on device (injected)" if p == 1 else
+               f"peer5/copied '{tmp_path / 'host0' / '2'}': failed in process 1 (process 1: OSError: [Errno 28] No "
+               "space left on device (injected))")
+            + "; the step is kept without its peer copies (sent again at the next save)"]
 
 
 @pytest.mark.slow
@@ -107,28 +110,35 @@ def _can_mount_a_ram_disk(tmp_path):
     return out.returncode == 0
 
 
-def test_a_full_ram_disk_fails_the_save_before_a_byte_moves(tmp_path):
+def test_a_full_ram_disk_keeps_the_step_without_its_peer_copies(tmp_path):
     """Each host's directory is a RAM disk of its own (a tmpfs of 1.5 MiB in the process's
     mount namespace). A host's part of a step is 256 KiB, so two steps of its own and two
-    peer copies fit; with max_to_keep=3 the third step's peer copy finds no room: the
-    save fails in both processes naming the bytes needed and free, and steps 1 and 2 (and
-    their copies) stay."""
+    peer copies fit; with max_to_keep=3 the third step's peer copy finds no room before
+    a byte moves: step 3 is kept and listed in both processes, marked as lacking its peer
+    copies, with a warning naming the bytes needed and free; steps 1 and 2 and their
+    copies stay."""
     if not _can_mount_a_ram_disk(tmp_path):
         pytest.skip("unshare -rm cannot mount a tmpfs here")
-    res = run_job({"path": str(tmp_path), "save": [1, 2, 3], "keep": 3, "rows": 256, "tmpfs": "1536k"})
+    res = run_job({"path": str(tmp_path), "save": [1, 2, 3], "keep": 3, "rows": 256, "tmpfs": "1536k",
+                   "ops": [["tiers"]]})
     for p in (0, 1):
-        assert res[p]["steps"] == [1, 2], res[p]
-        assert res[p]["on_disk"] == ["1", "2"] and res[p]["peers"] == {f"p{1 - p}": ["1", "2"]}
-        error = res[p]["save_errors"]["3"]
+        assert "save_errors" not in res[p]
+        assert res[p]["ops"] == [{"steps": [1, 2, 3], "tiers": {"1": ["local"], "2": ["local"],
+                                                                "3": ["local", "peer-copies-missing"]}}]
+        assert res[p]["on_disk"] == ["1", "2", "3"] and res[p]["peers"] == {f"p{1 - p}": ["1", "2"]}
+        assert res[p]["peer_attempts"] == []
+        [warning] = [w for w in res[p]["warnings"] if "peer cop" in w]
         # its own cause (both hosts are full): the bytes its partner's part takes, and what is free
-        assert f"no room for the peer copies of step 3 in '{tmp_path / f'host{p}'}' (process {p}): they take " \
-            in error, error
-        assert "on a RAM disk (/dev/shm) each host holds max_to_keep steps of its own and of its 1 partner(s)" \
-            in error
+        assert warning.startswith(f"jaxckpt: the peer copy of step 3 in '{tmp_path / f'host{p}'}' failed: no room "
+                                  f"for the peer copies of step 3 in '{tmp_path / f'host{p}'}' (process {p}): they "
+                                  "take "), warning
+        assert warning.endswith(" are free; on a RAM disk (/dev/shm) each host holds max_to_keep steps of its own and "
+                                "of its 1 partner(s), plus the step being saved; the step is kept without its peer "
+                                "copies (sent again at the next save)"), warning
 
 
 def test_the_ring_and_the_repair_plan():
-    from jaxckpt._manager import peers
+    from jaxckpt._manager import peerrepair, peers
 
     assert peers.ring([0, 2, 4], 1) == [(0, 2), (2, 4), (4, 0)]
     assert peers.partners([0, 2, 4], 2) == {0: [2, 4], 2: [4, 0], 4: [0, 2]}
@@ -137,21 +147,58 @@ def test_the_ring_and_the_repair_plan():
     # 64 MiB + 100 bytes in rows of at most 32 MiB: three even rows (4 KiB multiples), not 32 + 32 + 100 bytes
     assert peers.waves({0: (64 << 20) + 100}, 32 << 20) == (3, 5462 * 4096)
     assert peers.waves({}, 8192) == (0, 0)
-    assert peers.rounds_of({0: 2, 1: 2, 3: 0}) == [[(2, 0), (0, 3)], [(2, 1)]]
-    # host 1 lost step 5 (empty directory); host 0 holds a valid copy of it
-    held = {0: {4: "a4", 5: "a5"}, 1: {}}
-    copies = {0: {1: {5: ["b5", "b5"]}}, 1: {}}
-    assert peers.plan_repair(held, copies, set(), None) == (5, {1: 0})
-    assert peers.plan_repair(held, copies, set(), 4) == (None, {})  # host 1's step 4: nowhere
-    assert peers.plan_repair(held, copies, {4}, 4) == (4, {})  # the bucket's
-    assert peers.plan_repair(held, copies, {6}, None) == (6, {})  # a newer bucket step wins
-    # a damaged copy (its files changed since it was recorded) is not used
-    assert peers.plan_repair(held, {0: {1: {5: ["zz", "b5"]}}, 1: {}}, {4}, None) == (4, {})
-    # every part in its own directory, intact: nothing to send
-    held = {0: {5: "a5"}, 1: {5: "b5"}}
-    assert peers.plan_repair(held, copies, set(), None) == (5, {})
+    assert peerrepair.rounds_of({0: 2, 1: 2, 3: 0}) == [[(2, 0), (0, 3)], [(2, 1)]]
+
+    def part(name, save="t1", digest=None):  # a group's own part of a step
+        return {"id": name, "save": save, "digest": digest or f"d-{name}"}
+
+    def copy(name, parts, now=None):  # a peer copy of a part, recorded with the step's parts
+        return {"now": now or f"d-{name}", "recorded": f"d-{name}", "id": name, "parts": parts}
+
+    v5 = {0: "a5", 1: "b5"}  # step 5's identity: each host's manifest checksum
+    plan = peerrepair.plan_repair
+    # host 1 lost step 5 (empty directory); host 0 holds a usable copy of it. Step 5 then lacks
+    # host 1's copy of host 0's part (lost with host 1's disk)
+    held = {0: {4: part("a4"), 5: part("a5")}, 1: {}}
+    copies = {0: {1: {5: copy("b5", v5)}}, 1: {}}
+    assert plan(held, copies, set(), None) == (5, {1: 0}, {}, {5})
+    assert plan(held, copies, set(), 4) == (None, {}, {}, set())  # host 1's step 4: nowhere
+    assert plan(held, copies, {4}, 4) == (4, {}, {}, set())  # the bucket's
+    assert plan(held, copies, {6}, None) == (6, {}, {}, set())  # a newer bucket step wins
+    # a damaged copy (its files changed since it was recorded) is not used, and removed
+    assert plan(held, {0: {1: {5: copy("b5", v5, now="zz")}}, 1: {}}, {4}, None) == (4, {}, {0: [(1, 5)]}, set())
+    # every part in its own directory, intact: nothing to send; host 0's copy at host 1 is missing
+    held = {0: {5: part("a5")}, 1: {5: part("b5")}}
+    assert plan(held, copies, set(), None) == (5, {}, {}, {5})
+    both = {0: {1: {5: copy("b5", v5)}}, 1: {0: {5: copy("a5", v5)}}}
+    assert plan(held, both, set(), None) == (5, {}, {}, set())
     # host 1 lost a file of step 5 since its commit: its digest differs from the recorded one
-    assert peers.plan_repair({0: {5: "a5"}, 1: {5: "b5-short"}}, copies, set(), None) == (5, {1: 0})
+    assert plan({0: {5: part("a5")}, 1: {5: part("b5", digest="d-short")}}, both, set(), None) == (5, {1: 0}, {}, set())
+    # step 5 saved again (a5', b5'): the copies of the first save are never used, and removed
+    again = {0: {5: part("a5'", "t2")}, 1: {5: part("b5'", "t2")}}
+    assert plan(again, both, set(), None) == (5, {}, {0: [(1, 5)], 1: [(0, 5)]}, {5})
+    # ... with host 1's directory wiped: host 0's new part beside the old copy of host 1's would be
+    # a mix: step 5 is not to be had here (the bucket's step 4 is)
+    assert plan({0: {5: part("a5'", "t2")}, 1: {}}, {0: both[0], 1: {}}, {4}, None) == (4, {}, {0: [(1, 5)]}, set())
+    # step 5 deleted on every host: its copies never bring it back
+    held = {0: {4: part("a4")}, 1: {4: part("b4")}}
+    v4 = {0: "a4", 1: "b4"}
+    left = {0: {1: {4: copy("b4", v4), 5: copy("b5", v5)}}, 1: {0: {4: copy("a4", v4), 5: copy("a5", v5)}}}
+    assert plan(held, left, set(), None) == (4, {}, {0: [(1, 5)], 1: [(0, 5)]}, set())
+    assert plan(held, left, set(), 5) == (None, {}, {0: [(1, 5)], 1: [(0, 5)]}, set())
+    # the hosts hold parts of two saves of step 5: never a mix, not even from the copies; which
+    # copies are stale is unknown, so none is removed
+    mixed = {0: {5: part("a5")}, 1: {5: part("b5'", "t2")}}
+    assert plan(mixed, both, set(), None) == (None, {}, {}, set())
+    assert plan(mixed, both, {5}, None) == (5, {}, {}, set())  # the bucket's
+    # a copy without its record (made before copies carried the step's identity): not used, removed
+    old = {0: {1: {5: {"now": "d-b5", "recorded": "", "id": "b5", "parts": None}}}, 1: {}}
+    assert plan({0: {5: part("a5")}, 1: {}}, old, set(), None) == (None, {}, {0: [(1, 5)]}, set())
+    # two copies per part (three hosts): host 2 lost everything; host 0's copy of host 2's part is used
+    v = {0: "a", 2: "b", 4: "c"}
+    held = {0: {7: part("a")}, 2: {7: part("b")}, 4: {}}
+    copies = {0: {2: {7: copy("b", v)}, 4: {7: copy("c", v)}}, 2: {0: {7: copy("a", v)}, 4: {7: copy("c", v)}}, 4: {}}
+    assert plan(held, copies, set(), None, 2) == (7, {4: 0}, {}, {7})
 
 
 def test_peer_copies_need_a_directory_per_host(tmp_path):
@@ -167,3 +214,93 @@ def test_peer_copies_need_a_directory_per_host(tmp_path):
         jaxckpt.CheckpointManager(tmp_path, peer_copies=-1)
     with jaxckpt.CheckpointManager(tmp_path, peer_copies=0) as mgr:
         assert mgr.all_steps() == []
+
+
+def test_a_deleted_step_never_comes_back_from_its_peer_copies(tmp_path):
+    """``delete(3)`` drops step 3's peer copies on every host: neither the restore that
+    follows in the same job nor the next job's start lists or restores step 3 again."""
+    res = run_job({"path": str(tmp_path), "save": [1, 2, 3], "keep": 3,
+                   "ops": [["delete", 3], ["restore", None]]})
+    for p in (0, 1):
+        assert res[p]["ops"][0] == {"steps": [1, 2]}
+        assert res[p]["ops"][1] == {"step": 2, "version": 1, "w": 1, "b": 1, "steps": [1, 2]}
+        assert res[p]["on_disk"] == ["1", "2"] and res[p]["peers"] == {f"p{1 - p}": ["1", "2"]}
+    res = run_job({"path": str(tmp_path), "restore": None, "keep": 3})
+    for p in (0, 1):
+        assert res[p]["steps_at_start"] == [1, 2] and res[p]["restored"] == 2
+        assert res[p]["on_disk"] == ["1", "2"] and res[p]["peers"] == {f"p{1 - p}": ["1", "2"]}
+
+
+def test_a_step_saved_again_is_never_replaced_or_mixed_with_its_old_peer_copy(tmp_path):
+    """Step 3 (version 1) is saved with its peer copies and deleted; its old copies are put
+    back (as a job killed between deleting the step and its copies leaves them), and a job
+    without peer copies saves step 3 again with other values (version 2).
+
+    With host 1's directory wiped, host 1's part of version 2 exists nowhere: restoring
+    step 3 is refused in both processes (never host 0's version 2 beside version 1's
+    copy), the latest restorable step is 2, and host 0 drops the stale copy. With every
+    directory intact, the next job restores version 2 (never the old copy over it),
+    drops the stale copies, marks step 3 as lacking its copies and sends them at its next
+    save; once host 1's directory is wiped, every process restores version 2 bit for bit."""
+    run = tmp_path / "run"
+    run_job({"path": str(run), "save": [1, 2, 3], "keep": 3})
+    for h in (0, 1):
+        shutil.copytree(run / f"host{h}" / ".jaxckpt-peers", tmp_path / f"old{h}")
+    res = run_job({"path": str(run), "keep": 3, "ops": [["delete", 3]]})
+    assert res[0]["ops"] == res[1]["ops"] == [{"steps": [1, 2]}]
+    for h in (0, 1):
+        shutil.copytree(tmp_path / f"old{h}", run / f"host{h}" / ".jaxckpt-peers", dirs_exist_ok=True)
+    res = run_job({"path": str(run), "keep": 3, "copies": 0, "ops": [["save", 3, 2]]})
+    assert res[0]["ops"] == res[1]["ops"] == [{"steps": [1, 2, 3], "tiers": {"1": ["local"], "2": ["local"],
+                                                                           "3": ["local"]}}]
+
+    wiped = tmp_path / "wiped"
+    shutil.copytree(run, wiped)
+    shutil.rmtree(wiped / "host1")
+    res = run_job({"path": str(wiped), "keep": 3, "ops": [["restore", 3], ["restore", None]]})
+    for p in (0, 1):
+        assert res[p]["steps_at_start"] == [2]
+        assert res[p]["ops"][0]["error"].startswith(
+            f"CheckpointError: Cannot restore step 3 from '{wiped / f'host{p}'}': step 3 is missing on process 1 on "
+            "host "), res[p]["ops"]
+        assert res[p]["ops"][1] == {"step": 2, "version": 1, "w": 1, "b": 1, "steps": [2]}
+    assert res[0]["peers"] == {"p1": ["1", "2"]}  # version 1's copy of step 3: removed
+
+    res = run_job({"path": str(run), "keep": 3, "ops": [["restore", 3], ["tiers"], ["save", 4]]})
+    for p in (0, 1):
+        assert res[p]["steps_at_start"] == [1, 2, 3]
+        assert res[p]["ops"][0] == {"step": 3, "version": 2, "w": 2, "b": 2, "steps": [1, 2, 3]}
+        assert res[p]["ops"][1]["tiers"] == {"1": ["local"], "2": ["local"], "3": ["local", "peer-copies-missing"]}
+        assert res[p]["ops"][2] == {"steps": [2, 3, 4], "tiers": {"2": ["local"], "3": ["local"], "4": ["local"]}}
+        assert res[p]["peers"] == {f"p{1 - p}": ["2", "3", "4"]}
+    shutil.rmtree(run / "host1")
+    res = run_job({"path": str(run), "keep": 3, "ops": [["restore", 3]]})
+    for p in (0, 1):
+        assert res[p]["ops"] == [{"step": 3, "version": 2, "w": 2, "b": 2, "steps": [3, 4]}]
+
+
+def test_a_failed_peer_copy_keeps_the_step_and_copies_it_at_the_next_save(tmp_path):
+    """Host 1 finds no room for host 0's part of step 3 (its free-space check says 0
+    bytes): step 3 stays committed and listed, marked as lacking its peer copies in
+    ``step_tiers()`` with a warning in every process, and still reaches the persistent
+    tier. The save of step 4 makes step 4's copies and sends step 3's again: then every
+    step has its copies and nothing is marked."""
+    durable = tmp_path / "durable"
+    res = run_job({"path": str(tmp_path), "save": [1, 2], "keep": 3, "durable": str(durable), "every": 1,
+                   "no_room": [1, 3], "ops": [["save", 3], ["save", 4]]})
+    for p in (0, 1):
+        assert res[p]["ops"][0] == {"steps": [1, 2, 3], "tiers": {
+            "1": ["local", "persistent"], "2": ["local", "persistent"],
+            "3": ["local", "persistent", "peer-copies-missing"]}}, res[p]
+        assert res[p]["ops"][1] == {"steps": [1, 2, 3, 4], "tiers": {  # step 1: retention took its local copy
+            "1": ["persistent"], "2": ["local", "persistent"], "3": ["local", "persistent"],
+            "4": ["local", "persistent"]}}
+        assert "save_errors" not in res[p]
+        assert res[p]["on_disk"] == ["2", "3", "4"] and res[p]["peers"] == {f"p{1 - p}": ["2", "3", "4"]}
+        assert res[p]["durable_on_disk"] == ["1", "2", "3", "4"]
+        missing = [w for w in res[p]["warnings"] if "peer cop" in w]
+        assert len(missing) == 1 and missing[0].startswith(
+            f"jaxckpt: the peer copy of step 3 in '{tmp_path / f'host{p}'}' failed: "), missing
+        assert missing[0].endswith("; the step is kept without its peer copies (sent again at the next save)")
+    assert f"no room for the peer copies of step 3 in '{tmp_path / 'host1'}' (process 1): they take " \
+        in res[1]["warnings"][0]

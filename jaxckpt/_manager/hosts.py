@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
 import socket
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NoReturn
 
 from .. import _commit, _distributed
@@ -106,29 +107,74 @@ def find_groups(op: _distributed.Operation, directory: Location) -> HostGroups:
     return HostGroups(groups)
 
 
+def save_of(man: Manifest) -> str:
+    """Which save a copy of a step belongs to: a digest of its manifest's info. Every
+    host's manifest of one save carries process 0's info of it (its creation time
+    included), and so does its persistent copy (which adds where it was copied from);
+    another save of the same step number (deleted and saved again) has another."""
+    info = {k: v for k, v in man.info.items() if k != "copied_from"}
+    return hashlib.sha256(json.dumps(info, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def saves_of(found: Mapping[int, Manifest]) -> dict[str, str]:
+    """``save_of`` of each step, as posted (JSON keys)."""
+    return {str(s): save_of(m) for s, m in found.items()}
+
+
+def mixed_steps(views: Mapping[int, Mapping[str, str]]) -> set[int]:
+    """The steps that the hosts hold from different saves (``views``: each process's
+    ``saves_of``): a step deleted and saved again while one host kept its old copy.
+    Such a step is never read from the hosts' directories: that would mix two saves."""
+    seen: dict[str, set[str]] = {}
+    for view in views.values():
+        for s, key in view.items():
+            seen.setdefault(s, set()).add(key)
+    return {int(s) for s, keys in seen.items() if len(keys) > 1}
+
+
+def durable_agreeing(durable: Mapping[str, str], views: Iterable[Mapping[str, str]]) -> set[int]:
+    """The persistent tier's steps (``durable``: its ``saves_of``) that may be read for
+    their step: those no host holds and those the hosts hold from the same save. A
+    persistent copy of another save of a step the hosts hold (it was deleted and saved
+    again since) is never read for it; for a step the hosts hold from several saves,
+    the persistent copy is one whole save."""
+    held: dict[str, set[str]] = {}
+    for view in views:
+        for s, key in view.items():
+            held.setdefault(s, set()).add(key)
+    return {int(s) for s, key in durable.items() if len(held.get(s, set())) != 1 or held[s] == {key}}
+
+
 def agreed_steps(op: _distributed.Operation, directory: Location, groups: HostGroups,
                  partial: PartialSteps) -> dict[int, Manifest]:
-    """The committed steps: with per-host directories, those every host holds.
+    """The committed steps: with per-host directories, those every host holds, of one save.
 
     A step that some host lacks (a replaced node, a disk mounted late) is left out of
     the listing (and kept in ``partial``) but never deleted here: with replicated state
     another host's copy is complete, and a restore can still get it (``hostcopy``). It is
     deleted once a newer step is committed everywhere or the persistent tier holds it
-    (``PartialSteps.drop``).
+    (``PartialSteps.drop``). So is a step the hosts hold from different saves
+    (``mixed_steps``).
     """
     found = dict(_commit.discover_steps(directory))
     if not groups.per_host:
         return found
-    op.post("steps", json.dumps(sorted(found)).encode())
-    views = {p: set(json.loads(d)) for p, d in op.wait_for("steps", others()).items()}
-    views[_distributed.process_index()] = set(found)
-    every = set.intersection(*views.values())
+    mine = saves_of(found)
+    op.post("steps", json.dumps(mine).encode())
+    views = {p: json.loads(d) for p, d in op.wait_for("steps", others()).items()}
+    views[_distributed.process_index()] = mine
+    mixed = mixed_steps(views)
+    every = set.intersection(*({int(s) for s in v} for v in views.values())) - mixed
+    if mixed:
+        _log.warning("jaxckpt: the hosts hold steps %s in '%s' from different saves (deleted and saved again "
+                     "while a host kept its old copy); not listed, never restored from the hosts' directories",
+                     sorted(mixed), directory)
     held_here = {s: m for s, m in found.items() if s not in every}
-    if held_here:
-        lacking = {s: [p for p, v in sorted(views.items()) if s not in v] for s in held_here}
+    lacking = {s: [p for p, v in sorted(views.items()) if str(s) not in v] for s in held_here if s not in mixed}
+    if lacking:
         _log.warning("jaxckpt: steps %s in '%s' are not held by every host (lacking: %s); not listed, "
                      "kept until a newer step is committed everywhere or the persistent tier holds them",
-                     sorted(held_here), directory,
+                     sorted(lacking), directory,
                      "; ".join(f"step {s}: process(es) {ps}" for s, ps in sorted(lacking.items())))
     partial.reset(held_here)
     return {s: m for s, m in found.items() if s in every}
@@ -193,18 +239,25 @@ def restore_agreed(sources: Sources, step: int | None, read: Callable[[Location]
     me = _distributed.process_index()
     with _distributed.Operation(f"restore{_distributed.next_id()}", str(sources.directory), sources.timeout_s,
                                 lane="restore") as op:
-        held = sorted(_commit.discover_steps(sources.directory))
+        found = _commit.discover_steps(sources.directory)
         durable_dir = sources.listing.persistent and sources.listing.persistent.dir
-        view = [held, sorted(sources.listing.durable()), socket.gethostname()]
+        view = [sorted(found), saves_of(sources.listing.durable()) if me == 0 else {}, socket.gethostname(),
+                saves_of(found)]
         op.post("held", json.dumps(view).encode())
         views = {p: json.loads(d) for p, d in op.wait_for("held", others()).items()}
-        views[me] = view
-        everywhere = set.intersection(*(set(v[0]) for v in views.values()))
-        durable = set(views[0][1])  # process 0's view of the persistent tier decides
+        views[me] = json.loads(json.dumps(view))
+        mixed = mixed_steps({p: v[3] for p, v in views.items()})  # never read from the hosts' directories
+        everywhere = set.intersection(*(set(v[0]) for v in views.values())) - mixed
+        # process 0's view of the persistent tier decides; a copy of another save of a step is not that step
+        durable = durable_agreeing(views[0][1], [v[3] for v in views.values()])
+        other = sorted({int(s) for s in views[0][1]} - durable)
+        if other:
+            _log.warning("jaxckpt: the persistent tier's steps %s are other saves than the hosts' steps of those "
+                         "numbers (deleted and saved again since); they are not read for them", other)
         known = set().union(*(set(v[0]) for v in views.values())) | durable
         lacked: list[str] = []
         for s in [step] if step is not None else sorted(known, reverse=True):
-            lacks = s not in everywhere and s not in durable and s in known
+            lacks = s not in everywhere and s not in durable and s in known and s not in mixed
             if lacks and _copy_to_lacking(op, sources, s, views):
                 everywhere.add(s)
             if s in everywhere:
@@ -215,7 +268,7 @@ def restore_agreed(sources: Sources, step: int | None, read: Callable[[Location]
                 with sources.pins.hold(s):
                     return read(durable_dir.child(_commit.step_name(s)))
             if s in known:
-                lacked.append(_lacking(s, views))
+                lacked.append(_mixed(s, views) if s in mixed else _lacking(s, views))
                 if step is None:
                     _log.warning("jaxckpt: %s; restoring an older step", lacked[-1])
     _refuse(sources.directory, step, lacked, known)
@@ -234,8 +287,18 @@ def _refuse(directory: Location, step: int | None, lacked: list[str], known: set
 
 def _lacking(step: int, views: dict[int, list[Any]]) -> str:
     who = [f"process {p} on host {v[2]!r}" for p, v in sorted(views.items()) if step not in v[0]]
-    return (f"step {step} is missing on {', '.join(who)}, no host holds all of it and the persistent "
-            "tier does not hold it")
+    tier = "holds only another save of it" if str(step) in views[0][1] else "does not hold it"
+    return f"step {step} is missing on {', '.join(who)}, no host holds all of it and the persistent tier {tier}"
+
+
+def _mixed(step: int, views: dict[int, list[Any]]) -> str:
+    by_save: dict[str, list[str]] = {}
+    for p, v in sorted(views.items()):
+        if str(step) in v[3]:
+            by_save.setdefault(v[3][str(step)], []).append(f"process {p} on host {v[2]!r}")
+    held = "; ".join(", ".join(who) for who in by_save.values())
+    return (f"the hosts hold step {step} from {len(by_save)} different saves ({held}; deleted and saved again "
+            "while a host kept its old copy?) and the persistent tier does not hold it")
 
 
 def _copy_to_lacking(op: _distributed.Operation, sources: Sources, step: int, views: dict[int, list[Any]]) -> bool:

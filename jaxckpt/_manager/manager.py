@@ -35,7 +35,7 @@ from . import history as _history
 from . import hosts as _hosts
 from . import lossy as _lossy
 from . import marks as _marks
-from . import peers as _peers
+from . import peerrepair as _peerrepair
 from . import preemption as _preemption
 from . import retention as _retention
 from . import tiers as _tiers
@@ -149,7 +149,7 @@ class CheckpointManager:
                 self._dir, self._persistent, timeout_s, self._partial, owner=self)
             self._codecs.check_groups(self._groups, peer_copies, self._dir, self._lease, self._persistent)
         self._steps = _tiers.Listing(self._lock, self._dir, local, self._persistent)
-        self._peers = _peers.start(peer_copies, self._groups, self._lease, self._persistent, self._sources())
+        self._peers = _peerrepair.start(peer_copies, self._groups, self._lease, self._persistent, self._sources())
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
         if async_save and not read_only:  # its thread starts now, not in the first save's blocking part
             self._executor.submit(int)
@@ -175,8 +175,8 @@ class CheckpointManager:
         return max(self.all_steps(), default=None)
 
     def step_tiers(self) -> dict[int, tuple[str, ...]]:
-        """Which tiers hold each committed step: ``("local",)``, ``("persistent",)`` or both."""
-        return self._steps.tiers()
+        """Which tiers hold each committed step: "local", "persistent" (and "peer-copies-missing", last)."""
+        return self._steps.tiers(self._peers.missing if self._peers is not None else ())
 
     def metrics(self, step: int) -> dict[str, Any] | None:
         """The metrics saved with ``step`` (``None`` if it had none)."""
@@ -334,9 +334,10 @@ class CheckpointManager:
         self._listed(step, manifest)
 
     def _after_write(self, step: int, manifest: Any) -> None:
-        """Settling ``step`` (the same call in every process): its peer copies, then listed."""
+        """Settling ``step`` (the same call in every process): its peer copies, listed, earlier steps' copies."""
         self._peers.copy(step)
         self._listed(step, manifest)
+        self._peers.copy_missing(self._steps.local, step)
 
     def _listed(self, step: int, manifest: Any) -> None:
         final = self._dir.child(_commit.step_name(step))
@@ -383,7 +384,7 @@ class CheckpointManager:
             if not self._groups.per_host:
                 return _restore_here(self, step, read)
             if self._peers is not None:  # a part some host lost: back from its peer copy first
-                _peers.repair(self._peers, step, self._sources())
+                _peerrepair.repair(self._peers, step, self._sources())
             return _hosts.restore_agreed(self._sources(), step, read)
 
     def _sources(self) -> _hosts.Sources:
@@ -421,6 +422,8 @@ class CheckpointManager:
             self._steps.relist(step, error)
         if error is not None:
             raise error
+        if self._peers is not None:  # deleted on every host: its peer copies go too
+            self._peers.drop(step)
 
     def attempts(self) -> list[dict[str, Any]]:
         """The hidden, uncommitted attempts in the directory (read-only managers too).

@@ -9,7 +9,10 @@ therefore leaves a copy of every part; losing two partners of a ring of single c
 does not, and the job reads the persistent tier. A copy lives in the partner's own
 directory, apart from its steps: ``<directory>/.jaxckpt-peers/p<lead>/<step>/`` (``lead``:
 the first process of the source group), the source's files byte for byte and its
-manifest, committed manifest last, with ``peer.json`` recording the listing it copied.
+manifest, committed manifest last, with ``peer.json`` recording the listing it copied
+and the identity of the step it copies: every host's manifest checksum of that step
+(``identity``). A restore uses a copy only when those are the identities of the step
+the hosts hold (``peerrepair``), so a copy of a deleted or re-saved step is never used.
 
 When the bytes move. A save's peer copy runs where the manager settles that save: at
 the ``save``/``wait_until_finished``/``restore``/``close`` call that waits for it (with
@@ -17,32 +20,30 @@ the ``save``/``wait_until_finished``/``restore``/``close`` call that waits for i
 (``manager._Saves``), on the thread the training loop calls from, so the copy's
 collectives never run beside the loop's own (two threads issuing collectives in
 different orders across processes can deadlock; NCCL warns against it). A step is
-listed, counted for retention and sent to the persistent tier only once every host's
-part has its peer copies; a copy that fails in any process fails that save in every
-process (the step is deleted, the previous one is untouched). A step committed on disk
-whose copy never ran (the job died in between) is listed after a restart like any other
-step every host holds; only its peer copies are missing.
+listed, counted for retention and sent to the persistent tier once its copy has run.
+
+A copy that fails in any process (a partner's disk full, a read or write error) fails
+in every process alike, but not the save: the step is committed, so it stays listed,
+goes to the persistent tier as usual and counts for retention, with a warning naming the
+cause, and is marked as lacking its peer copies (``PeerCopies.missing``, shown by
+``step_tiers()`` as ``"peer-copies-missing"``). The next save sends them again: once
+the new step is listed (and retention has run), every step still listed in every
+process that lacks copies is copied whole again, oldest first (a copy replaces any
+earlier one of that step). A step whose copy never ran (the job died in between), or
+whose copies a host lost with its disk, is found by ``peerrepair.repair`` when the next
+manager starts, and copied at its first save the same way. ``delete(step)`` drops the
+step's copies on every host once every host deleted it; retention's deletes drop them
+after each save (``prune``).
 
 How the bytes move: over JAX's collectives, one device per process (as read-once does):
 a jitted ``ppermute`` from each sending process to its receiver, in waves of at most
 ``BLOCK_BYTES`` per process (every byte crosses the network once; nothing goes through
 the bucket). The first process of each group sends its directory's part and receives its
 partner's. Before any collective every process posts what it will send and whether it
-can receive (the receiver checks its free space first: a full RAM disk fails the save
+can receive (the receiver checks its free space first: a full RAM disk fails the copy
 before a byte moves); during the waves a process whose read or write failed goes on
 joining them with zeros, and reports afterwards, so no process is left alone in a
-collective.
-
-Restoring (``repair``, before the per-host restore agrees on its source): every group's
-first process posts the steps its directory holds, with a digest of each one's listing,
-and the peer copies it holds. Every process computes the same choice from those posts:
-the newest step (or the one asked for) whose every part is held intact somewhere, in its
-own directory (its listing's digest is the one recorded when it was copied) or as a peer
-copy; a newer step that only the persistent tier holds wins. The parts some host lacks
-are sent back to it from a peer copy, committed into its directory, and the restore reads
-every part locally. When some part exists nowhere local, nothing is sent and the restore
-goes to the persistent tier as before; a repair that fails falls to the persistent tier
-when it holds the step, and fails in every process otherwise, never silently older.
+collective. Restoring a lost part from its copy: ``peerrepair``.
 """
 
 from __future__ import annotations
@@ -62,9 +63,8 @@ import numpy as np
 
 from .. import _commit, _distributed, _storage, _verify
 from .._errors import CheckpointError
-from .._manifest import MANIFEST
+from .._manifest import CHECKSUM_FIELD, MANIFEST
 from .._storage.location import Location
-from . import cleanup as _cleanup
 from . import hosts as _hosts
 
 _log = logging.getLogger("jaxckpt")
@@ -94,29 +94,6 @@ def check_groups(copies: int, groups: _hosts.HostGroups, directory: Location) ->
             f"{len(groups.groups)} hosts (groups {[list(g) for g in groups.groups]})")
 
 
-def start(copies: Any, groups: _hosts.HostGroups, lease: Any, persistent: Any,
-          sources: _hosts.Sources) -> PeerCopies | None:
-    """A writing manager's peer copies (``None`` for ``peer_copies=0`` or a read-only
-    manager), after checking the option against the host groups (its leases are
-    released when it is refused). A step whose part some host lost is sent back to it
-    at once, so that ``latest_step()`` lists it (``repair``)."""
-    try:
-        copies = check_option(copies)
-        if copies and not sources.read_only:
-            check_groups(copies, groups, sources.directory)
-    except CheckpointError:
-        _cleanup.release_leases(lease, persistent)
-        raise
-    if not copies or sources.read_only:
-        return None
-    peers = PeerCopies(sources.directory, groups, copies, sources.timeout_s)
-    try:
-        repair(peers, None, sources)
-    except CheckpointError as e:  # the same in every process; a restore tries again and raises
-        _log.warning("jaxckpt: %s", e)
-    return peers
-
-
 def ring(leads: list[int], distance: int) -> list[tuple[int, int]]:
     """(sender, receiver) pairs of the first processes of the groups, each group's part
     to the group ``distance`` further around the ring."""
@@ -136,6 +113,17 @@ def digest(files: Iterable[tuple[str, int]], manifest: bytes) -> str:
     return h.hexdigest()[:32]
 
 
+def identity(manifest: bytes) -> str:
+    """The identity of a committed part: its manifest's checksum (the sha256 a manifest
+    carries of itself; of its bytes for one written before manifests had checksums).
+    Another save of the same step has another manifest, hence another identity."""
+    try:
+        value = json.loads(manifest).get(CHECKSUM_FIELD)
+    except (ValueError, AttributeError, RecursionError):
+        value = None
+    return value if isinstance(value, str) else "sha256:" + hashlib.sha256(manifest).hexdigest()
+
+
 def part_of(root: str) -> tuple[list[tuple[str, int]], bytes, str]:
     """A committed part on disk: its data files (sorted, with sizes), its manifest's
     bytes, its digest. Raises ``OSError`` when the manifest is missing."""
@@ -148,6 +136,13 @@ def part_of(root: str) -> tuple[list[tuple[str, int]], bytes, str]:
 def peer_root(directory: Location, source: int) -> Location:
     """Where this host keeps the peer copies of the group whose first process is ``source``."""
     return directory.child(PEERS_DIR).child(f"p{source}")
+
+
+def copy_dirs(directory: Location) -> list[str]:
+    """The names of the per-source folders of peer copies under ``directory`` (``p<k>``)."""
+    top = os.path.join(directory.local, PEERS_DIR)
+    names = sorted(os.listdir(top)) if os.path.isdir(top) else []
+    return [n for n in names if n.startswith("p") and n[1:].isdigit()]
 
 
 # --- the transfer: one ppermute per wave --------------------------------------------------
@@ -309,30 +304,69 @@ class PeerCopies:
         self.dir, self.groups, self.copies, self.timeout_s = directory, groups, copies, timeout_s
         self.leads = [g[0] for g in groups.groups]
         self.me = _distributed.process_index()
+        # listed steps lacking some peer copy: the same set in every process (it changes on
+        # shared verdicts and on what every process posted); replaced, never changed in place
+        self.missing: frozenset[int] | set[int] = frozenset()
 
-    def copy(self, step: int) -> None:
+    def copy(self, step: int) -> bool:
         """Every process, at the same call, once ``step`` is committed in every host's
-        directory: each host's part to its partners. Raises ``CheckpointError`` in every
-        process when any of them failed; the step is then deleted everywhere."""
+        directory: each host's part to its partners. A copy that fails in any process
+        (the same verdict in every process) is logged and the step kept, marked as
+        lacking its peer copies (``missing``) until ``copy_missing`` sends them. Whether
+        every copy was made."""
         final = self.dir.child(_commit.step_name(step))
         with _distributed.Operation(f"peer{_distributed.next_id()}", str(final), self.timeout_s) as op:
-            committed: list[Location] = []
             try:
-                error = self._send(op, step, final, committed)
+                error = self._send(op, step, final)
             except Exception as e:  # noqa: BLE001 - every process hears of it
                 error = e
             error = _hosts.share_verdict(op, "copied", error)
         if error is None:
-            return
-        _log.error("jaxckpt: the peer copy of step %d in '%s' failed: %s; deleting the step", step, self.dir, error)
-        if self.me in self.leads:
-            for root in committed:
-                _commit.delete_step(root, step, _commit.new_token())
-            _commit.delete_step(self.dir, step, _commit.new_token())
+            self.missing = self.missing - {step}
+            return True
+        self.missing = self.missing | {step}
         cause = error if isinstance(error, CheckpointError) else f"process {self.me}: {type(error).__name__}: {error}"
-        raise CheckpointError(f"the peer copy failed (the step is deleted on every host): {cause}") from error
+        _log.warning("jaxckpt: the peer copy of step %d in '%s' failed: %s; the step is kept without its peer "
+                     "copies (sent again at the next save)", step, self.dir, cause)
+        return False
 
-    def _send(self, op: _distributed.Operation, step: int, final: Location, committed: list[Location]) -> None:
+    def copy_missing(self, listed: Iterable[int], saved: int) -> None:
+        """After the save of ``saved`` is listed (the thread that settles saves, every
+        process): send the peer copies of the other listed steps that lack theirs
+        (``missing``: a copy that failed at an earlier save, or found missing by
+        ``repair``). The steps are those every process lists; a step no process lists
+        any more is forgotten. A failure is logged (``copy``)."""
+        if not self.missing - {saved}:  # the same in every process: it changes on shared verdicts and posts
+            return
+        mine = sorted(self.missing & set(listed) - {saved})
+        try:
+            with _distributed.Operation(f"peerretry{_distributed.next_id()}", str(self.dir), self.timeout_s) as op:
+                op.post("listed", json.dumps(mine).encode())
+                views = [set(json.loads(d)) for d in op.wait_for("listed", _hosts.others()).values()]
+        except CheckpointError as e:
+            _log.warning("jaxckpt: sending the missing peer copies of steps %s in '%s' failed: %s", mine, self.dir, e)
+            return
+        views.append(set(mine))
+        self.missing = {s for s in self.missing if s == saved or s in set.union(*views)}
+        for step in sorted(set.intersection(*views)):
+            self.copy(step)
+
+    def drop(self, step: int) -> None:
+        """``delete(step)`` (every process, once every host deleted it): the first process
+        of each group drops its peer copies of ``step``, so that no later restore or start
+        brings the step back from them."""
+        self.missing = self.missing - {step}
+        if self.me not in self.leads:
+            return
+        for name in copy_dirs(self.dir):
+            root = self.dir.child(PEERS_DIR).child(name)
+            if step in _commit.discover_steps(root):
+                try:
+                    _commit.delete_step(root, step, _commit.new_token())
+                except (OSError, CheckpointError) as e:
+                    _log.warning("jaxckpt: dropping the peer copy of step %d in '%s' failed: %s", step, root, e)
+
+    def _send(self, op: _distributed.Operation, step: int, final: Location) -> None:
         mine: dict[str, Any] = {}
         man = b""
         if self.me in self.leads:
@@ -361,11 +395,12 @@ class PeerCopies:
                 raise error
         _log.debug("jaxckpt: peer copy of step %d: %d bytes out; %s", step, sum(n for _, n in files.get(self.me, [])),
                    ", ".join(f"{k} {v:.3f} s" for k, v in spent.items()))
+        # the identity of the step copied: the checksum of every host's manifest of it
+        ids = {str(lead): identity(mans[lead]) for lead in self.leads}
         for source, (where, staging, token) in staged.items():
             with open(os.path.join(staging.local, RECORD), "w") as f:
-                json.dump({"source": source, "step": step, "digest": parts[source]["digest"]}, f)
+                json.dump({"source": source, "step": step, "digest": parts[source]["digest"], "parts": ids}, f)
             _commit.commit(where, staging, mans[source], token)
-            committed.append(peer_root(self.dir, source))
 
     def _stage(self, step: int, incoming: list[tuple[int, int]],
                files: dict[int, list[tuple[str, int]]]) -> dict[int, tuple[Location, Location, str]]:
@@ -447,166 +482,3 @@ def _ready(op: _distributed.Operation, prepare: Any) -> Any:
     op.post("go")
     op.wait_for("go", _hosts.others())
     return result
-
-
-# --- restoring a lost part from its peer copy ------------------------------------------------
-
-def plan_repair(held: dict[int, dict[int, str]], copies: dict[int, dict[int, dict[int, list[str]]]],
-                durable: set[int], step: int | None) -> tuple[int | None, dict[int, int]]:
-    """The step to restore and, for each group (by its first process) whose part of it is
-    lost, the group whose peer copy sends it back: ``(step, {lacking: holder})``, or
-    ``(step, {})`` when nothing needs sending (every part intact, or only the persistent
-    tier has the step), or ``(None, {})``.
-
-    ``held[g]``: the steps in group ``g``'s directory, each with its listing's digest;
-    ``copies[h][g][s]``: group ``h``'s peer copy of ``g``'s part of step ``s``, as its
-    current and its recorded digest (a copy whose two differ is damaged and not used).
-    A part held in its own directory is intact unless a valid copy recorded another
-    digest (files lost since the commit). Pure: every process decides the same."""
-    valid: dict[tuple[int, int], dict[int, str]] = {}  # (group, step) -> {holder: recorded digest}
-    for holder, by_source in copies.items():
-        for source, steps in by_source.items():
-            for s, (now, recorded) in steps.items():
-                if now == recorded:
-                    valid.setdefault((source, s), {})[holder] = recorded
-
-    def intact(g: int, s: int) -> bool:
-        recorded = set(valid.get((g, s), {}).values())
-        return s in held[g] and (not recorded or held[g][s] in recorded)
-
-    known = set(durable).union(*(set(v) for v in held.values()), {s for _, s in valid})
-    for s in [step] if step is not None else sorted(known, reverse=True):
-        if all(intact(g, s) for g in held):
-            return s, {}
-        if all(intact(g, s) or (g, s) in valid for g in held):
-            return s, {g: min(valid[(g, s)]) for g in held if not intact(g, s)}
-        if s in durable:
-            return s, {}
-    return None, {}
-
-
-def rounds_of(fixes: dict[int, int]) -> list[list[tuple[int, int]]]:
-    """(holder, lacking) pairs in rounds where each holder sends once."""
-    out: list[list[tuple[int, int]]] = []
-    for lacking, holder in sorted(fixes.items()):
-        for pairs in out:
-            if all(h != holder for h, _ in pairs):
-                pairs.append((holder, lacking))
-                break
-        else:
-            out.append([(holder, lacking)])
-    return out
-
-
-def _held_parts(directory: Location) -> dict[int, str]:
-    out = {}
-    for step in sorted(_commit.discover_steps(directory)):
-        try:
-            out[step] = part_of(directory.child(_commit.step_name(step)).local)[2]
-        except OSError:
-            continue  # deleted meanwhile
-    return out
-
-
-def _held_copies(directory: Location) -> dict[int, dict[int, list[str]]]:
-    """This directory's committed peer copies: source -> step -> [digest now, recorded]."""
-    top = os.path.join(directory.local, PEERS_DIR)
-    out: dict[int, dict[int, list[str]]] = {}
-    for name in sorted(os.listdir(top)) if os.path.isdir(top) else []:
-        if not (name.startswith("p") and name[1:].isdigit()):
-            continue
-        for step in _commit.discover_steps(directory.child(PEERS_DIR).child(name)):
-            root = os.path.join(top, name, _commit.step_name(step))
-            try:
-                with open(os.path.join(root, RECORD)) as f:
-                    recorded = str(json.load(f)["digest"])
-                out.setdefault(int(name[1:]), {})[step] = [part_of(root)[2], recorded]
-            except (OSError, ValueError, KeyError, TypeError):
-                continue  # no usable record: not a copy to rely on
-    return out
-
-
-def repair(peers: PeerCopies, step: int | None, sources: _hosts.Sources) -> None:
-    """Before a per-host restore: send the parts of the chosen step that some host lost
-    back from their peer copies (see ``plan_repair``), committed into those hosts'
-    directories, so that the restore reads every part locally. Every process calls it
-    at the same point. A failure falls to the persistent tier when it holds the step
-    (a warning) and is raised in every process otherwise."""
-    me = peers.me
-    with _distributed.Operation(f"peerfix{_distributed.next_id()}", str(peers.dir), peers.timeout_s,
-                                lane="restore") as op:
-        facts: dict[str, Any] = {}
-        if me in peers.leads:
-            facts = {"held": _held_parts(peers.dir), "copies": _held_copies(peers.dir)}
-        if me == 0:
-            facts["durable"] = sorted(sources.listing.durable())
-        op.post("facts", json.dumps(facts).encode())
-        posts = {p: json.loads(d) for p, d in op.wait_for("facts", _hosts.others()).items()}
-        posts[me] = json.loads(json.dumps(facts))
-        held = {g: {int(s): d for s, d in posts[g]["held"].items()} for g in peers.leads}
-        copies = {h: {int(g): {int(s): v for s, v in steps.items()} for g, steps in posts[h]["copies"].items()}
-                  for h in peers.leads}
-        durable = set(posts[0].get("durable", []))
-        chosen, fixes = plan_repair(held, copies, durable, step)
-        if not fixes or sources.read_only:
-            return
-        _log.warning("jaxckpt: step %d of '%s': the part(s) of process(es) %s are lost; sending them back from "
-                     "their peer copies (on process(es) %s) over the job's collectives", chosen, peers.dir,
-                     sorted(fixes), [fixes[g] for g in sorted(fixes)])
-        error: BaseException | None = None
-        try:
-            _send_back(op, peers, chosen, fixes, chosen in held.get(me, {}))
-        except Exception as e:  # noqa: BLE001 - every process hears of it
-            error = e
-        error = _hosts.share_verdict(op, "fixed", error)
-    if error is None:
-        man = _commit.read_manifest(peers.dir.child(_commit.step_name(chosen)))
-        sources.listing.add(chosen, man)
-        sources.partial.adopt(chosen)
-        return
-    if chosen in durable:
-        _log.warning("jaxckpt: sending step %d back from its peer copies failed (%s); every process reads the "
-                     "persistent tier", chosen, error)
-        return
-    raise CheckpointError(f"Cannot restore step {chosen} from '{peers.dir}': sending the lost part(s) back from "
-                          f"their peer copies failed: {error}") from error
-
-
-def _send_back(op: _distributed.Operation, peers: PeerCopies, step: int, fixes: dict[int, int],
-               damaged: bool) -> None:
-    """Move the peer copies of ``fixes`` to their hosts, round by round; each receiver
-    commits its part, manifest last, into its own directory."""
-    me = peers.me
-    final = peers.dir.child(_commit.step_name(step))
-    mine = {}
-    for lacking, holder in fixes.items():
-        if holder == me:
-            root = peer_root(peers.dir, lacking).child(_commit.step_name(step)).local
-            files, man, _ = part_of(root)
-            mine[lacking] = {"files": files, "manifest": man.decode()}
-    op.post("send", json.dumps(mine).encode())
-    sends = {p: json.loads(d) for p, d in op.wait_for("send", _hosts.others()).items()}
-    sends[me] = json.loads(json.dumps(mine))
-    part = {g: sends[h][str(g)] for g, h in fixes.items()}
-
-    def stage() -> tuple[Location, str] | None:
-        if me not in fixes:
-            return None
-        if damaged:  # files lost since its commit: the peer copy replaces it
-            _commit.delete_step(peers.dir, step, _commit.new_token())
-        need, free = sum(n for _, n in part[me]["files"]), free_bytes(peers.dir.local)
-        if need > free:
-            raise CheckpointError(f"no room for step {step}'s part in '{peers.dir}': {need} bytes, {free} free")
-        token = _commit.new_token()
-        return _commit.make_staging(final, token), token
-
-    staged = _ready(op, stage)
-    for pairs in rounds_of(fixes):
-        files = {h: [tuple(f) for f in part[g]["files"]] for h, g in pairs}
-        source = next((g for h, g in pairs if h == me), None)
-        read_root = peer_root(peers.dir, source).child(_commit.step_name(step)).local if source is not None else None
-        error = move(pairs, files, read_root, staged[0].local if staged and any(g == me for _, g in pairs) else None)
-        if error is not None:
-            raise error
-    if staged is not None:
-        _commit.commit(final, staged[0], part[me]["manifest"].encode(), staged[1])

@@ -325,11 +325,15 @@ def make_persistent(directory: Any, interval: int | None, max_to_keep: int | Non
 
 # --- routing: which tier a step is read from -------------------------------------------
 
-def step_tiers(local: Iterable[int], durable: Iterable[int]) -> dict[int, tuple[str, ...]]:
-    """Which tiers hold each step: ``("local",)``, ``("persistent",)`` or both."""
-    local, durable = set(local), set(durable)
-    return {s: tuple(t for t, held in (("local", s in local), ("persistent", s in durable)) if held)
-            for s in sorted(local | durable)}
+PEERS_MISSING = "peer-copies-missing"  # a local step that lacks some of its peer copies
+
+
+def step_tiers(local: Iterable[int], durable: Iterable[int], bare: Iterable[int] = ()) -> dict[int, tuple[str, ...]]:
+    """Which tiers hold each step: ``("local",)``, ``("persistent",)`` or both; a local
+    step in ``bare`` (its peer copies missing) also says ``PEERS_MISSING``, last."""
+    local, durable, bare = set(local), set(durable), set(bare)
+    marks = (("local", local), ("persistent", durable), (PEERS_MISSING, local & bare))
+    return {s: tuple(t for t, steps in marks if s in steps) for s in sorted(local | durable)}
 
 
 def locate(step: int | None, local: Mapping[int, Any], durable: Mapping[int, Any], local_dir: Location,
@@ -364,9 +368,10 @@ class Listing:
         with self._lock:
             return sorted(set(self.local) | set(self.durable()))
 
-    def tiers(self) -> dict[int, tuple[str, ...]]:
+    def tiers(self, bare: Iterable[int] = ()) -> dict[int, tuple[str, ...]]:
+        """``step_tiers`` of the listed steps (``bare``: those lacking peer copies)."""
         with self._lock:
-            return step_tiers(self.local, self.durable())
+            return step_tiers(self.local, self.durable(), bare)
 
     def manifest(self, step: int) -> Manifest:
         with self._lock:
