@@ -109,15 +109,19 @@ def test_a_step_the_hosts_hold_from_two_saves_is_never_restored_mixed(tmp_path):
 def test_the_persistent_copy_of_another_save_of_a_step_is_never_read_for_it(tmp_path):
     """Every step goes to the persistent tier (a local directory here) at first. A job
     copying every 2nd step deletes step 3 and saves it again with other values (version
-    2): the persistent tier keeps version 1's copy. Host 1's directory is wiped: restoring
+    2); version 1's persistent copy is put back, as a delete killed between the local
+    step and the tier would leave it. Host 1's directory is wiped: restoring
     step 3 never reads version 1 for it (both processes refuse, naming the other save),
     and the latest restore gives the persistent tier's step 2, of the same save as host
     0's."""
     durable = str(tmp_path / "durable")
     run_sharded_job({"path": str(tmp_path), "save": [1, 2, 3], "keep": 3, "durable": durable, "every": 1})
+    shutil.copytree(os.path.join(durable, "3"), tmp_path / "old3")
     res = run_sharded_job({"path": str(tmp_path), "keep": 3, "durable": durable, "ops": [["delete", 3], ["save", 3, 2]]})
     assert res[0]["ops"][1] == {"steps": [1, 2, 3], "tiers": {"1": ["local", "persistent"], "2": ["local", "persistent"],
-                                                             "3": ["local", "persistent"]}}
+                                                             "3": ["local"]}}
+    assert not os.path.exists(os.path.join(durable, "3"))  # delete() took the persistent copy too
+    shutil.copytree(tmp_path / "old3", os.path.join(durable, "3"))  # as a delete killed before the tier leaves it
     shutil.rmtree(tmp_path / "host1")
     res = run_sharded_job({"path": str(tmp_path), "keep": 3, "durable": durable,
                            "ops": [["restore", 3], ["restore", None]]})

@@ -173,3 +173,34 @@ def test_a_copy_missing_a_file_fails_and_leaves_no_persistent_step(tmp_path):
         _tiers._Copy(1, loc, dest, man, [(0,)], 5).run()
     assert not os.path.exists(tmp_path / "durable" / "1")
     assert os.listdir(tmp_path / "durable") == []  # the attempt's staging is gone too
+
+
+def test_delete_removes_the_step_from_every_tier_and_a_step_saved_again_is_the_new_one(tmp_path, s3_server):
+    """``delete`` takes the persistent copy with the local step (c1abc6a left it listed and
+    restorable from the tier: a deleted step came back); a step saved again restores its
+    new values from either tier, and a step only the tier holds is deleted there."""
+    durable = s3_server("tiers/del")
+    with jaxckpt.CheckpointManager(tmp_path / "local", max_to_keep=2, persistent_directory=durable,
+                                   persistent_interval_steps=1) as mgr:
+        for i in (1, 2, 3):
+            mgr.save(i, state(i))
+        mgr.wait_until_finished()
+        assert mgr.step_tiers() == {1: ("persistent",), 2: ("local", "persistent"), 3: ("local", "persistent")}
+        mgr.delete(3)
+        assert mgr.all_steps() == [1, 2] and mgr.latest_step() == 2
+        mgr.delete(1)  # only the persistent tier holds it
+        assert mgr.step_tiers() == {2: ("local", "persistent")}
+        with pytest.raises(jaxckpt.CheckpointNotFoundError, match="No committed step 1 "):
+            mgr.delete(1)
+        mgr.save(3, state(30))
+        mgr.wait_until_finished()
+        assert mgr.restore(3, state(0))["step"] == 30
+    with pytest.raises(jaxckpt.CheckpointNotFoundError):
+        jaxckpt.metadata(dict(durable, path="tiers/del/1"))
+    shutil.rmtree(tmp_path / "local")  # the step saved again comes back from the tier as itself
+    with jaxckpt.CheckpointManager(tmp_path / "local", persistent_directory=durable,
+                                   persistent_interval_steps=1) as mgr:
+        assert mgr.all_steps() == [2, 3]
+        back = mgr.restore(3, state(0))
+        assert_bit_equal(back["w"], np.full((256, 64), 30, np.float32))
+        assert back["step"] == 30

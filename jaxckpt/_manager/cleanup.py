@@ -248,6 +248,23 @@ def _damage(entry: dict[str, Any]) -> str:
     return f"{message} (leaves {named})" if leaves else message
 
 
+def delete_durable(persistent: _tiers.PersistentTier, step: int, op_id: int, timeout_s: float | None) -> None:
+    """``delete`` in the persistent tier: process 0 (its lease holder) deletes ``step``;
+    every process stops listing it and learns the one verdict."""
+    where = persistent.dir.child(_commit.step_name(step))
+    with _distributed.Operation(f"unpersist{op_id}", str(where), timeout_s) as op:
+        error: BaseException | None = None
+        if _distributed.process_index() == 0:
+            try:
+                persistent.delete(step)
+            except CheckpointError as e:
+                error = e
+        error = _hosts.share_verdict(op, "deleted", error)
+    persistent.forget(step)
+    if error is not None:
+        raise error
+
+
 def delete_agreed(directory: _location.Location, step: int, op_id: int, timeout_s: float | None,
                   lease: _lease.Lease | None, error: BaseException | None) -> BaseException | None:
     """``delete``: the lease holder deletes ``step`` (unless ``error``, this process's

@@ -23,12 +23,10 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import jax
-import numpy as np
-
 from .. import _checkpoint, _commit, _distributed, _html, _restore, _snapshot
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._storage import location as _location
+from . import arguments as _arguments
 from . import cadence as _cadence
 from . import cleanup as _cleanup
 from . import history as _history
@@ -125,7 +123,7 @@ class CheckpointManager:
         policy = _retention.RetentionPolicy.make(
             max_to_keep=max_to_keep, keep_period=keep_period, keep_time_interval=keep_time_interval,
             best_metric=best_metric, best_mode=best_mode, keep_best=keep_best)
-        _check_positive(save_interval_steps=save_interval_steps, max_pending=max_pending)
+        _arguments.check_positive(save_interval_steps=save_interval_steps, max_pending=max_pending)
         self._dir = _location.resolve(directory)
         self._interval, self._async, self._verify = save_interval_steps, async_save, bool(verify_before_delete)
         self._staging = _snapshot.staging_budget(max_staging_bytes)
@@ -296,7 +294,7 @@ class CheckpointManager:
         step = _check_step(self, step, force)
         if not force and step % self._interval != 0:
             return False
-        metrics = _check_metrics(metrics)
+        metrics = _arguments.check_metrics(metrics)
         self._saves.wait_for_slot()
         op_id = _distributed.next_id()  # in program order, the same in every process
         snap = _snapshot.snapshot(state, copy_host_arrays=self._async,
@@ -311,7 +309,7 @@ class CheckpointManager:
     def _write(self, step: int, snap: _snapshot.Snapshot, metrics: dict | None, t_start: float,
                blocking: float, op_id: int) -> Any:
         final = self._dir.child(_commit.step_name(step))
-        metrics = _metrics_to_json(metrics)
+        metrics = _arguments.metrics_to_json(metrics)
         check = functools.partial(_cleanup.check_lease, self._lease, self._dir)
 
         def info() -> dict[str, Any]:  # process 0, right before the commit
@@ -373,7 +371,7 @@ class CheckpointManager:
           >>> state = mgr.restore(target=abstract_state)       # the latest step
           >>> state = mgr.restore(100, target=abstract_state)  # step 100
         """
-        step = _step_to_restore(step, self._dir)
+        step = _arguments.step_to_restore(step, self._dir)
         read = functools.partial(_restore.restore, target=target, shardings=shardings, partial=partial,
                                  allow_narrowing=allow_narrowing, key_map=key_map, missing=missing)
         read = self._codecs.counting(read)  # with quantize: count the lossy resumes
@@ -394,11 +392,13 @@ class CheckpointManager:
     # --- deleting and attempts ---------------------------------------------------------
 
     def delete(self, step: int) -> None:
-        """Delete a committed step now (the writer only; call it in every process).
+        """Delete a committed step now, from every tier (the writer only; call it in every process).
 
         The step stops being listed at once; on a local disk its directory is renamed
         to a hidden attempt name before its data is deleted, so a half-deleted step is
-        never listed by anyone. Its history record stays (with ``exists=False``).
+        never listed by anyone. Its peer copies and its persistent copy go with it (a
+        step saved again later is a new step, never mixed with these). Its history
+        record stays (with ``exists=False``).
 
         Raises:
           CheckpointNotFoundError: ``step`` is not committed.
@@ -414,16 +414,7 @@ class CheckpointManager:
         self._check_open()
         if self._read_only:
             raise CheckpointError(f"CheckpointManager for '{self._dir}' is read-only: delete() is not allowed")
-        op_id = _distributed.next_id()  # before any verdict that one process may reach alone
-        error: BaseException | None = self._retention.unlist(step)
-        unlisted = error is None
-        error = _cleanup.delete_agreed(self._dir, step, op_id, self._timeout, self._lease, error)
-        if error is not None and unlisted:  # listed again, unless deleted here (refused elsewhere)
-            self._steps.relist(step, error)
-        if error is not None:
-            raise error
-        if self._peers is not None:  # deleted on every host: its peer copies go too
-            self._peers.drop(step)
+        _delete(self, step)
 
     def attempts(self) -> list[dict[str, Any]]:
         """The hidden, uncommitted attempts in the directory (read-only managers too).
@@ -509,7 +500,27 @@ def _check_step(mgr: CheckpointManager, step: Any, force: bool) -> int:
     # raising in it alone would skip its operation counter. The commit refuses it instead
     # (``cleanup.check_lease`` in ``_write``), and every process learns that outcome.
     with mgr._lock:
-        return _new_step(step, force, mgr._dir, mgr._steps.local, mgr._saves.submitted)
+        return _arguments.new_step(step, force, mgr._dir, mgr._steps.local, mgr._saves.submitted)
+
+
+def _delete(mgr: CheckpointManager, step: int) -> None:
+    """``delete``: the local step with its peer copies, then its persistent copy. Whether
+    each tier holds ``step`` is the same in every process (the agreed listing; the
+    persistent tier's, once its copies in flight are done)."""
+    durable = mgr._persistent is not None and step in mgr._persistent.settled_steps()
+    if step in mgr._steps.local or not durable:
+        op_id = _distributed.next_id()  # before any verdict that one process may reach alone
+        error: BaseException | None = mgr._retention.unlist(step)
+        unlisted = error is None
+        error = _cleanup.delete_agreed(mgr._dir, step, op_id, mgr._timeout, mgr._lease, error)
+        if error is not None and unlisted:  # listed again, unless deleted here (refused elsewhere)
+            mgr._steps.relist(step, error)
+        if error is not None:
+            raise error
+        if mgr._peers is not None:  # deleted on every host: its peer copies go too
+            mgr._peers.drop(step)
+    if durable:
+        _cleanup.delete_durable(mgr._persistent, step, _distributed.next_id(), mgr._timeout)
 
 
 def _restore_here(mgr: CheckpointManager, step: int | None, read: Callable[[Any], Any]) -> Any:
@@ -641,72 +652,3 @@ def _closing(job: Callable[[], Any], snap: _snapshot.Snapshot) -> Any:
         return job()
     finally:
         snap.close()
-
-
-def _new_step(step: Any, force: bool, directory: Any, committed: Mapping[int, Any], submitted: set[int]) -> int:
-    """``step`` as an int, unless it is not one, is committed or in flight already, or
-    (without ``force``) is older than the newest of those."""
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-        raise CheckpointError(f"step must be a non-negative int, got {step!r}")
-    step = int(step)
-    if step in committed:
-        raise CheckpointError(f"Step {step} is already committed in '{directory}'")
-    if step in submitted:
-        raise CheckpointError(f"Step {step} is already being saved to '{directory}'")
-    newest = max(set(committed) | submitted, default=None)
-    if not force and newest is not None and step < newest:
-        raise CheckpointError(
-            f"Step {step} is older than step {newest} in '{directory}': it could never be "
-            "restored as the latest; pass force=True to save it anyway")
-    return step
-
-
-def _step_to_restore(step: Any, directory: Any) -> int | None:
-    """``restore`` takes the step first, where ``jaxckpt.restore`` takes the target
-    second: a tree passed first (``mgr.restore(abstract_state)``) would otherwise fail
-    deep inside as ``unhashable type``. Say which argument it belongs to."""
-    if step is None:
-        return None
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
-        raise CheckpointError(
-            f"Restoring from '{directory}': mgr.restore() takes the step first: got a "
-            f"{type(step).__name__}; pass target=... (mgr.restore(target=abstract_state), or "
-            "mgr.restore(step, target=abstract_state))")
-    if step < 0:
-        raise CheckpointError(f"step must be a non-negative int, got {step!r} (restoring from '{directory}')")
-    return int(step)
-
-
-def _check_positive(**values: Any) -> None:
-    for name, value in values.items():
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-def _check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """Check metrics cheaply (types and shapes only: no device sync in the loop)."""
-    if metrics is None:
-        return None
-    if not isinstance(metrics, Mapping):
-        raise CheckpointError(f"metrics must be a dict of str to numbers, got {type(metrics).__name__}")
-    out = {}
-    for key, value in metrics.items():
-        if not isinstance(key, str):
-            raise CheckpointError(f"metrics key {key!r} is a {type(key).__name__}; metric names must be str")
-        if isinstance(value, (jax.Array, np.ndarray, np.generic)):
-            if value.size != 1:
-                raise CheckpointError(f"metrics['{key}'] has shape {value.shape}; a metric must be a scalar")
-            if not (jax.dtypes.issubdtype(value.dtype, np.number) or value.dtype == np.bool_):
-                raise CheckpointError(f"metrics['{key}'] has dtype {value.dtype}; a metric must be a number")
-        elif value is not None and not isinstance(value, (bool, int, float, str)):
-            raise CheckpointError(
-                f"metrics['{key}'] is a {type(value).__name__}; a metric must be a number, a str or None")
-        out[key] = value
-    return out
-
-
-def _metrics_to_json(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Plain Python numbers for the manifest (runs on the background thread)."""
-    if metrics is None:
-        return None
-    return {k: np.asarray(v).reshape(()).item() if hasattr(v, "dtype") else v for k, v in metrics.items()}

@@ -294,6 +294,22 @@ class PersistentTier:
                 self._check_lease()
                 _commit.delete_step(self.dir, s, _commit.new_token())
 
+    def settled_steps(self) -> set[int]:
+        """The tier's steps once every copy submitted so far has run (``delete``: the same
+        in every process; a copy of the step cannot land after it is deleted)."""
+        self._worker.wait()
+        with self._lock:
+            return set(self.steps)
+
+    def delete(self, step: int) -> None:
+        """Process 0: delete ``step`` from the tier (``manager.delete``)."""
+        self._check_lease()
+        _commit.delete_step(self.dir, step, _commit.new_token())
+
+    def forget(self, step: int) -> None:
+        with self._lock:
+            self.steps.pop(step, None)
+
     def wait(self) -> list[tuple[int, BaseException]]:
         """Until every submitted copy ran; returns (and forgets) the failures."""
         self._worker.wait()
