@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _codecs
+from jaxckpt import _codecs, _dtypes, _reader, _writer
 from jaxckpt._storage import codecs as _tscodecs
 
 
@@ -247,6 +247,101 @@ def test_codec_helpers_round_trip_every_storage_dtype():
             back = _tscodecs.decode(name, c.config(np.dtype(dtype).itemsize), enc, x.shape, np.dtype(dtype))
             assert_bit_equal(back, x)
     assert _tscodecs.encode("zstd", {"level": 3, "checksum": False}, jnp.zeros(8).__array__()) is None
+
+
+# ml_dtypes' narrow types, several of which numpy spells alike (``dtype.str`` is ``'<V1'``
+# for int4 and most float8 types): each must be encoded and decoded as itself.
+_NARROW = [n for n in ("int4", "uint4", "int2", "uint2", "float4_e2m1fn", "float8_e3m4", "float8_e4m3",
+                       "float8_e4m3b11fnuz", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+                       "float8_e8m0fnu") if n in _dtypes.DTYPES]
+
+
+def _narrow_values(name, rng, shape=(256, 256)):
+    dtype = _dtypes.DTYPES[name]
+    if dtype.kind in "iuV" and name.startswith(("int", "uint")):
+        info = ml_dtypes.iinfo(dtype)
+        return rng.integers(int(info.min), int(info.max) + 1, shape).astype(dtype)
+    return (rng.standard_normal(shape) * 3).astype(dtype)
+
+
+def _narrow_state(names, shape=(256, 256)):
+    rng = np.random.default_rng(5)
+    return {f"{i:02d}_{name}": _narrow_values(name, rng, shape) for i, name in enumerate(names)}  # saved in order
+
+
+def _check_narrow_round_trip(where, state):
+    back = jaxckpt.restore(where)
+    assert sorted(back) == sorted(state)
+    for k, v in state.items():
+        assert_bit_equal(back[k], v)
+    int4 = next(k for k in state if k.endswith("int4"))
+    assert_bit_equal(jaxckpt.open(where)[int4][...], state[int4])  # the int4 leaf read alone
+    alone = jaxckpt.restore(where, partial=True, target={int4: np.zeros_like(state[int4])})
+    assert_bit_equal(alone[int4], state[int4])
+    report = jaxckpt.verify(where)
+    assert (report.ok, report.problems) == (True, [])
+
+
+@pytest.mark.parametrize("compression", ["zstd", "blosc"])
+@pytest.mark.parametrize("pair", [(a, b) for n in ("int4", "uint4") for f in _NARROW if f.startswith("float8")
+                                  for a, b in ((n, f), (f, n))], ids="-".join)
+def test_int4_and_float8_leaves_compress_side_by_side_bit_for_bit(tmp_path, monkeypatch, compression, pair):
+    # one thread encodes (and one decodes) every leaf: the second leaf's dtype meets the
+    # first one's scratch array (on c1abc6a: a failed save, or wrong values and verify ok)
+    monkeypatch.setattr(_writer, "WRITE_THREADS", 1)
+    monkeypatch.setattr(_reader, "DIRECT_READ_THREADS", 1)
+    state = _narrow_state(pair, (64, 64))
+    jaxckpt.save(tmp_path / "c", state, compression=compression)
+    _check_narrow_round_trip(tmp_path / "c", state)
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["int4-first", "int4-last"])
+def test_every_narrow_dtype_compresses_beside_the_others(tmp_path, monkeypatch, reverse):
+    monkeypatch.setattr(_writer, "WRITE_THREADS", 1)
+    monkeypatch.setattr(_reader, "DIRECT_READ_THREADS", 1)
+    state = _narrow_state(_NARROW[::-1] if reverse else _NARROW)
+    jaxckpt.save(tmp_path / "c", state, compression="zstd")
+    _check_narrow_round_trip(tmp_path / "c", state)
+
+
+def test_int4_and_float8_leaves_compress_side_by_side_on_an_object_store(s3_server, monkeypatch):
+    monkeypatch.setattr(_writer, "WRITE_THREADS", 1)
+    monkeypatch.setattr(_reader, "REMOTE_READ_THREADS", 1)
+    state = _narrow_state(_NARROW)
+    spec = s3_server("compression/narrow")
+    jaxckpt.save(spec, state, compression="zstd")
+    _check_narrow_round_trip(spec, state)
+
+
+def test_one_thread_encodes_and_decodes_every_narrow_dtype_as_itself():
+    rng = np.random.default_rng(9)
+    chunks = {name: _narrow_values(name, rng, (32, 16)).view(_dtypes.DTYPES[_dtypes.storage_dtype_name(name)])
+              for name in _NARROW}  # as the writer hands them over: the storage dtype
+    for codec in _codecs.NAMES:
+        config = _codecs.codec(codec).config(1)
+        encoded = {name: _tscodecs.encode(codec, config, x) for name, x in chunks.items()}
+        for name in [*_NARROW, *_NARROW[::-1]]:
+            x = chunks[name]
+            assert_bit_equal(_tscodecs.decode(codec, config, encoded[name], x.shape, x.dtype), x)
+
+
+@pytest.mark.parametrize("compression", ["zstd", "blosc"])
+def test_complex_leaves_compress_bit_for_bit_and_zero_chunks_cost_nothing(tmp_path, compression):
+    rng = np.random.default_rng(4)
+    c64 = (rng.standard_normal((256, 48)) + 1j * rng.standard_normal((256, 48))).astype(np.complex64)
+    state = {"c64": sharded(c64, (4,), ("x",), ("x", None)),
+             "c128": (rng.standard_normal(300) + 1j * rng.standard_normal(300)).astype(np.complex128),
+             "zeros": np.zeros((64, 8), np.complex128),
+             "negzero": np.full(16, complex(-0.0, 0.0), np.complex64)}
+    jaxckpt.save(tmp_path / "c", state, compression=compression)
+    leaves = _leaves(tmp_path / "c")
+    assert {p: leaf["codec"] for p, leaf in leaves.items()} == dict.fromkeys(state, compression)
+    assert leaves["zeros"]["sizes"] == [0] and leaves["negzero"]["sizes"][0] > 0
+    back = jaxckpt.restore(tmp_path / "c")
+    for k, v in state.items():
+        assert_bit_equal(back[k], v)
+    assert np.signbit(back["negzero"].real).all()
+    assert jaxckpt.verify(tmp_path / "c").ok
 
 
 # --- quantize (lossy, opt-in) ---------------------------------------------------------

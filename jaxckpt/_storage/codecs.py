@@ -20,12 +20,18 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from . import zarr as _zarr
+
 _local = threading.local()
 
 
 def _scratch(name: str, config: Mapping[str, Any], chunk_shape: tuple[int, ...], dtype: np.dtype) -> Any:
-    """This thread's in-memory zarr3 array of one chunk with this codec (opened once)."""
-    key = (name, json.dumps(config, sort_keys=True), chunk_shape, dtype.str)
+    """This thread's in-memory zarr3 array of one chunk with this codec (opened once).
+
+    Keyed on the dtype's name: ``dtype.str`` (and ``.char``) do not tell ml_dtypes'
+    narrow types apart (int4 and most float8 types are all ``'<V1'``), and a chunk
+    written through an array of another dtype is converted, value by value, into it."""
+    key = (name, json.dumps(config, sort_keys=True), chunk_shape, dtype.name, dtype.itemsize)
     cache = _local.__dict__.setdefault("arrays", {})
     if key not in cache:
         if len(cache) > 64:
@@ -34,7 +40,7 @@ def _scratch(name: str, config: Mapping[str, Any], chunk_shape: tuple[int, ...],
                   {"name": name, "configuration": dict(config)}]
         spec = {"driver": "zarr3", "kvstore": {"driver": "memory"}, "create": True,
                 "metadata": {"shape": [1, *chunk_shape], "data_type": _zarr_dtype(dtype),
-                             "fill_value": False if dtype == np.bool_ else 0,
+                             "fill_value": _zarr._fill_value(_zarr_dtype(dtype)),  # complex: [0.0, 0.0]
                              "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, *chunk_shape]}},
                              "codecs": codecs},
                 "store_data_equal_to_fill_value": True}
