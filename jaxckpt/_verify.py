@@ -10,7 +10,9 @@ thread; edge chunks, packed chunks and object stores through tensorstore), so a 
 fails exactly where a restore would fail. (``diff`` and ``stats`` read regions that are
 unions of whole saved chunks through ``_reader.Reader``, a batch of regions within the
 budget at a time.) In format 3 every entry of every stream is read once
-(``_dataobjects.read_entry``, as a restore reads it) and a damaged one names the leaf
+(``_dataobjects.read_entry``, as a restore reads it), a compressed or quantized one
+decoded as a restore decodes it (``_reader.decode_entry``: its codec's header checked
+against its chunk before anything is allocated for it), and a damaged one names the leaf
 whose chunk it holds.
 """
 
@@ -254,7 +256,8 @@ def verify(path: Any, *, progress: Progress | None = None) -> VerifyReport:
     manifest's validation keeps them inside their packed array); on a local disk every
     chunk file must exist with its exact size and no unexpected file may lie under
     ``arrays/`` or ``packed/`` (below the manifest's data prefix, in format 2). In
-    format 3 each entry of each stream is read once and checksummed, and every data
+    format 3 each entry of each stream is read once and checksummed (a compressed or
+    quantized one also decoded, as a restore decodes it), and every data
     object ``data/p<k>.<n>`` must exist with its exact size (a bad one names the leaves
     with entries in it); the manifest's validation keeps entries from overlapping. (On an
     object store the listing checks are skipped; a missing chunk still fails its read.
@@ -510,6 +513,14 @@ class _Read(NamedTuple):
     owners: tuple  # (leaf, chunk label) pairs to name when it fails
     array: str  # the array's directory: "arrays/<key>" or "packed/p<k>" (format 3: "data")
     entry: tuple | None = None  # format 3: the entry's (data root, process, stream offset, segment_bytes)
+    leaf: LeafRecord | None = None  # format 3: a compressed or quantized leaf, whose entry is decoded too
+
+    @property
+    def held(self) -> int:
+        """Bytes a reading thread holds for it: the entry, and the chunk it decodes to."""
+        if self.leaf is None:
+            return self.nbytes
+        return self.nbytes + math.prod(self.leaf.chunk_shape) * _dtypes.DTYPES[self.leaf.dtype].itemsize
 
 
 def _plan_reads(loc: Location, man: Manifest, owners, skip: set[str]) -> tuple[list[_Read], int]:
@@ -562,6 +573,7 @@ def _plan_entries(loc: Location, man: Manifest, skip: set[str]) -> list[_Read]:
         for proc, first, count, offset in rec.runs:
             entry = rec.sizes[first] if rec.sizes else rec.entry_bytes  # compressed: one chunk a run
             nbytes = entry - _streams.CRC_BYTES
+            decoded = rec if rec.codec != _streams.CODEC_RAW else None
             for i in range(count if entry else 0):  # (an all-zero compressed chunk is stored nowhere)
                 at = offset + i * stride
                 objects = [_object_name(proc, n) for n in range(at // man.segment_bytes,
@@ -570,8 +582,8 @@ def _plan_entries(loc: Location, man: Manifest, skip: set[str]) -> list[_Read]:
                     continue
                 name = " and ".join(objects)  # an entry may straddle two data objects
                 cell = [int(c) for c in np.unravel_index(first + i, grid)] if grid else []
-                reads.append(_Read(name, nbytes, None, None, (), np.dtype(np.uint8),
-                                   ((rec.path, _cell_label(cell)),), _reader.STREAM_DIR, (root, proc, at, man.segment_bytes)))
+                reads.append(_Read(name, nbytes, None, None, (), np.dtype(np.uint8), ((rec.path, _cell_label(cell)),),
+                                   _reader.STREAM_DIR, (root, proc, at, man.segment_bytes), decoded))
     return reads
 
 
@@ -615,7 +627,7 @@ def _run_reads(reads: list[_Read], problems: _Problems, meter: Meter) -> None:
     _tasks.run_bounded((_tensorstore_job(r, problems, meter) for r in reads if r.path is None and r.entry is None),
                        SCAN_BUDGET_BYTES)
     direct = [r for r in reads if r.path is not None or r.entry is not None]
-    biggest = max((r.nbytes for r in direct), default=1)
+    biggest = max((r.held for r in direct), default=1)
     threads = max(1, min(READ_THREADS, SCAN_BUDGET_BYTES // max(biggest, 1)))
     buffers = threading.local()
     _tasks.run_tasks([functools.partial(_direct_read, r, buffers, problems, meter) for r in direct], threads)
@@ -630,6 +642,8 @@ def _direct_read(read: _Read, buffers: threading.local, problems: _Problems, met
         if read.entry is not None:
             root, process, offset, segment_bytes = read.entry
             _dataobjects.read_entry(root, process, offset, read.nbytes, buf[:read.nbytes], segment_bytes)
+            if read.leaf is not None:  # as a restore decodes it (the chunk dropped at once)
+                _reader.decode_entry(read.leaf, buf[:read.nbytes])
         else:
             _chunkfiles.read_chunk_file(buf[:read.nbytes], read.path)
     except Exception as e:  # noqa: BLE001 - a bad chunk is a problem to report, not to raise
