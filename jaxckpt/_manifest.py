@@ -453,6 +453,8 @@ def _parse_packed(raw: Any, process_count: int, bad) -> dict[int, PackedArray]:
             raise bad(f"packed entry {entry!r}")
         if c > MAX_PACKED_CHUNK_BYTES:
             raise bad(f"packed entry {entry!r}: chunks of {c} bytes (at most {MAX_PACKED_CHUNK_BYTES})")
+        if -(-n // c) > _MAX_CHUNKS:  # verify and the listings walk them one by one, as a leaf's
+            raise bad(f"packed entry {entry!r}: {-(-n // c)} chunks (at most {_MAX_CHUNKS})")
         out[p] = PackedArray(p, n, c)
     return out
 
