@@ -307,6 +307,29 @@ def object_of(name: str) -> tuple[int, int] | None:
     return (int(match[1]), int(match[2])) if match else None
 
 
+def objects_spanned(start: int, end: int, segment_bytes: int) -> range:
+    """The segments ``n`` of the data objects holding stream bytes ``[start, end)``.
+
+    Example:
+        >>> objects_spanned(100, 300, 128)
+        range(0, 3)
+    """
+    return range(start // segment_bytes, (end - 1) // segment_bytes + 1)
+
+
+def lost_streams(streams: Mapping[int, int], segment_bytes: int, names: Iterable[str], limit: int) -> dict[int, str]:
+    """The streams that ``names`` (a listing of the data objects' directory) lacks more
+    than ``limit`` of the data objects of, each with what is wrong.
+
+    Example:
+        >>> lost_streams({0: 10000, 1: 5}, 4096, ["p1.0"], 2)
+        {0: 'the stream of process 0 is 10000 bytes in 3 data objects of 4096 bytes, 3 of them missing'}
+    """
+    missing = missing_objects(streams, segment_bytes, names)
+    return {p: f"the stream of process {p} is {streams[p]} bytes in {-(-streams[p] // segment_bytes)} data objects "
+               f"of {segment_bytes} bytes, {n} of them missing" for p, n in missing.items() if n > limit}
+
+
 def missing_objects(streams: Mapping[int, int], segment_bytes: int, names: Iterable[str]) -> dict[int, int]:
     """Per stream: how many of the data objects its length implies ``names`` (a listing
     of the data objects' directory) lacks; one pass over the listing, whatever the lengths.

@@ -263,8 +263,8 @@ def verify(path: Any, *, progress: Progress | None = None) -> VerifyReport:
     entries in it; a stream missing more than ``MISSING_OBJECTS_NAMED``, counted in the
     listing first on every store, is one problem per leaf there); the manifest's
     validation keeps entries from overlapping. (On an object store the other listing
-    checks are skipped; a missing chunk still fails its read. Data prefixes the manifest does not name, attempts dead or in flight, are not the
-    checkpoint's and are not checked.)
+    checks are skipped; a missing chunk still fails its read. Data prefixes the manifest
+    does not name, attempts dead or in flight, are not the checkpoint's and are not checked.)
 
     Memory stays near ``SCAN_BUDGET_BYTES`` (one chunk, when chunks are bigger).
 
@@ -395,7 +395,8 @@ def _owner_list(owners: dict[tuple[int, int], dict[str, str]], proc: int, n: int
     return tuple(held.items()) if held else ((None, f"packed p{proc} chunk {n}"),)
 
 
-def expected_files(man: Manifest, owners: Any = None, lost: Collection[int] = ()) -> dict[str, tuple[int | None, tuple]]:
+def expected_files(man: Manifest, owners: Any = None,
+                   lost: Collection[int] = ()) -> dict[str, tuple[int | None, tuple]]:
     """Every file the manifest implies (but the data objects of the streams in ``lost``): its
     size (``None``: any) and whom to name when it is missing or wrong (the two-tier copy
     checks that the hosts' listings cover these)."""
@@ -475,19 +476,16 @@ def _lost_streams(root: Location, man: Manifest, found: dict[str, int] | None, p
                  else _dataobjects.stored_sizes(root.child(_reader.STREAM_DIR)) if man.streams else [])
     except CheckpointError:  # no listing: each entry's read reports what is missing
         return set()
-    missing = _streams.missing_objects(man.streams, man.segment_bytes, names)
-    lost = {p for p, n in missing.items() if n > MISSING_OBJECTS_NAMED}
-    for p in sorted(lost):
-        why = (f"{at}p{p}.*: the stream of process {p} is {man.streams[p]} bytes in {-(-man.streams[p] // man.segment_bytes)}"
-               f" data objects of {man.segment_bytes} bytes, {missing[p]} of them missing")
+    lost = _streams.lost_streams(man.streams, man.segment_bytes, names, MISSING_OBJECTS_NAMED)
+    for p, why in lost.items():
         for rec in (r for r in man.leaves if _has_data(r, "stream")):
             first = next((f for q, f, _, _ in rec.runs if q == p and (not rec.sizes or rec.sizes[f])), None)
             if first is not None:
-                cell = np.unravel_index(first, _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)) if rec.shape else ()
-                problems.add(rec.path, _cell_label([int(c) for c in cell]), why, file=f"{at}p{p}.*")
+                cell = np.unravel_index(first, _layout.chunk_grid_shape(rec.shape, rec.chunk_shape))
+                problems.add(rec.path, _cell_label([int(c) for c in cell]), f"{at}p{p}.*: {why}", file=f"{at}p{p}.*")
     for name in [n for n in names if (_streams.object_of(n) or (-1,))[0] in lost] if found is not None else ():
         del found[at + name]
-    return lost
+    return set(lost)
 
 
 def _check_files(found: dict[str, int], man: Manifest, expected: dict[str, tuple[int | None, tuple]],
@@ -547,7 +545,8 @@ class _Read(NamedTuple):
     leaf: LeafRecord | None = None  # format 3: a compressed or quantized leaf, whose entry is decoded too
 
 
-def _plan_reads(loc: Location, man: Manifest, owners, skip: set[str], lost: Collection[int]) -> tuple[list[_Read], int]:
+def _plan_reads(loc: Location, man: Manifest, owners, skip: set[str],
+                lost: Collection[int]) -> tuple[list[_Read], int]:
     """One read per stored chunk (not those of ``skip`` and ``lost``, already reported); also their number."""
     ctx = _kvstore.context(loc)
     reads, n_chunks = [], 0
@@ -596,11 +595,11 @@ def _plan_entries(loc: Location, man: Manifest, skip: set[str], lost: Collection
         stride, grid = _streams.stride_for(rec.entry_bytes), _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
         for proc, first, count, offset in rec.runs:
             entry = rec.sizes[first] if rec.sizes else rec.entry_bytes  # compressed: one chunk a run
-            if not entry or proc in lost or _all_skipped(proc, offset, offset + (count - 1) * stride + entry,
-                                                          man.segment_bytes, skip):
-                continue
+            span = _streams.objects_spanned(offset, offset + (count - 1) * stride + entry, man.segment_bytes)
+            if not entry or proc in lost or (len(span) <= len(skip)
+                                             and all(_object_name(proc, n) in skip for n in span)):
+                continue  # stored nowhere, or in data objects already reported: not walked entry by entry
             nbytes = entry - _streams.CRC_BYTES
-            decoded = rec if rec.codec != _streams.CODEC_RAW else None
             for i in range(count):  # (an all-zero compressed chunk is stored nowhere)
                 at = offset + i * stride
                 objects = [_object_name(proc, n) for n in range(at // man.segment_bytes,
@@ -610,14 +609,9 @@ def _plan_entries(loc: Location, man: Manifest, skip: set[str], lost: Collection
                 name = " and ".join(objects)  # an entry may straddle two data objects
                 cell = [int(c) for c in np.unravel_index(first + i, grid)] if grid else []
                 reads.append(_Read(name, nbytes, None, None, (), np.dtype(np.uint8), ((rec.path, _cell_label(cell)),),
-                                   _reader.STREAM_DIR, (root, proc, at, man.segment_bytes), decoded))
+                                   _reader.STREAM_DIR, (root, proc, at, man.segment_bytes),
+                                   rec if rec.codec != _streams.CODEC_RAW else None))
     return reads
-
-
-def _all_skipped(process: int, start: int, end: int, segment_bytes: int, skip: set[str]) -> bool:
-    """Whether every data object holding stream bytes ``[start, end)`` is in ``skip`` (at most ``len(skip)`` looked up)."""
-    first, last = start // segment_bytes, (end - 1) // segment_bytes
-    return last - first < len(skip) and all(_object_name(process, n) in skip for n in range(first, last + 1))
 
 
 def _check_array_metadata(loc: Location, man: Manifest, owners, read: set[str], problems: _Problems) -> None:

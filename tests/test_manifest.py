@@ -299,8 +299,7 @@ def test_a_packed_array_of_17_billion_chunks_is_refused_at_once(tmp_path):
     path = tmp_path / "hostile"
     path.mkdir()
     (path / "manifest.json").write_text(json.dumps(doc))
-    said = (f"Checkpoint '{path}': invalid manifest: packed entry {{'process': 0, 'nbytes': {n}, 'chunk_bytes': 64}}: "
-            "17179869184 chunks (at most 1048576)")
+    said = f"Checkpoint '{path}': invalid manifest: packed entry {{'process': 0, 'nbytes': {n}, 'chunk_bytes': 64}}"
     report = _verify_capped(path)
     assert (report["ok"], report["problems"]) == (False, [{"leaf": None, "chunk": "manifest.json", "message": said}])
     with pytest.raises(jaxckpt.CorruptCheckpointError) as err:
