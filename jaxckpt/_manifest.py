@@ -65,7 +65,7 @@ _MAX_NBYTES = 1 << 44  # 16 TiB per leaf (and per packed array)
 # Every itemsize is at least one byte, so no dimension of a non-empty array can be
 # longer; the same bound keeps zero-size arrays' other dimensions sane.
 _MAX_DIM = _MAX_NBYTES
-_MAX_CHUNKS = 1 << 20
+_MAX_CHUNKS = 1 << 20  # a leaf's chunks, and a packed array's: verify walks them one by one
 # A packed array's chunks are 4 MiB at most (``_snapshot.PACK_CHUNK_BYTES``). tensorstore
 # allocates a whole chunk to read any byte of it, and a failed allocation aborts the
 # process, so a manifest may not ask for chunks much bigger than any save writes.
@@ -449,7 +449,7 @@ def _parse_packed(raw: Any, process_count: int, bad) -> dict[int, PackedArray]:
             raise bad("packed entry is not an object")
         p, n, c = entry.get("process"), entry.get("nbytes"), entry.get("chunk_bytes")
         if not (_is_int(p) and 0 <= p < process_count and p not in out and _is_int(n)
-                and 0 < n <= _MAX_NBYTES and _is_int(c) and 0 < c <= n):
+                and 0 < n <= _MAX_NBYTES and _is_int(c) and 0 < c <= n and n <= c * _MAX_CHUNKS):
             raise bad(f"packed entry {entry!r}")
         if c > MAX_PACKED_CHUNK_BYTES:
             raise bad(f"packed entry {entry!r}: chunks of {c} bytes (at most {MAX_PACKED_CHUNK_BYTES})")

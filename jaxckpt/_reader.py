@@ -300,16 +300,24 @@ class Reader:
                 continue
 
             def decode(payload: np.ndarray, whole=whole, uses=uses) -> None:
-                if rec.codec in _quantize.FORMS:
-                    chunk = _quantize.decode(payload, tuple(rec.chunk_shape), _dtypes.DTYPES[rec.dtype], rec.codec)
-                else:
-                    chunk = _tscodecs.decode(rec.codec, rec.codec_config, payload, tuple(rec.chunk_shape), storage)
+                chunk = decode_entry(rec, payload)
                 for index, overlap in uses:
                     dests[index][_rel(overlap, index)] = chunk[_rel(overlap, whole)]
 
             temp = functools.partial(_buffer, self.loc, [rec.path], (entry[3],), np.uint8)
             region = _layout.chunk_region(cell, rec.chunk_shape, rec.shape)
             ops.append(_Op(entry[3], [rec.path], temp, None, None, region, decode, entry=entry, cell=cell))
+
+
+def decode_entry(rec: LeafRecord, payload: np.ndarray) -> np.ndarray:
+    """The chunk a compressed or quantized leaf's entry holds (its payload, crc32c
+    checked), in the storage dtype. Its size is checked before anything is allocated for
+    it (a codec's header by ``_tscodecs.check_header``, a quantized payload's length by
+    ``_quantize.decode``); ``ValueError`` when it does not decode."""
+    if rec.codec in _quantize.FORMS:
+        return _quantize.decode(payload, tuple(rec.chunk_shape), _dtypes.DTYPES[rec.dtype], rec.codec)
+    return _tscodecs.decode(rec.codec, rec.codec_config, payload, tuple(rec.chunk_shape),
+                            _dtypes.DTYPES[rec.storage_dtype])
 
 
 class _Op:
@@ -383,11 +391,12 @@ def _direct_task(op: _Op, loc: Location) -> Callable[[], None]:
 
 
 def _finish(op: _Op, buf: np.ndarray, loc: Location) -> None:
-    """``op.finish``; a compressed entry that does not decode names its leaf and chunk."""
+    """``op.finish``; a compressed entry that does not decode names its leaf and chunk
+    (its bytes passed their crc32c, so what they hold is damaged: corrupt)."""
     try:
         op.finish(buf)
     except ValueError as e:
-        raise _corrupt(loc, op, e) from e
+        raise _corrupt(loc, op, CorruptCheckpointError(str(e))) from e
 
 
 def _execute(ops: list[_Op], loc: Location) -> None:

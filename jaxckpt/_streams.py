@@ -44,6 +44,11 @@ MAX_SEGMENT_BYTES = 5 << 40
 # A petabyte per process is past any host's share of any state, and keeps every offset
 # sum and ``count * stride`` of a validated run inside int64.
 MAX_STREAM_BYTES = 1 << 50
+# Data objects a manifest may imply, ``ceil(length / segment_bytes)`` summed over its
+# streams: verify, the listings and the copies between tiers walk them one by one. A
+# million is a petabyte of the default 1 GiB objects; a 1 KB manifest declaring 16 TiB
+# leaves in 4 KiB objects implied 17 billion (and verify walked them).
+MAX_DATA_OBJECTS = 1 << 20
 # The caller bounds a leaf's chunks (``_manifest``: 2**20); this bound only keeps the
 # sums of counts here inside int64 whatever the caller passes.
 _MAX_CHUNKS = 1 << 31
@@ -286,6 +291,60 @@ def objects_per_process(streams: Mapping[int, int], segment_bytes: int = SEGMENT
         {0: 1, 1: 1, 2: 2}
     """
     return {p: -(-n // segment_bytes) for p, n in streams.items() if n > 0}
+
+
+_OBJECT_NAME = re.compile(r"p(0|[1-9][0-9]{0,7})\.(0|[1-9][0-9]{0,18})")
+
+
+def object_of(name: str) -> tuple[int, int] | None:
+    """``(process, segment)`` of a data object's name ``p<k>.<n>``, ``None`` for another name.
+
+    Example:
+        >>> object_of("p3.12"), object_of("p3.x")
+        ((3, 12), None)
+    """
+    match = _OBJECT_NAME.fullmatch(name)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def objects_spanned(start: int, end: int, segment_bytes: int) -> range:
+    """The segments ``n`` of the data objects holding stream bytes ``[start, end)``.
+
+    Example:
+        >>> objects_spanned(100, 300, 128)
+        range(0, 3)
+    """
+    return range(start // segment_bytes, (end - 1) // segment_bytes + 1)
+
+
+def lost_streams(streams: Mapping[int, int], segment_bytes: int, names: Iterable[str], limit: int) -> dict[int, str]:
+    """The streams that ``names`` (a listing of the data objects' directory) lacks more
+    than ``limit`` of the data objects of, each with what is wrong.
+
+    Example:
+        >>> lost_streams({0: 10000, 1: 5}, 4096, ["p1.0"], 2)
+        {0: 'the stream of process 0 is 10000 bytes in 3 data objects of 4096 bytes, 3 of them missing'}
+    """
+    missing = missing_objects(streams, segment_bytes, names)
+    return {p: f"the stream of process {p} is {streams[p]} bytes in {-(-streams[p] // segment_bytes)} data objects "
+               f"of {segment_bytes} bytes, {n} of them missing" for p, n in missing.items() if n > limit}
+
+
+def missing_objects(streams: Mapping[int, int], segment_bytes: int, names: Iterable[str]) -> dict[int, int]:
+    """Per stream: how many of the data objects its length implies ``names`` (a listing
+    of the data objects' directory) lacks; one pass over the listing, whatever the lengths.
+
+    Example:
+        >>> missing_objects({0: 10000, 1: 5}, 4096, ["p0.0", "p0.2", "p0.9", "p1.1", "x"])
+        {0: 1, 1: 1}
+    """
+    implied = objects_per_process(streams, segment_bytes)
+    missing = dict(implied)
+    for name in names:
+        got = object_of(name)
+        if got is not None and got[1] < implied.get(got[0], 0):
+            missing[got[0]] -= 1
+    return missing
 
 
 def object_count(streams: Mapping[int, int], segment_bytes: int = SEGMENT_BYTES) -> int:
@@ -634,6 +693,10 @@ class ManifestStreams:
     def __init__(self, doc: Mapping[str, Any], process_count: int, where: str):
         self.segment_bytes = segment_bytes_from_json(doc["segment_bytes"], where)
         self.streams = streams_from_json(doc["streams"], process_count, where)
+        objects = object_count(self.streams, self.segment_bytes)
+        if objects > MAX_DATA_OBJECTS:
+            raise _bad(where, f"streams of {sum(self.streams.values())} bytes in data objects of {self.segment_bytes} "
+                              f"bytes are {objects} data objects (at most {MAX_DATA_OBJECTS})")
         self.where = where
         self._leaves: list[tuple[str, int, Any, Any]] = []  # (path, n_chunks, entry_bytes or sizes, raw runs)
 

@@ -10,8 +10,8 @@ thread; edge chunks, packed chunks and object stores through tensorstore), so a 
 fails exactly where a restore would fail. (``diff`` and ``stats`` read regions that are
 unions of whole saved chunks through ``_reader.Reader``, a batch of regions within the
 budget at a time.) In format 3 every entry of every stream is read once
-(``_dataobjects.read_entry``, as a restore reads it) and a damaged one names the leaf
-whose chunk it holds.
+(``_dataobjects.read_entry``, as a restore reads it), a compressed or quantized one
+decoded (``_reader.decode_entry``), and a damaged one names the leaf whose chunk it holds.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -46,6 +46,9 @@ SCAN_BUDGET_BYTES = 64 << 20
 READ_THREADS = 4
 # Key paths a summary names per damaged file before "and N more".
 SUMMARY_NAMES = 5
+# Missing data objects of one format-3 stream verify names one by one; a stream missing more
+# (lost, or its length a lie) is one problem per leaf there, its objects and entries unwalked.
+MISSING_OBJECTS_NAMED = 1024
 
 Progress = Callable[[int, int], None]
 
@@ -254,12 +257,14 @@ def verify(path: Any, *, progress: Progress | None = None) -> VerifyReport:
     manifest's validation keeps them inside their packed array); on a local disk every
     chunk file must exist with its exact size and no unexpected file may lie under
     ``arrays/`` or ``packed/`` (below the manifest's data prefix, in format 2). In
-    format 3 each entry of each stream is read once and checksummed, and every data
-    object ``data/p<k>.<n>`` must exist with its exact size (a bad one names the leaves
-    with entries in it); the manifest's validation keeps entries from overlapping. (On an
-    object store the listing checks are skipped; a missing chunk still fails its read.
-    Data prefixes the manifest does not name, attempts dead or in flight, are not the
-    checkpoint's and are not checked.)
+    format 3 each entry of each stream is read once and checksummed (a compressed or
+    quantized one also decoded, as a restore decodes it), and every data object
+    ``data/p<k>.<n>`` must exist with its exact size (a bad one names the leaves with
+    entries in it; a stream missing more than ``MISSING_OBJECTS_NAMED``, counted in the
+    listing first on every store, is one problem per leaf there); the manifest's
+    validation keeps entries from overlapping. (On an object store the other listing
+    checks are skipped; a missing chunk still fails its read. Data prefixes the manifest
+    does not name, attempts dead or in flight, are not the checkpoint's and are not checked.)
 
     Memory stays near ``SCAN_BUDGET_BYTES`` (one chunk, when chunks are bigger).
 
@@ -302,9 +307,11 @@ def _verify(loc: Location, progress: Progress | None) -> VerifyReport:
     owners = _packed_owners(spans, man.packed)
     skip: set[str] = set()
     root = man.data_root(loc)  # file names below are relative to it
-    if root.local is not None:
-        skip = _check_files(root.local, man, expected_files(man, owners), problems)
-    reads, n_chunks = _plan_reads(root, man, owners, skip)
+    found = list_files(root.local) if root.local is not None else None
+    lost = _lost_streams(root, man, found, problems)
+    if found is not None:
+        skip = _check_files(found, man, expected_files(man, owners, lost), problems)
+    reads, n_chunks = _plan_reads(root, man, owners, skip, lost)
     _check_array_metadata(root, man, owners, {r.array for r in reads}, problems)
     meter = Meter(sum(r.nbytes for r in reads), progress)
     _run_reads(reads, problems, meter)
@@ -388,9 +395,10 @@ def _owner_list(owners: dict[tuple[int, int], dict[str, str]], proc: int, n: int
     return tuple(held.items()) if held else ((None, f"packed p{proc} chunk {n}"),)
 
 
-def expected_files(man: Manifest, owners: Any = None) -> dict[str, tuple[int | None, tuple]]:
-    """Every file the manifest implies under ``arrays/`` and ``packed/``: its size
-    (``None``: any) and whom to name when it is missing or wrong (the two-tier copy
+def expected_files(man: Manifest, owners: Any = None,
+                   lost: Collection[int] = ()) -> dict[str, tuple[int | None, tuple]]:
+    """Every file the manifest implies (but the data objects of the streams in ``lost``): its
+    size (``None``: any) and whom to name when it is missing or wrong (the two-tier copy
     checks that the hosts' listings cover these)."""
     owners = {} if owners is None else owners
     out: dict[str, tuple[int | None, tuple]] = {}
@@ -407,8 +415,10 @@ def expected_files(man: Manifest, owners: Any = None) -> dict[str, tuple[int | N
         for n in range(-(-p.nbytes // p.chunk_bytes)):
             out[f"packed/p{p.process}/c/{n}"] = (p.chunk_bytes + 4, _owner_list(owners, p.process, n))
     if man.streams:
-        held = _segment_owners(man)
+        held = _segment_owners(man, lost)
         for proc, length in man.streams.items():
+            if proc in lost:
+                continue
             for n, size in enumerate(_dataobjects.segment_sizes(length, man.segment_bytes)):
                 name = _object_name(proc, n)
                 out[name] = (size, tuple(held.get(name, {}).items()) or ((None, name),))
@@ -420,9 +430,9 @@ def _object_name(process: int, n: int) -> str:
     return f"{_reader.STREAM_DIR}/{_streams.object_name(process, n)}"
 
 
-def _segment_owners(man: Manifest) -> dict[str, dict[str, str]]:
-    """Per data object: the leaves with entries in it, each with its first chunk there
-    (to name when the object is missing or of the wrong size)."""
+def _segment_owners(man: Manifest, lost: Collection[int] = ()) -> dict[str, dict[str, str]]:
+    """Per data object (not of the streams in ``lost``): the leaves with entries in it, each
+    with its first chunk there (to name when the object is missing or of the wrong size)."""
     held: dict[str, dict[str, str]] = collections.defaultdict(dict)
     size = man.segment_bytes
     for rec in man.leaves:
@@ -431,8 +441,8 @@ def _segment_owners(man: Manifest) -> dict[str, dict[str, str]]:
         stride, grid = _streams.stride_for(rec.entry_bytes), _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
         for proc, first, count, offset in rec.runs:
             entry = rec.sizes[first] if rec.sizes else rec.entry_bytes  # compressed: one chunk a run
-            if not entry:
-                continue  # an all-zero chunk, stored nowhere
+            if not entry or proc in lost:
+                continue  # an all-zero chunk, stored nowhere; or a stream reported whole
             end = offset + (count - 1) * stride + entry
             for n in range(offset // size, (end - 1) // size + 1):
                 i = min(count - 1, max(0, (n * size - offset - rec.entry_bytes) // stride + 1))
@@ -456,10 +466,32 @@ def list_files(root: str) -> dict[str, int]:
     return found
 
 
-def _check_files(root: str, man: Manifest, expected: dict[str, tuple[int | None, tuple]],
+def _lost_streams(root: Location, man: Manifest, found: dict[str, int] | None, problems: _Problems) -> set[int]:
+    """Format 3: the streams missing more than ``MISSING_OBJECTS_NAMED`` of the objects their
+    lengths imply (``found``: the local listing, their objects dropped from it; else listed
+    here), each one problem per leaf with an entry there (its first chunk there)."""
+    at = f"{_reader.STREAM_DIR}/"
+    try:
+        names = ([n[len(at):] for n in found if n.startswith(at)] if found is not None
+                 else _dataobjects.stored_sizes(root.child(_reader.STREAM_DIR)) if man.streams else [])
+    except CheckpointError:  # no listing: each entry's read reports what is missing
+        return set()
+    lost = _streams.lost_streams(man.streams, man.segment_bytes, names, MISSING_OBJECTS_NAMED)
+    for p, why in lost.items():
+        for rec in (r for r in man.leaves if _has_data(r, "stream")):
+            first = next((f for q, f, _, _ in rec.runs if q == p and (not rec.sizes or rec.sizes[f])), None)
+            if first is not None:
+                cell = np.unravel_index(first, _layout.chunk_grid_shape(rec.shape, rec.chunk_shape))
+                problems.add(rec.path, _cell_label([int(c) for c in cell]), f"{at}p{p}.*: {why}", file=f"{at}p{p}.*")
+    for name in [n for n in names if (_streams.object_of(n) or (-1,))[0] in lost] if found is not None else ():
+        del found[at + name]
+    return set(lost)
+
+
+def _check_files(found: dict[str, int], man: Manifest, expected: dict[str, tuple[int | None, tuple]],
                  problems: _Problems) -> set[str]:
-    """Missing, wrong-sized and unexpected files; returns the names not worth reading."""
-    found = list_files(root)
+    """Missing, wrong-sized and unexpected files (``found``: ``list_files``'s listing);
+    returns the names not worth reading."""
     bad = set()
     for name, (size, owners) in expected.items():
         got = found.pop(name, None)
@@ -510,11 +542,12 @@ class _Read(NamedTuple):
     owners: tuple  # (leaf, chunk label) pairs to name when it fails
     array: str  # the array's directory: "arrays/<key>" or "packed/p<k>" (format 3: "data")
     entry: tuple | None = None  # format 3: the entry's (data root, process, stream offset, segment_bytes)
+    leaf: LeafRecord | None = None  # format 3: a compressed or quantized leaf, whose entry is decoded too
 
 
-def _plan_reads(loc: Location, man: Manifest, owners, skip: set[str]) -> tuple[list[_Read], int]:
-    """One read per stored chunk (those in ``skip`` are already reported); also the
-    number of stored chunks."""
+def _plan_reads(loc: Location, man: Manifest, owners, skip: set[str],
+                lost: Collection[int]) -> tuple[list[_Read], int]:
+    """One read per stored chunk (not those of ``skip`` and ``lost``, already reported); also their number."""
     ctx = _kvstore.context(loc)
     reads, n_chunks = [], 0
     for rec in man.leaves:
@@ -547,12 +580,13 @@ def _plan_reads(loc: Location, man: Manifest, owners, skip: set[str]) -> tuple[l
                 reads.append(_Read(name, region[0][1] - region[0][0], None, store, region,
                                    np.dtype(np.uint8), _owner_list(owners, p.process, n), f"packed/p{p.process}"))
     n_chunks += sum(count for rec in man.leaves if _has_data(rec, "stream") for _, _, count, _ in rec.runs)
-    return reads + _plan_entries(loc, man, skip), n_chunks
+    return reads + _plan_entries(loc, man, skip, lost), n_chunks
 
 
-def _plan_entries(loc: Location, man: Manifest, skip: set[str]) -> list[_Read]:
+def _plan_entries(loc: Location, man: Manifest, skip: set[str], lost: Collection[int]) -> list[_Read]:
     """Format 3: one read per entry (a chunk of a stream leaf), those in a data object
-    already reported (``skip``) left out."""
+    already reported (``skip``; a run all in ``skip`` passed over whole) or in a stream
+    reported whole (``lost``) left out."""
     root = loc.child(_reader.STREAM_DIR)
     reads = []
     for rec in man.leaves:
@@ -561,8 +595,12 @@ def _plan_entries(loc: Location, man: Manifest, skip: set[str]) -> list[_Read]:
         stride, grid = _streams.stride_for(rec.entry_bytes), _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
         for proc, first, count, offset in rec.runs:
             entry = rec.sizes[first] if rec.sizes else rec.entry_bytes  # compressed: one chunk a run
+            span = _streams.objects_spanned(offset, offset + (count - 1) * stride + entry, man.segment_bytes)
+            if not entry or proc in lost or (len(span) <= len(skip)
+                                             and all(_object_name(proc, n) in skip for n in span)):
+                continue  # stored nowhere, or in data objects already reported: not walked entry by entry
             nbytes = entry - _streams.CRC_BYTES
-            for i in range(count if entry else 0):  # (an all-zero compressed chunk is stored nowhere)
+            for i in range(count):  # (an all-zero compressed chunk is stored nowhere)
                 at = offset + i * stride
                 objects = [_object_name(proc, n) for n in range(at // man.segment_bytes,
                                                                 (at + entry - 1) // man.segment_bytes + 1)]
@@ -570,8 +608,9 @@ def _plan_entries(loc: Location, man: Manifest, skip: set[str]) -> list[_Read]:
                     continue
                 name = " and ".join(objects)  # an entry may straddle two data objects
                 cell = [int(c) for c in np.unravel_index(first + i, grid)] if grid else []
-                reads.append(_Read(name, nbytes, None, None, (), np.dtype(np.uint8),
-                                   ((rec.path, _cell_label(cell)),), _reader.STREAM_DIR, (root, proc, at, man.segment_bytes)))
+                reads.append(_Read(name, nbytes, None, None, (), np.dtype(np.uint8), ((rec.path, _cell_label(cell)),),
+                                   _reader.STREAM_DIR, (root, proc, at, man.segment_bytes),
+                                   rec if rec.codec != _streams.CODEC_RAW else None))
     return reads
 
 
@@ -615,7 +654,8 @@ def _run_reads(reads: list[_Read], problems: _Problems, meter: Meter) -> None:
     _tasks.run_bounded((_tensorstore_job(r, problems, meter) for r in reads if r.path is None and r.entry is None),
                        SCAN_BUDGET_BYTES)
     direct = [r for r in reads if r.path is not None or r.entry is not None]
-    biggest = max((r.nbytes for r in direct), default=1)
+    biggest = max((r.nbytes + (r.leaf and math.prod(r.leaf.chunk_shape) * _dtypes.DTYPES[r.leaf.dtype].itemsize or 0)
+                   for r in direct), default=1)  # an entry held with the chunk it decodes to
     threads = max(1, min(READ_THREADS, SCAN_BUDGET_BYTES // max(biggest, 1)))
     buffers = threading.local()
     _tasks.run_tasks([functools.partial(_direct_read, r, buffers, problems, meter) for r in direct], threads)
@@ -630,6 +670,8 @@ def _direct_read(read: _Read, buffers: threading.local, problems: _Problems, met
         if read.entry is not None:
             root, process, offset, segment_bytes = read.entry
             _dataobjects.read_entry(root, process, offset, read.nbytes, buf[:read.nbytes], segment_bytes)
+            if read.leaf is not None:  # as a restore decodes it (the chunk dropped at once)
+                _reader.decode_entry(read.leaf, buf[:read.nbytes])
         else:
             _chunkfiles.read_chunk_file(buf[:read.nbytes], read.path)
     except Exception as e:  # noqa: BLE001 - a bad chunk is a problem to report, not to raise

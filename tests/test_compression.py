@@ -2,6 +2,7 @@
 
 import json
 import os
+import struct
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _codecs
+from jaxckpt import _codecs, _dtypes, _reader, _writer
 from jaxckpt._storage import codecs as _tscodecs
 
 
@@ -141,6 +142,120 @@ def test_an_entry_that_does_not_decode_is_corrupt_not_a_crash(tmp_path):
         jaxckpt.restore(tmp_path / "c")
 
 
+_BLOSC_BYTES = {"cname": "lz4", "clevel": 5, "shuffle": "noshuffle", "typesize": 1, "blocksize": 0}
+
+
+def _blosc_bomb(length, declared):
+    """A blosc entry of ``length`` bytes whose header declares ``declared`` decoded bytes
+    and that decodes to them: every block of its table is the same compressed block of ones."""
+    ones = _tscodecs.encode("blosc", _BLOSC_BYTES, np.ones(1 << 18, np.uint8))  # two blocks
+    version, lz, flags, typesize, _, block, _ = struct.unpack_from("<BBBBiii", ones)
+    first, second = struct.unpack_from("<ii", ones, 16)
+    k = declared // block
+    body = (struct.pack("<BBBBiii", version, lz, flags, typesize, k * block, block, length)
+            + struct.pack(f"<{k}i", *[16 + 4 * k] * k) + ones[first:second])
+    assert len(body) <= length
+    return body + bytes(length - len(body))
+
+
+def _write_entry(d, leaf, payload):
+    """Put ``payload`` (and its own crc32c: only what it says is a lie) in ``leaf``'s one entry."""
+    import crc32c
+
+    offset = leaf["runs"][0][3]
+    assert len(payload) == leaf["sizes"][0] - 4
+    with open(os.path.join(d, "data", "p0.0"), "r+b") as f:
+        f.seek(offset)
+        f.write(payload + crc32c.crc32c(payload).to_bytes(4, "little"))
+
+
+# A restore in a process of its own, its address space capped 1 GiB above what it holds
+# after importing jaxckpt: an allocation past that fails (tensorstore then aborts the
+# process with std::bad_alloc). Prints its error and its peak RSS before and after (KiB).
+_RESTORE_CAPPED = """
+import json, resource, sys
+import jaxckpt
+with open("/proc/self/status") as f:
+    held = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (held + (1 << 30), resource.RLIM_INFINITY))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    jaxckpt.restore(sys.argv[1])
+    error = None
+except Exception as e:
+    error = [type(e).__name__, str(e)]
+print("RESULT " + json.dumps({"error": error, "peak_kib": [before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]}))
+"""
+
+
+def test_a_blosc_entry_declaring_more_than_its_chunk_is_corrupt_before_any_allocation(tmp_path):
+    # a 1 MiB chunk whose entry (its crc32c its own) declares 1.9 GB decoded, and decodes to them
+    w = np.random.default_rng(3).integers(0, 256, 1 << 20).astype(np.uint8)
+    jaxckpt.save(tmp_path / "c", {"w": w, "s": np.arange(3.0)}, compression={"w": "blosc"})
+    leaf = _leaves(tmp_path / "c")["w"]
+    declared = 14495 * (1 << 17)  # 1,899,888,640 bytes
+    _write_entry(tmp_path / "c", leaf, _blosc_bomb(leaf["sizes"][0] - 4, declared))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(jaxckpt.__file__)))
+    run = subprocess.run([sys.executable, "-c", _RESTORE_CAPPED, str(tmp_path / "c")], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu"))
+    assert run.returncode == 0, run.stderr[-2000:]  # not aborted
+    result = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    why = f"the blosc entry does not decode: it declares {declared} decoded bytes, but its chunk has {1 << 20}"
+    assert result["error"] == ["CorruptCheckpointError",
+                               f"Checkpoint '{tmp_path / 'c'}': leaf 'w' chunk cell [0] could not be read: {why}"]
+    print("peak RSS of the restore (KiB, before and after):", result["peak_kib"])
+    with pytest.raises(jaxckpt.CorruptCheckpointError, match=r"leaf 'w' chunk cell \[0\] could not be read: the "
+                                                             r"blosc entry does not decode: it declares 1899888640 "):
+        jaxckpt.restore(tmp_path / "c")
+    report = jaxckpt.verify(tmp_path / "c")
+    assert not report.ok
+    assert report.problems == [{"leaf": "w", "chunk": "cell [0]", "message": f"data/p0.0: {why}"}]
+    assert_bit_equal(jaxckpt.restore(tmp_path / "c", partial=True, target={"s": np.zeros(3)})["s"], np.arange(3.0))
+
+
+@pytest.mark.parametrize("codec, edit, message", [
+    ("blosc", lambda e: e[:4] + struct.pack("<i", 4097) + e[8:], "it declares 4097 decoded bytes, "
+                                                                 "but its chunk has 4096"),
+    ("blosc", lambda e: e[:12] + struct.pack("<i", len(e) - 1) + e[16:], r"it declares \d+ encoded bytes, "
+                                                                         r"but it has \d+"),
+    ("blosc", lambda e: e[:8] + struct.pack("<i", 1 << 30) + e[12:], "it declares blocks of 1073741824 bytes, "
+                                                                     "for a chunk of 4096"),
+    # zstd: a frame with no content size (descriptor 0: a window byte follows), one that lies
+    ("zstd", lambda e: b"\x28\xb5\x2f\xfd\x00\x50" + e[8:], "its frame does not declare its decoded size"),
+    ("zstd", lambda e: b"\x28\xb5\x2f\xfd\x80\x50" + struct.pack("<I", 1 << 30) + e[8:],
+     "it declares 1073741824 decoded bytes, but its chunk has 4096"),
+    ("zstd", lambda e: b"\x00" + e[1:], "it does not start with a zstd frame"),
+])
+def test_a_codec_header_that_disagrees_with_its_chunk_is_corrupt(tmp_path, codec, edit, message):
+    w = np.random.default_rng(8).integers(0, 4, 4096).astype(np.uint8)
+    jaxckpt.save(tmp_path / "c", {"w": w}, compression=codec)
+    leaf = _leaves(tmp_path / "c")["w"]
+    with open(tmp_path / "c" / "data" / "p0.0", "rb") as f:
+        f.seek(leaf["runs"][0][3])
+        entry = f.read(leaf["sizes"][0] - 4)
+    hostile = edit(entry)
+    _write_entry(tmp_path / "c", leaf, hostile[:len(entry)] + bytes(max(0, len(entry) - len(hostile))))
+    with pytest.raises(jaxckpt.CorruptCheckpointError, match=r"leaf 'w' chunk cell \[0\] could not be read: the "
+                             + codec + " entry does not decode: " + message):
+        jaxckpt.restore(tmp_path / "c")
+    report = jaxckpt.verify(tmp_path / "c")
+    assert [(p["leaf"], p["chunk"]) for p in report.problems] == [("w", "cell [0]")]
+    assert report.problems[0]["message"].startswith(f"data/p0.0: the {codec} entry does not decode: ")
+
+
+@pytest.mark.parametrize("name, payload, message", [
+    ("blosc", bytes(10), "the blosc entry does not decode: it has 10 bytes, less than its 16-byte header"),
+    ("zstd", b"\x28\xb5\x2f\xfd\x80", "the zstd entry does not decode: it does not start with a zstd frame"),
+    ("zstd", b"\x28\xb5\x2f\xfd\x80\x50\x00", "the zstd entry does not decode: it has 7 bytes, less than its frame "
+                                                "header"),
+])
+def test_short_entries_are_refused_before_tensorstore_sees_them(name, payload, message):
+    config = _codecs.codec(name).config(1)
+    with pytest.raises(ValueError) as e:
+        _tscodecs.decode(name, config, np.frombuffer(payload, np.uint8), (4096,), np.dtype(np.uint8))
+    assert str(e.value) == message
+
+
 def _edit_manifest(d, fn):
     path = os.path.join(d, "manifest.json")
     with open(path) as f:
@@ -247,6 +362,101 @@ def test_codec_helpers_round_trip_every_storage_dtype():
             back = _tscodecs.decode(name, c.config(np.dtype(dtype).itemsize), enc, x.shape, np.dtype(dtype))
             assert_bit_equal(back, x)
     assert _tscodecs.encode("zstd", {"level": 3, "checksum": False}, jnp.zeros(8).__array__()) is None
+
+
+# ml_dtypes' narrow types, several of which numpy spells alike (``dtype.str`` is ``'<V1'``
+# for int4 and most float8 types): each must be encoded and decoded as itself.
+_NARROW = [n for n in ("int4", "uint4", "int2", "uint2", "float4_e2m1fn", "float8_e3m4", "float8_e4m3",
+                       "float8_e4m3b11fnuz", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+                       "float8_e8m0fnu") if n in _dtypes.DTYPES]
+
+
+def _narrow_values(name, rng, shape=(256, 256)):
+    dtype = _dtypes.DTYPES[name]
+    if dtype.kind in "iuV" and name.startswith(("int", "uint")):
+        info = ml_dtypes.iinfo(dtype)
+        return rng.integers(int(info.min), int(info.max) + 1, shape).astype(dtype)
+    return (rng.standard_normal(shape) * 3).astype(dtype)
+
+
+def _narrow_state(names, shape=(256, 256)):
+    rng = np.random.default_rng(5)
+    return {f"{i:02d}_{name}": _narrow_values(name, rng, shape) for i, name in enumerate(names)}  # saved in order
+
+
+def _check_narrow_round_trip(where, state):
+    back = jaxckpt.restore(where)
+    assert sorted(back) == sorted(state)
+    for k, v in state.items():
+        assert_bit_equal(back[k], v)
+    int4 = next(k for k in state if k.endswith("int4"))
+    assert_bit_equal(jaxckpt.open(where)[int4][...], state[int4])  # the int4 leaf read alone
+    alone = jaxckpt.restore(where, partial=True, target={int4: np.zeros_like(state[int4])})
+    assert_bit_equal(alone[int4], state[int4])
+    report = jaxckpt.verify(where)
+    assert (report.ok, report.problems) == (True, [])
+
+
+@pytest.mark.parametrize("compression", ["zstd", "blosc"])
+@pytest.mark.parametrize("pair", [(a, b) for n in ("int4", "uint4") for f in _NARROW if f.startswith("float8")
+                                  for a, b in ((n, f), (f, n))], ids="-".join)
+def test_int4_and_float8_leaves_compress_side_by_side_bit_for_bit(tmp_path, monkeypatch, compression, pair):
+    # one thread encodes (and one decodes) every leaf: the second leaf's dtype meets the
+    # first one's scratch array (on c1abc6a: a failed save, or wrong values and verify ok)
+    monkeypatch.setattr(_writer, "WRITE_THREADS", 1)
+    monkeypatch.setattr(_reader, "DIRECT_READ_THREADS", 1)
+    state = _narrow_state(pair, (64, 64))
+    jaxckpt.save(tmp_path / "c", state, compression=compression)
+    _check_narrow_round_trip(tmp_path / "c", state)
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["int4-first", "int4-last"])
+def test_every_narrow_dtype_compresses_beside_the_others(tmp_path, monkeypatch, reverse):
+    monkeypatch.setattr(_writer, "WRITE_THREADS", 1)
+    monkeypatch.setattr(_reader, "DIRECT_READ_THREADS", 1)
+    state = _narrow_state(_NARROW[::-1] if reverse else _NARROW)
+    jaxckpt.save(tmp_path / "c", state, compression="zstd")
+    _check_narrow_round_trip(tmp_path / "c", state)
+
+
+def test_int4_and_float8_leaves_compress_side_by_side_on_an_object_store(s3_server, monkeypatch):
+    monkeypatch.setattr(_writer, "WRITE_THREADS", 1)
+    monkeypatch.setattr(_reader, "REMOTE_READ_THREADS", 1)
+    state = _narrow_state(_NARROW)
+    spec = s3_server("compression/narrow")
+    jaxckpt.save(spec, state, compression="zstd")
+    _check_narrow_round_trip(spec, state)
+
+
+def test_one_thread_encodes_and_decodes_every_narrow_dtype_as_itself():
+    rng = np.random.default_rng(9)
+    chunks = {name: _narrow_values(name, rng, (32, 16)).view(_dtypes.DTYPES[_dtypes.storage_dtype_name(name)])
+              for name in _NARROW}  # as the writer hands them over: the storage dtype
+    for codec in _codecs.NAMES:
+        config = _codecs.codec(codec).config(1)
+        encoded = {name: _tscodecs.encode(codec, config, x) for name, x in chunks.items()}
+        for name in [*_NARROW, *_NARROW[::-1]]:
+            x = chunks[name]
+            assert_bit_equal(_tscodecs.decode(codec, config, encoded[name], x.shape, x.dtype), x)
+
+
+@pytest.mark.parametrize("compression", ["zstd", "blosc"])
+def test_complex_leaves_compress_bit_for_bit_and_zero_chunks_cost_nothing(tmp_path, compression):
+    rng = np.random.default_rng(4)
+    c64 = (rng.standard_normal((256, 48)) + 1j * rng.standard_normal((256, 48))).astype(np.complex64)
+    state = {"c64": sharded(c64, (4,), ("x",), ("x", None)),
+             "c128": (rng.standard_normal(300) + 1j * rng.standard_normal(300)).astype(np.complex128),
+             "zeros": np.zeros((64, 8), np.complex128),
+             "negzero": np.full(16, complex(-0.0, 0.0), np.complex64)}
+    jaxckpt.save(tmp_path / "c", state, compression=compression)
+    leaves = _leaves(tmp_path / "c")
+    assert {p: leaf["codec"] for p, leaf in leaves.items()} == dict.fromkeys(state, compression)
+    assert leaves["zeros"]["sizes"] == [0] and leaves["negzero"]["sizes"][0] > 0
+    back = jaxckpt.restore(tmp_path / "c")
+    for k, v in state.items():
+        assert_bit_equal(back[k], v)
+    assert np.signbit(back["negzero"].real).all()
+    assert jaxckpt.verify(tmp_path / "c").ok
 
 
 # --- quantize (lossy, opt-in) ---------------------------------------------------------

@@ -25,6 +25,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -34,7 +36,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _layout, _snapshot, _streams, cli
+from jaxckpt import _layout, _snapshot, _streams, _verify, cli
 
 SEGMENT = 4096
 W = np.arange(64 * 24, dtype=np.float32).reshape(64, 24) * np.float32(0.5)
@@ -327,3 +329,100 @@ def test_a_data_object_that_is_not_a_regular_file_is_corrupt_and_never_blocks(ck
     report = jaxckpt.verify(ckpt)
     assert report.unrestorable == ["w"], report.summary()
     assert_bit_equal(jaxckpt.open(ckpt)["w"][:32], W[:32])  # chunks 0 and 1 lie in p0.0
+
+
+# --- work a manifest implies, checked against what the checkpoint holds --------------------
+
+
+def _huge_leaves_manifest(leaves, dim, chunk, segment_bytes, dtype="uint8"):
+    """A format-3 manifest (no checksum, no data objects): ``leaves`` leaves of shape
+    ``[dim]`` in chunks of ``[chunk]``, one run each, back to back in process 0's stream."""
+    itemsize = np.dtype(dtype).itemsize
+    entry = chunk * itemsize + 4
+    stride = _streams.stride_for(entry)
+    count = -(-dim // chunk)
+    span = -(-((count - 1) * stride + entry) // _streams.ALIGN) * _streams.ALIGN
+    recs = [{"path": f"l{i}", "kind": "array", "dtype": dtype, "shape": [dim], "store": "stream",
+             "chunk_shape": [chunk], "nbytes": dim * itemsize, "codec": "raw", "entry_bytes": entry,
+             "runs": [[0, 0, count, i * span]]} for i in range(leaves)]
+    doc = {"format": "jaxckpt", "format_version": 3, "process_count": 1, "segment_bytes": segment_bytes,
+           "streams": {"0": (leaves - 1) * span + (count - 1) * stride + entry},
+           "structure": {"dict": [[f"l{i}", {"leaf": i}] for i in range(leaves)]}, "leaves": recs}
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+# verify in a process of its own, its address space capped 2 GiB above what it holds after
+# importing jaxckpt and its run bounded by the caller: a verify that walks billions of data
+# objects fails the test (out of memory or out of time) instead of blocking it.
+_VERIFY_CAPPED = """
+import json, resource, sys, time
+import jaxckpt
+with open("/proc/self/status") as f:
+    held = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (held + (2 << 30), resource.RLIM_INFINITY))
+start = time.perf_counter()
+report = jaxckpt.verify(sys.argv[1])
+print("RESULT " + json.dumps({"report": report.to_json(), "seconds": time.perf_counter() - start}))
+"""
+
+
+def _verify_capped(path, timeout=120):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(jaxckpt.__file__)))
+    try:
+        run = subprocess.run([sys.executable, "-c", _VERIFY_CAPPED, str(path)], capture_output=True, text=True,
+                             timeout=timeout, env=dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu"))
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"verify of {path} did not finish within {timeout}s") from None
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(next(ln for ln in run.stdout.splitlines() if ln.startswith("RESULT "))[7:])["report"]
+
+
+def test_a_1kb_manifest_implying_17_billion_data_objects_is_refused_at_once(tmp_path):
+    # 4 leaves of 16 TiB in 4 KiB data objects: 17,179,869,184 of them (c1abc6a's verify
+    # listed them all, without end)
+    path = tmp_path / "hostile"
+    path.mkdir()
+    body = _huge_leaves_manifest(4, (1 << 44) - 64, (1 << 44) - 64, 4096)
+    assert len(body) < 1100
+    (path / "manifest.json").write_bytes(body)
+    said = (f"Checkpoint '{path}': invalid manifest: streams of 70368744177604 bytes in data objects of 4096 bytes "
+            "are 17179869184 data objects (at most 1048576)")
+    report = _verify_capped(path)
+    assert (report["ok"], report["problems"]) == (False, [{"leaf": None, "chunk": "manifest.json", "message": said}])
+    for read in (jaxckpt.restore, jaxckpt.metadata, jaxckpt.open):
+        with pytest.raises(jaxckpt.CorruptCheckpointError) as err:
+            read(path)
+        assert str(err.value) == said
+
+
+def test_a_stream_missing_more_objects_than_verify_names_is_one_problem_per_leaf(tmp_path):
+    # 4 leaves of 2**20 one-byte chunks (4M entries of 64 bytes: 256 MiB of stream in 65,536
+    # data objects of 4 KiB, within the manifest's bounds) and no data object at all: one
+    # problem per leaf, no object or entry walked one by one
+    path = tmp_path / "lied"
+    path.mkdir()
+    (path / "manifest.json").write_bytes(_huge_leaves_manifest(4, 1 << 20, 1, 4096))
+    report = _verify_capped(path, timeout=60)
+    said = ("data/p0.*: the stream of process 0 is 268435397 bytes in 65536 data objects of 4096 bytes, "
+            "65536 of them missing")
+    assert report["problems"] == [{"leaf": f"l{i}", "chunk": "cell [0]", "message": said} for i in range(4)]
+    assert report["damaged"] == [{"file": "data/p0.*", "message": said, "leaves": ["l0", "l1", "l2", "l3"],
+                                  "chunks": ["cell [0]"] * 4, "unrestorable": True}]
+    assert (report["ok"], report["chunks"], report["bytes_read"]) == (False, 4 << 20, 0)
+    with pytest.raises(jaxckpt.CorruptCheckpointError, match=r"leaf 'l1' chunk cell \[5\] could not be read: "
+                                                             r"NOT_FOUND: data object .*p0\.16384 is missing"):
+        jaxckpt.open(path)["l1"][5]
+
+
+def test_a_stream_missing_as_many_objects_as_verify_names_names_each(ckpt, monkeypatch):
+    # the bound's edge: a stream missing exactly MISSING_OBJECTS_NAMED objects still names each
+    monkeypatch.setattr(_verify, "MISSING_OBJECTS_NAMED", 2)
+    for name in ("p0.0", "p0.1"):
+        os.remove(ckpt / "data" / name)
+    report = jaxckpt.verify(ckpt)
+    assert [d["file"] for d in report.damaged] == ["data/p0.0", "data/p0.1"]
+    monkeypatch.setattr(_verify, "MISSING_OBJECTS_NAMED", 1)
+    report = jaxckpt.verify(ckpt)
+    said = "data/p0.*: the stream of process 0 is 6468 bytes in 2 data objects of 4096 bytes, 2 of them missing"
+    assert report.damaged == [{"file": "data/p0.*", "message": said, "leaves": ["e", "s", "w"],
+                               "chunks": ["cell [0]", "cell [0, 0]", "cell [0, 0]"], "unrestorable": True}]

@@ -18,6 +18,11 @@ inputs every time (a few seconds). For a longer search set
 end-to-end one N // 3, e.g. ``JAXCKPT_FUZZ_EXAMPLES=20000 pytest -m slow tests/test_fuzz.py``
 (a failure prints the ``@reproduce_failure`` decorator that replays it).
 
+One more property (issue 30) draws small format-3 manifests declaring whatever their
+bounds allow (16 TiB leaves, a million chunks, 4 KiB data objects, gaps) with no data
+stored: ``verify`` walks at most ``_verify.MISSING_OBJECTS_NAMED`` data objects and no
+entry of them.
+
 The second half of the module tries the hostile cases of the issue by hand.
 
 Both layouts are tried: format 3's manifest (the default: runs of entries in data
@@ -44,7 +49,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _dtypes, _layout, _manifest, _snapshot, _streams, _tree
+from jaxckpt import _dtypes, _layout, _manifest, _snapshot, _streams, _tree, _verify
 from jaxckpt.inspect import LazyArray
 
 _ENV = os.environ.get("JAXCKPT_FUZZ_EXAMPLES")
@@ -520,6 +525,74 @@ def test_reading_a_mutated_manifest_gives_right_values_or_checkpoint_error(saved
     _check_values(got, saved[1], base_doc, man, corner=how == "open_corner")
 
 
+# --- the work a small manifest implies: bounded by what the checkpoint holds ------------------
+
+
+@st.composite
+def lying_streams(draw):
+    """A format-3 manifest of 1 to 4 leaves (about 1 KB), whatever sizes, chunk counts,
+    data object size and gaps its bounds allow: with no data object stored, every
+    object and entry it implies is a lie."""
+    segment = draw(st.one_of(st.just(_streams.MIN_SEGMENT_BYTES),
+                             st.integers(_streams.MIN_SEGMENT_BYTES, _streams.MAX_SEGMENT_BYTES)))
+    recs, end, at = [], 0, 0
+    for i in range(draw(st.integers(1, 4))):
+        dtype = draw(st.sampled_from(["uint8", "float32"]))
+        itemsize = _dtypes.DTYPES[dtype].itemsize
+        dim = draw(st.one_of(st.integers(1, 1 << 12), st.integers(1, (1 << 44) // itemsize)))
+        chunk = -(-dim // draw(st.integers(1, min(dim, 1 << 20))))
+        count, entry = -(-dim // chunk), chunk * itemsize + 4
+        at += draw(st.sampled_from([0, 64, 1 << 30]))  # gaps between leaves' entries
+        recs.append({"path": f"l{i}", "kind": "array", "dtype": dtype, "shape": [dim], "store": "stream",
+                     "chunk_shape": [chunk], "nbytes": dim * itemsize, "codec": "raw", "entry_bytes": entry,
+                     "runs": [[0, 0, count, at]]})
+        end = at + (count - 1) * _streams.stride_for(entry) + entry
+        at = -(-end // _streams.ALIGN) * _streams.ALIGN
+    doc = {"format": "jaxckpt", "format_version": 3, "process_count": 1, "segment_bytes": segment,
+           "streams": {"0": end}, "structure": {"dict": [[r["path"], {"leaf": i}] for i, r in enumerate(recs)]},
+           "leaves": recs}
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+@pytest.fixture
+def verify_work(monkeypatch):
+    """What verify walks one by one: the data objects it expects, the entries it plans to read."""
+    seen = {"objects": 0, "entries": 0}
+    expected, plan = _verify.expected_files, _verify._plan_entries
+
+    def expected_files(*args, **kwargs):
+        out = expected(*args, **kwargs)
+        seen["objects"] += sum(name.startswith("data/") for name in out)
+        return out
+
+    def plan_entries(*args, **kwargs):
+        out = plan(*args, **kwargs)
+        seen["entries"] += len(out)
+        return out
+
+    monkeypatch.setattr(_verify, "expected_files", expected_files)
+    monkeypatch.setattr(_verify, "_plan_entries", plan_entries)
+    return seen
+
+
+@pytest.mark.slow
+@_settings(E2E_EXAMPLES, 5000)
+@given(data=st.data())
+def test_verify_walks_no_more_than_a_lying_manifest_holds(tmp_path_factory, verify_work, data):
+    # whatever a ~1 KB manifest declares, verify walks at most MISSING_OBJECTS_NAMED data
+    # objects of a stream whose objects are missing, and no entry
+    body = data.draw(lying_streams())
+    path = tmp_path_factory.mktemp("lying")
+    (path / "manifest.json").write_bytes(body)
+    verify_work.update(objects=0, entries=0)
+    report = jaxckpt.verify(path)
+    assert not report.ok
+    event("manifest refused" if report.problems[0]["chunk"] == "manifest.json" else
+          "stream lost" if report.damaged[0]["file"] == "data/p0.*" else "objects named")
+    assert verify_work["objects"] <= _verify.MISSING_OBJECTS_NAMED and verify_work["entries"] == 0, verify_work
+    assert len(report.problems) <= 4 * (_verify.MISSING_OBJECTS_NAMED + 1)
+
+
 # --- the hostile cases of the issue, by hand ---------------------------------------------
 
 
@@ -795,20 +868,24 @@ def test_a_chunk_that_is_not_a_regular_file_is_corrupt_and_never_blocks(small_ck
         np.testing.assert_array_equal(jaxckpt.open(small_ckpt)[other][...], SMALL_CKPT[other])
 
 
+HUGE = 1 << 40  # the bytes of the leaf _declare_huge promises
+
+
 def _declare_huge(loc, monkeypatch):
-    """The big leaf's manifest record promises a 16 TiB leaf in one chunk, on a machine
+    """The big leaf's manifest record promises a 1 TiB leaf in one chunk, on a machine
     that cannot allocate more than 1 GiB at once. (Format 3: its entry after the small
-    leaf's, the stream as long as that makes it: a valid manifest.)"""
+    leaf's, the stream as long as that makes it: a valid manifest, its 1 MiB data objects
+    within the million a manifest may imply.)"""
     from jaxckpt._storage import chunkfiles as _chunkfiles
     from jaxckpt._storage import kvstore as _kvstore
 
     doc = json.loads(_kvstore.read_blob(loc, "manifest.json"))
     del doc["checksum"]  # edited: read as a manifest written before checksums
-    _leaf(doc, "big").update(shape=[1 << 42], chunk_shape=[1 << 42], nbytes=1 << 44)
+    _leaf(doc, "big").update(shape=[1 << 38], chunk_shape=[1 << 38], nbytes=HUGE)
     if doc["format_version"] == 3:
         assert _leaf(doc, "small")["runs"] == [[0, 0, 1, SPLIT]] and doc["streams"] == {"0": SPLIT + 52}
-        _leaf(doc, "big").update(entry_bytes=(1 << 44) + 4, runs=[[0, 0, 1, SPLIT + 64]])
-        doc["streams"] = {"0": SPLIT + 64 + (1 << 44) + 4}
+        _leaf(doc, "big").update(entry_bytes=HUGE + 4, runs=[[0, 0, 1, SPLIT + 64]])
+        doc["streams"] = {"0": SPLIT + 64 + HUGE + 4}
     _kvstore.write_blob(loc, "manifest.json", json.dumps(doc).encode())
     real = _chunkfiles.aligned_empty
 
@@ -840,7 +917,7 @@ def test_a_promised_leaf_too_big_to_allocate_is_an_error_not_a_crash(small_ckpt,
     with pytest.raises(jaxckpt.CheckpointError) as err:  # the whole leaf: its buffer first
         jaxckpt.restore(path)
     assert type(err.value) is jaxckpt.CheckpointError
-    assert str(err.value) == f"Checkpoint '{path}': leaf 'big': could not allocate {1 << 44} bytes to read it into"
+    assert str(err.value) == f"Checkpoint '{path}': leaf 'big': could not allocate {HUGE} bytes to read it into"
     error = jaxckpt.CorruptCheckpointError if where == "local" else jaxckpt.CheckpointError
     with pytest.raises(error) as err:  # three elements: format 1: only tensorstore would allocate the chunk
         jaxckpt.open(path)["big"][:3]
@@ -851,4 +928,4 @@ def test_a_promised_leaf_too_big_to_allocate_is_an_error_not_a_crash(small_ckpt,
     elif where == "local":  # format 3: the data object's size gives the lie away before the entry's buffer
         assert f"leaf 'big' chunk cell [0] could not be read: DATA_LOSS: data object {os.path.join(path, 'data', 'p0.1')} ended early: it has 52 bytes" in str(err.value)
     else:
-        assert f"could not allocate {1 << 44} bytes" in str(err.value)
+        assert f"could not allocate {HUGE} bytes" in str(err.value)

@@ -284,3 +284,24 @@ def test_manager_skips_and_reports_steps_with_bad_manifests(tmp_path, caplog):
     found, skipped = _commit.discover(_location.resolve(str(directory)))
     assert sorted(found) == [3] and sorted(skipped) == [5, 7]
     assert f"Checkpoint '{directory / '5'}': invalid manifest" in skipped[5]
+
+
+def test_a_packed_array_of_17_billion_chunks_is_refused_at_once(tmp_path):
+    # format 1: a 375-byte manifest whose packed array is 1 TiB in 64-byte chunks (c1abc6a's
+    # verify walked its 17 billion chunks until memory ran out)
+    from test_format3_faults import _verify_capped
+
+    n = 1 << 40
+    doc = {"format": "jaxckpt", "format_version": 1, "process_count": 1,
+           "packed": [{"process": 0, "nbytes": n, "chunk_bytes": 64}], "structure": {"dict": [["a", {"leaf": 0}]]},
+           "leaves": [{"path": "a", "kind": "array", "dtype": "uint8", "shape": [n], "store": "packed", "key": "0",
+                       "chunk_shape": [n], "nbytes": n, "chunks": [[0, 0]]}]}
+    path = tmp_path / "hostile"
+    path.mkdir()
+    (path / "manifest.json").write_text(json.dumps(doc))
+    said = f"Checkpoint '{path}': invalid manifest: packed entry {{'process': 0, 'nbytes': {n}, 'chunk_bytes': 64}}"
+    report = _verify_capped(path)
+    assert (report["ok"], report["problems"]) == (False, [{"leaf": None, "chunk": "manifest.json", "message": said}])
+    with pytest.raises(jaxckpt.CorruptCheckpointError) as err:
+        jaxckpt.metadata(path)
+    assert str(err.value) == said

@@ -420,9 +420,9 @@ def check_entry(root: Location, process: int, offset: int, payload_nbytes: int, 
     Raises ``read_entry``'s ``CorruptCheckpointError``; nothing on object stores."""
     if root.local is None:
         return
-    spans = list(pieces(offset, payload_nbytes + CRC_BYTES, segment_bytes))
-    where = _Where(root, process, offset, spans)
-    for n, start, stop in spans:
+    where = _Where(root, process, offset, [])
+    # one object at a time: the first that does not hold its part ends it, however many the entry spans
+    for n, start, stop in pieces(offset, payload_nbytes + CRC_BYTES, segment_bytes):
         try:
             st = os.stat(where.object(n))
         except (FileNotFoundError, NotADirectoryError):
