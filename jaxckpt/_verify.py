@@ -290,7 +290,12 @@ def verify(path: Any, *, progress: Progress | None = None) -> VerifyReport:
     return _verify(_location.resolve(path), progress)
 
 
-def _verify(loc: Location, progress: Progress | None) -> VerifyReport:
+def verify_part(path: Any, elsewhere: Collection[int]) -> VerifyReport:
+    """``verify`` of a host's own directory of a step (``elsewhere``: processes whose streams others hold)."""
+    return _verify(_location.resolve(path), None, frozenset(elsewhere))
+
+
+def _verify(loc: Location, progress: Progress | None, elsewhere: frozenset[int] = frozenset()) -> VerifyReport:
     start = time.perf_counter()
     try:
         man = _formats.read_manifest(loc)  # also: a manifest copied from another step
@@ -308,7 +313,7 @@ def _verify(loc: Location, progress: Progress | None) -> VerifyReport:
     skip: set[str] = set()
     root = man.data_root(loc)  # file names below are relative to it
     found = list_files(root.local) if root.local is not None else None
-    lost = _lost_streams(root, man, found, problems)
+    lost = _lost_streams(root, man, found, problems, elsewhere) | elsewhere
     if found is not None:
         skip = _check_files(found, man, expected_files(man, owners, lost), problems)
     reads, n_chunks = _plan_reads(root, man, owners, skip, lost)
@@ -466,7 +471,7 @@ def list_files(root: str) -> dict[str, int]:
     return found
 
 
-def _lost_streams(root: Location, man: Manifest, found: dict[str, int] | None, problems: _Problems) -> set[int]:
+def _lost_streams(root: Location, man: Manifest, found: dict[str, int] | None, problems: _Problems, skip: frozenset) -> set[int]:
     """Format 3: the streams missing more than ``MISSING_OBJECTS_NAMED`` of the objects their
     lengths imply (``found``: the local listing, their objects dropped from it; else listed
     here), each one problem per leaf with an entry there (its first chunk there)."""
@@ -476,7 +481,8 @@ def _lost_streams(root: Location, man: Manifest, found: dict[str, int] | None, p
                  else _dataobjects.stored_sizes(root.child(_reader.STREAM_DIR)) if man.streams else [])
     except CheckpointError:  # no listing: each entry's read reports what is missing
         return set()
-    lost = _streams.lost_streams(man.streams, man.segment_bytes, names, MISSING_OBJECTS_NAMED)
+    here = {p: n for p, n in man.streams.items() if p not in skip}
+    lost = _streams.lost_streams(here, man.segment_bytes, names, MISSING_OBJECTS_NAMED)
     for p, why in lost.items():
         for rec in (r for r in man.leaves if _has_data(r, "stream")):
             first = next((f for q, f, _, _ in rec.runs if q == p and (not rec.sizes or rec.sizes[f])), None)

@@ -214,7 +214,7 @@ class Retainer:
 
 
 def verify_or_delete(directory: _location.Location, step: int, op_id: int, timeout_s: float | None,
-                     leads: bool) -> None:
+                     groups: _hosts.HostGroups) -> None:
     """``verify_before_delete``: the first process of each directory reads its copy
     back; every process learns every verdict. A step that fails is deleted. The
     reading happens inside the agreement, so the peers judge a long verify by its
@@ -222,9 +222,10 @@ def verify_or_delete(directory: _location.Location, step: int, op_id: int, timeo
     final = directory.child(_commit.step_name(step))
     error: BaseException | None = None
     with _distributed.Operation(f"verify{op_id}", str(final), timeout_s) as op:
-        if leads:
+        if groups.leads:  # with a directory per host, its own part (the others' streams are theirs)
             try:
-                report = _verify.verify(final)
+                report = (_verify.verify_part(final, set(range(_distributed.process_count())) - set(groups.mine))
+                          if groups.per_host else _verify.verify(final))
                 if not report.ok:  # one entry per damaged file, with the leaves it costs
                     shown = "; ".join(_damage(d) for d in report.damaged[:3])
                     more = f" (and {len(report.damaged) - 3} more)" if len(report.damaged) > 3 else ""
@@ -235,7 +236,7 @@ def verify_or_delete(directory: _location.Location, step: int, op_id: int, timeo
     if error is None:
         return
     _log.error("jaxckpt: %s; deleting it", error)
-    if leads:
+    if groups.leads:
         _commit.delete_step(directory, step, _commit.new_token())
     raise error
 

@@ -326,7 +326,7 @@ class CheckpointManager:
         manifest = _checkpoint.save_snapshot(final, snap, info=info, check=check,
                                              timeout_s=self._timeout, op_id=op_id)
         if self._verify:
-            _cleanup.verify_or_delete(self._dir, step, op_id, self._timeout, self._groups.leads)
+            _cleanup.verify_or_delete(self._dir, step, op_id, self._timeout, self._groups)
         if self._peers is not None:
             return manifest  # listed once its peer copies are made: _after_write
         self._listed(step, manifest)
