@@ -219,6 +219,26 @@ def test_per_host_directories_persistent_tiers_and_a_replaced_host(tmp_path, s3_
         client.put_object(Bucket="jaxckpt-test", Key=key + name, Body=bytes(data))
 
     check_persistent(a, s3_server("f3hosts/2"), read_s3, flip_s3)
+    check_host_parts(str(tmp_path / "local1"))
+
+
+def check_host_parts(local):
+    """verify_before_delete's check of one host's directory (``_verify.verify_part``): host
+    a's own streams verify ok, though its manifest also locates entries in host b's stream
+    (which a plain verify of a's directory finds missing); a byte flipped in a's own stream
+    is still caught, naming the leaf."""
+    from jaxckpt import _verify
+
+    host_a = os.path.join(local, "a", "2")
+    assert _verify.verify_part(host_a, {2}).ok
+    plain = jaxckpt.verify(host_a)
+    assert not plain.ok and {d["file"] for d in plain.damaged} == {"data/p2.0"}, plain.damaged
+    assert _verify.verify_part(os.path.join(local, "b", "2"), {0, 1}).ok
+    flip_local(host_a)("p0.0", 200)
+    report = _verify.verify_part(host_a, {2})
+    assert not report.ok and len(report.damaged) == 1, report.damaged  # the entry spans small objects
+    assert report.damaged[0]["file"].startswith("data/p0.0") and report.damaged[0]["leaves"] == ["r"]
+    assert "digest mismatch" in report.damaged[0]["message"]
 
 
 def test_one_process_copies_its_data_objects_to_the_persistent_tier(tmp_path, monkeypatch):
