@@ -304,3 +304,54 @@ def test_a_failed_peer_copy_keeps_the_step_and_copies_it_at_the_next_save(tmp_pa
         assert missing[0].endswith("; the step is kept without its peer copies (sent again at the next save)")
     assert f"no room for the peer copies of step 3 in '{tmp_path / 'host1'}' (process 1): they take " \
         in res[1]["warnings"][0]
+
+
+def test_deleting_a_step_only_the_persistent_tier_lists_leaves_nothing_to_rebuild_it_from(tmp_path):
+    """Host 1 lost its directory: step 1 is listed from the persistent tier only, while
+    host 0 still holds its own part of it and its peer copy of host 1's. ``delete(1)``
+    takes all of them (the breaker's case against c1abc6a's successor: the restore after
+    the delete rebuilt step 1 from those parts, bit for bit version 1, and listed it
+    again)."""
+    durable = str(tmp_path / "durable")
+    run_job({"path": str(tmp_path), "save": [1, 2], "keep": 3, "durable": durable, "every": 1})
+    shutil.rmtree(tmp_path / "host1")
+    res = run_job({"path": str(tmp_path), "keep": 3, "durable": durable, "every": 1,
+                   "ops": [["tiers"], ["delete", 1], ["restore", 1], ["tiers"]]})
+    for p in (0, 1):
+        ops = res[p]["ops"]
+        assert ops[0]["tiers"]["1"] == ["persistent"], ops[0]
+        assert ops[1] == {"steps": [2]}, ops[1]
+        assert ops[2]["error"].startswith("CheckpointNotFoundError: No committed step 1 "), ops[2]
+        assert ops[3]["steps"] == [2], ops[3]
+        assert "1" not in res[p]["on_disk"] and "1" not in res[p]["durable_on_disk"], res[p]
+        assert all("1" not in steps for steps in res[p]["peers"].values()), res[p]["peers"]
+    res = run_job({"path": str(tmp_path), "keep": 3, "durable": durable, "every": 1, "ops": [["restore", 1]]})
+    for p in (0, 1):
+        assert res[p]["steps_at_start"] == [2]
+        assert res[p]["ops"][0]["error"].startswith("CheckpointNotFoundError: No committed step 1 "), res[p]["ops"]
+
+
+def test_a_delete_one_host_refuses_is_done_on_none_and_the_listings_stay_one(tmp_path):
+    """A live reader mark on host 1's step 3 (an evaluator restoring it) refuses
+    ``delete(3)`` there: no host deletes its part, every process raises and still lists
+    step 3, and the run goes on with one listing everywhere. (Before, host 0 deleted its
+    part and process 0 stopped listing the step while process 1 kept it: retention then
+    deleted different steps per host, and a step saved again by one process paired with
+    another step's save in the other, restoring one step's bytes as another's.)"""
+    from jaxckpt._manager.marks import ReaderMark
+    from jaxckpt._storage.location import resolve
+
+    os.makedirs(tmp_path / "host1")
+    with ReaderMark(resolve(str(tmp_path / "host1")), 3):
+        res = run_job({"path": str(tmp_path), "keep": 3,
+                       "ops": [["save", 1], ["save", 2], ["save", 3], ["delete", 3], ["tiers"], ["save", 4],
+                               ["tiers"]]})
+    for p in (0, 1):
+        ops = res[p]["ops"]
+        assert "is being restored by pid" in ops[3]["error"] and "host1' is being restored" in ops[3]["error"], ops[3]
+        assert ops[4]["steps"] == [1, 2, 3], ops[4]
+        assert ops[6]["steps"] == [2, 3, 4], ops[6]
+    res = run_job({"path": str(tmp_path), "keep": 3, "ops": [["delete", 3], ["restore", None]]})
+    for p in (0, 1):
+        assert res[p]["steps_at_start"] == [2, 3, 4]
+        assert res[p]["ops"] == [{"steps": [2, 4]}, {"step": 4, "version": 1, "w": 1, "b": 1, "steps": [2, 4]}]

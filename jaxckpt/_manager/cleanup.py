@@ -267,29 +267,46 @@ def delete_durable(persistent: _tiers.PersistentTier, step: int, op_id: int, tim
 
 
 def delete_agreed(directory: _location.Location, step: int, op_id: int, timeout_s: float | None,
-                  lease: _lease.Lease | None, error: BaseException | None) -> BaseException | None:
-    """``delete``: the lease holder deletes ``step`` (unless ``error``, this process's
-    refusal, or its own); every process learns every verdict. Only the lease holder knows
-    whether its lease is lost, only the first process of a directory sees its reader
-    marks. Returns the first refusal of any process."""
-    if error is None and lease is not None:
-        try:
-            error = _delete_as_leader(directory, step, lease)
-        except Exception as e:  # noqa: BLE001 - reported to every process, then raised
-            error = e
+                  lease: _lease.Lease | None, error: BaseException | None) -> tuple[BaseException | None, bool]:
+    """``delete`` in two rounds, so that a step is deleted on every host or on none: first
+    each process says whether it may (``error``: its own refusal, e.g. a pin; the lease
+    holder of each directory checks its lease and the reader marks there), one verdict for
+    all; then, only if none refused, each lease holder deletes what its directory holds of
+    ``step`` (nothing, for a host that lacks it), one verdict again. Returns the first
+    error of any process and whether the second round ran (the step is then gone from
+    every directory but where the error says)."""
     with _distributed.Operation(f"delete{op_id}", str(directory), timeout_s) as op:
-        return _hosts.share_verdict(op, "deleted", error)
+        if error is None and lease is not None:
+            error = _may_delete(directory, step, lease)
+        error = _hosts.share_verdict(op, "may", error)
+        if error is not None:
+            return error, False
+        if lease is not None:
+            try:
+                error = _delete_as_leader(directory, step, lease)
+            except Exception as e:  # noqa: BLE001 - reported to every process, then raised
+                error = e
+        return _hosts.share_verdict(op, "deleted", error), True
+
+
+def _may_delete(directory: _location.Location, step: int, lease: _lease.Lease) -> CheckpointError | None:
+    """The refusal of deleting ``step`` in this lease holder's directory, if any."""
+    if lease.lost:
+        return CheckpointError(f"CheckpointManager for '{directory}' cannot delete step {step}: {lease.lost}")
+    readers = _marks.live_readers(directory, step)
+    if not readers:
+        return None
+    who = ", ".join(_lease.describe_owner(r) for r in readers)
+    return CheckpointError(f"Step {step} in '{directory}' is being restored by {who}; delete it afterwards")
 
 
 def _delete_as_leader(directory: _location.Location, step: int, lease: _lease.Lease) -> CheckpointError | None:
-    """Delete ``step`` in this process's directory; the error refusing it, if any."""
-    if lease.lost:
-        return CheckpointError(f"CheckpointManager for '{directory}' cannot delete step {step}: {lease.lost}")
+    """Delete ``step`` in this process's directory; the error refusing it, if any (a reader
+    that came since the first round: this directory keeps its part, unlisted)."""
     if _marks.delete_unless_read(directory, step, _commit.new_token()):
         return None
-    readers = _marks.live_readers(directory, step)
-    who = ", ".join(_lease.describe_owner(r) for r in readers) or "another process"
-    return CheckpointError(f"Step {step} in '{directory}' is being restored by {who}; delete it afterwards")
+    return _may_delete(directory, step, lease) or CheckpointError(
+        f"Step {step} in '{directory}' is being restored by another process; delete it afterwards")
 
 
 def attempts(directory: _location.Location) -> list[dict[str, Any]]:

@@ -198,6 +198,11 @@ class PartialSteps:
         with self._lock:
             self._steps.pop(step, None)
 
+    def forget(self, step: int) -> None:
+        """``step`` was deleted (``delete``): what some host kept of it is no step any more."""
+        with self._lock:
+            self._steps.pop(step, None)
+
     def drop(self, committed: int, durable: set[int], deleter: Any) -> None:
         """After ``committed`` is committed everywhere: delete the partial steps it
         supersedes (older ones) and those the persistent tier holds (the same decision in

@@ -504,23 +504,31 @@ def _check_step(mgr: CheckpointManager, step: Any, force: bool) -> int:
 
 
 def _delete(mgr: CheckpointManager, step: int) -> None:
-    """``delete``: the local step with its peer copies, then its persistent copy. Whether
+    """``delete``: the step in every host's directory (a listed step, or the parts of one
+    only the persistent tier lists), its peer copies, then its persistent copy. Whether
     each tier holds ``step`` is the same in every process (the agreed listing; the
-    persistent tier's, once its copies in flight are done)."""
+    persistent tier's, once its copies in flight are done), so every process takes the
+    same rounds; the step is deleted on every host or on none (``delete_agreed``)."""
     durable = mgr._persistent is not None and step in mgr._persistent.settled_steps()
-    if step in mgr._steps.local or not durable:
-        op_id = _distributed.next_id()  # before any verdict that one process may reach alone
-        error: BaseException | None = mgr._retention.unlist(step)
-        unlisted = error is None
-        error = _cleanup.delete_agreed(mgr._dir, step, op_id, mgr._timeout, mgr._lease, error)
-        if error is not None and unlisted:  # listed again, unless deleted here (refused elsewhere)
+    listed = step in mgr._steps.local
+    if not listed and not durable:
+        raise CheckpointNotFoundError(f"No committed step {step} in '{mgr._dir}' (committed: {mgr.all_steps()})")
+    op_id = _distributed.next_id()  # before any verdict that one process may reach alone
+    refusal = mgr._retention.unlist(step) if listed else (CheckpointError(
+        f"Step {step} in '{mgr._dir}' is being restored; delete it afterwards") if mgr._pins.held(step) else None)
+    error, ran = _cleanup.delete_agreed(mgr._dir, step, op_id, mgr._timeout, mgr._lease, refusal)
+    if not ran:  # refused somewhere, deleted nowhere: listed again in every process
+        if listed and refusal is None:
             mgr._steps.relist(step, error)
-        if error is not None:
-            raise error
-        if mgr._peers is not None:  # deleted on every host: its peer copies go too
-            mgr._peers.drop(step)
+        raise error
+    mgr._partial.forget(step)
+    if mgr._peers is not None:  # gone from every host's directory: its peer copies go too
+        mgr._peers.drop(step)
     if durable:
         _cleanup.delete_durable(mgr._persistent, step, _distributed.next_id(), mgr._timeout)
+    if error is not None:
+        raise CheckpointError(f"Step {step} was deleted from '{mgr._dir}' and is listed nowhere, but a directory "
+                              f"kept its part: {error}")
 
 
 def _restore_here(mgr: CheckpointManager, step: int | None, read: Callable[[Any], Any]) -> Any:
