@@ -620,11 +620,14 @@ def _stage_wave(planned: Planned, *, copy: bool, fill_packed: Callable[[], np.nd
     started = [_start_host(leaf, chunk, copy) for leaf, chunk in planned.items]
     shards: dict[int, list[tuple[_layout.Index, np.ndarray]]] = {}
     sizing: dict[int, list[tuple[_layout.Index, np.ndarray]]] = {}
+    sizing_nbytes = 0
     for item, host in zip(planned.items, started):
         leaf, chunk = item
         into = sizing if isinstance(item, _Sizing) else shards
         into.setdefault(leaf.slot, []).append((chunk.region, np.asarray(host)))
-    return Wave(shards, fill_packed() if planned.first else None, planned.nbytes, sizing)
+        if isinstance(item, _Sizing):
+            sizing_nbytes += _cost(leaf, chunk, copy)
+    return Wave(shards, fill_packed() if planned.first else None, planned.nbytes, sizing, sizing_nbytes)
 
 
 def _start_host(leaf: _ArrayLeaf, chunk: _Chunk, copy: bool) -> Any:

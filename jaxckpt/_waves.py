@@ -60,6 +60,7 @@ class Wave:
     # format 3's compressed chunks staged to be encoded for their sizes only (the stream's
     # length needs them before any entry is written); they are staged again, in ``shards``
     sizing: dict[int, list[tuple[_layout.Index, np.ndarray]]] = dataclasses.field(default_factory=dict)
+    sizing_nbytes: int = 0  # what ``sizing`` counts of ``nbytes`` (given back once sized: ``sized``)
 
 
 class Planned(NamedTuple):
@@ -168,6 +169,17 @@ class Waves:
         """``wave`` is written (or failed): free its buffers and its share of the budget."""
         with self._cond:
             self._free(wave)
+
+    def sized(self, wave: Wave) -> None:
+        """``wave``'s compressed chunks are sized: free them and their share of the budget
+        (a wave the writer holds until every chunk is sized then holds only what it writes,
+        so the chunks still to size can be staged beside it)."""
+        with self._cond:
+            wave.sizing = {}
+            self._budget.give(wave.sizing_nbytes)
+            wave.nbytes -= wave.sizing_nbytes
+            wave.sizing_nbytes = 0
+            self._cond.notify_all()
 
     def _free(self, wave: Wave) -> None:
         wave.shards, wave.packed, wave.sizing = {}, None, {}

@@ -127,6 +127,8 @@ def _write_stream(staging: Location, snap: Snapshot) -> bytes:
                 coder.size(snap, wave.sizing)
                 if not wave.shards:  # sized only: its budget goes back at once
                     _release(snap, taken.pop())
+                elif snap.waves is not None and wave.sizing_nbytes:  # held for the stream: its sized part goes
+                    snap.waves.sized(wave)
                 if not coder.sized:
                     continue  # later waves hold compressed chunks still to size
                 if table is None:

@@ -641,6 +641,39 @@ def test_encoded_chunks_kept_for_the_write_stay_within_their_bound(tmp_path, mon
         assert_bit_equal(back[k], v)
 
 
+@pytest.mark.parametrize("budget_mib, pattern", [(4, "np_big"), (4, "*"), (1, "*")])
+def test_a_view_beside_compressed_chunks_bigger_than_half_the_budget_does_not_hold_the_save(tmp_path, budget_mib,
+                                                                                              pattern):
+    """A CPU jax leaf (staged as a view: no budget) and a 6 MiB numpy leaf of 3 MiB chunks
+    compressed, async, within 4 (or 1) MiB: the first wave (the view and the first chunk
+    to size) is held by the writer until every chunk is sized, and held the first chunk's
+    budget with it, so the second never fit: ``save`` never returned (a breaker's case).
+    Now a held wave gives its sized chunks' budget back."""
+    import threading
+
+    import jax
+
+    rng = np.random.default_rng(0)
+    state = {"jx": jax.numpy.asarray(rng.standard_normal((512, 512)).astype(np.float32)),
+             "np_big": rng.standard_normal((1536, 1024)).astype(np.float32)}
+    mgr = jaxckpt.CheckpointManager(tmp_path / "m", compression={pattern: "zstd"}, max_staging_bytes=budget_mib << 20)
+    done = threading.Event()
+
+    def save():
+        mgr.save(0, state)
+        mgr.wait_until_finished()
+        done.set()
+
+    saver = threading.Thread(target=save, daemon=True)
+    saver.start()
+    saver.join(60)
+    assert done.is_set(), "the save did not finish within 60 s"
+    back = mgr.restore(0)
+    mgr.close()
+    for k in state:
+        assert_bit_equal(back[k], np.asarray(state[k]))
+
+
 @pytest.mark.parametrize("async_save", [False, True])
 def test_the_manager_compresses_and_quantizes_within_max_staging_bytes(tmp_path, async_save):
     # Issue 30, defects 3 and 11: c1abc6a built this manager and then failed every save
