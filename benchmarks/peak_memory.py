@@ -187,10 +187,15 @@ class PeakRSS:
             self._stop.set()
             self._thread.join()
             self.peak = max(max(self._samples), rss_bytes())
+        _trim()
+        self.after = rss_bytes()
 
     def result(self, held: int = 0, **extra: object) -> dict:
-        """``peak_above_mib``: the peak over the RSS before, less ``held`` (a restore's result)."""
-        return {"peak_above_mib": (self.peak - self.before - held) / MiB, "before_mib": self.before / MiB,
+        """``peak_above_mib``: the peak over the RSS before, less ``held`` (a restore's
+        result); ``after_above_mib``: the same of the RSS once the block is over (what it
+        kept, the result aside)."""
+        return {"peak_above_mib": (self.peak - self.before - held) / MiB,
+                "after_above_mib": (self.after - self.before - held) / MiB, "before_mib": self.before / MiB,
                 "held_mib": held / MiB, "method": self.method, **extra}
 
 
@@ -325,18 +330,21 @@ def save_case(case: str, mib: int, args: argparse.Namespace) -> dict:
     if name in ("save_async", "save_budget"):
         budget = {"max_staging_bytes": BUDGET_MIB * MiB} if name == "save_budget" else {}
 
-        def save(where: object, state: dict) -> None:
+        def save(where: object, state: dict) -> dict:
             with jaxckpt.CheckpointManager(where, async_save=True, **budget) as mgr:
                 mgr.save(1, state)
                 mgr.wait_until_finished()
+            staging = getattr(mgr, "_staging", None)  # the budget's own count of bytes staged at once
+            return {"staged_peak_mib": staging.peak / MiB} if staging is not None else {}
 
         def make(size: int) -> dict:
             return host_state(size, args.leaf_mib)
     else:
         options = {"save_zstd": {"compression": "zstd"}, "save_quant": {"quantize": {"mu*": "int8"}}}.get(name, {})
 
-        def save(where: object, state: dict) -> None:
+        def save(where: object, state: dict) -> dict:
             jaxckpt.save(where, state, **options)
+            return {}
 
         def make(size: int) -> dict:
             return put(host_state(size, args.leaf_mib), four_devices())
@@ -344,10 +352,9 @@ def save_case(case: str, mib: int, args: argparse.Namespace) -> dict:
         where = destination(case, args, tag)
         state = make(size)
         with PeakRSS() as m:
-            save(where, state)
-        state_bytes = held_bytes(state)
+            extra = save(where, state)
+        extra["state_mib"] = held_bytes(state) / MiB
         del state
-    extra: dict = {"state_mib": state_bytes / MiB}
     if store(case):  # which path the save took: data objects in parts, or whole
         from jaxckpt._storage import gcs, location, s3
 
