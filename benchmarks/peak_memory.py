@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Peak host memory per path, at two state sizes (issue 30: the table in docs/guarantees.md).
 
-    python benchmarks/peak_memory.py                    # 256 and 512 MiB, every path (~4 min on 2 cores)
+    python benchmarks/peak_memory.py                    # 256 and 512 MiB, every path (4.5 min on 2 cores)
     python benchmarks/peak_memory.py --mib 512 1024     # other sizes
     python benchmarks/peak_memory.py --cases save_raw,verify --json bench_out/peak.json
     python benchmarks/peak_memory.py --smoke            # 4 and 8 MiB, every path, under a minute
@@ -52,8 +52,10 @@ holds a share of the state grows), half under ``params``, half under ``mu``
 
 Every measured process first runs the same path on a 1 MiB state (imports, thread pools,
 stores opened: fixed costs that would otherwise count). Each case and size runs in fresh
-processes (``--smoke``: one process or job per case for both sizes, to stay short; its
-figures are not the table's). The servers are processes of their own and not counted.
+processes. ``--smoke`` (1 MiB leaves) checks that every path runs, in few processes: the
+one-process cases in two (the optional extras present, then hidden), the 2-process ones
+in two jobs (the saves, then the rest), each for both sizes; its figures are not the table's. The servers are
+processes of their own and not counted.
 
 Columns: the peak above the state at each size, ``B/A`` (about 1 when flat, 2 when it
 grows with the state; ``-`` when the smaller is under 1 MiB) and ``slope`` = (peak at B -
@@ -64,6 +66,7 @@ holds a copy of the state). The exit status is 1 if any case failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import json
@@ -78,6 +81,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -264,11 +268,19 @@ def check_first_leaf(back: dict, mib: int, leaf_mib: float) -> None:
             raise AssertionError(f"restored params/w0 differs from the saved one ({mib} MiB state)")
 
 
-def tune(case: str) -> None:
-    """Set the constant a tuned case sets (after jaxckpt is imported)."""
-    if case in TUNED:
-        _, module, name, value = TUNED[case]
-        setattr(sys.modules[module], name, value)
+@contextlib.contextmanager
+def tuned(case: str) -> Iterator[None]:
+    """The constant a tuned case sets, set for the block (after jaxckpt is imported)."""
+    if case not in TUNED:
+        yield
+        return
+    _, module, name, value = TUNED[case]
+    before = getattr(sys.modules[module], name)
+    setattr(sys.modules[module], name, value)
+    try:
+        yield
+    finally:
+        setattr(sys.modules[module], name, before)
 
 
 # --- one process -----------------------------------------------------------------------
@@ -364,26 +376,30 @@ def save_case(case: str, mib: int, args: argparse.Namespace) -> dict:
 
 
 def single_worker(args: argparse.Namespace) -> None:
+    """One process: each of ``--case`` (comma-separated; all or none ``_bare``) at each of
+    ``--sizes``, or ``setup``."""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    if args.case.endswith("_bare"):  # the optional extra is not installed, as jaxckpt sees it
+    cases = args.case.split(",")
+    if cases[0].endswith("_bare"):  # the optional extras are not installed, as jaxckpt sees it
         sys.modules["boto3"] = None  # type: ignore[assignment]
         sys.modules["google.auth"] = None  # type: ignore[assignment]
     import jaxckpt
     from jaxckpt._storage import gcs
 
-    if args.case == "save_gcs_bare":
+    if "save_gcs_bare" in cases:
         gcs.TOKEN_ENV = "JAXCKPT_BENCH_NO_TOKEN"  # tensorstore still reads its own
-    tune(args.case)
-    if args.case == "setup":  # the checkpoints restore, verify and read-once read
+    if cases == ["setup"]:  # the checkpoints restore, verify and read-once read
         for size in (WARM_MIB, *args.sizes):
             state = put(host_state(size, args.leaf_mib), four_devices())
             jaxckpt.save(ckpt_path(args.dir, "raw", size), state)
             jaxckpt.save(ckpt_path(args.dir, "zstd", size), state, compression="zstd")
             del state
         return
-    for mib in args.sizes:
-        out = (read_case if base(args.case) in NEEDS_CKPT else save_case)(args.case, mib, args)
-        print(MARK + json.dumps({"case": args.case, "mib": mib, "pid": 0, "out": out}), flush=True)
+    for case in cases:
+        for mib in args.sizes:
+            with tuned(case):
+                out = (read_case if base(case) in NEEDS_CKPT else save_case)(case, mib, args)
+            print(MARK + json.dumps({"case": case, "mib": mib, "pid": 0, "out": out}), flush=True)
 
 
 # --- 2-process jobs --------------------------------------------------------------------
@@ -400,7 +416,8 @@ def mp_worker(args: argparse.Namespace) -> None:
     try:
         for case in args.case.split(","):
             for mib in args.sizes:
-                out = mp_case(case, mib, args)
+                with tuned(case):
+                    out = mp_case(case, mib, args)
                 if out is not None:
                     print(MARK + json.dumps({"case": case, "mib": mib, "pid": args.pid, "out": out}), flush=True)
     finally:
@@ -429,7 +446,6 @@ def mp_case(case: str, mib: int, args: argparse.Namespace) -> dict | None:
     name = base(case)
     # read-once only where measured (elsewhere the default: off for a local path)
     os.environ["JAXCKPT_READ_ONCE"] = "1" if name == "read_once" else "auto"
-    tune(case)
     if name == "hosts_save":
         for size, tag in ((WARM_MIB, f"warm{mib}"), (mib, str(mib))):
             with jaxckpt.CheckpointManager(local("hosts", tag), async_save=False, timeout_s=timeout) as mgr:
@@ -593,7 +609,7 @@ def table(peaks: dict[str, dict], sizes: list[int]) -> str:
             continue
         pa, pb = got[a], got[b]
         ratio = f"{pb / pa:.2f}" if pa >= 1 else "-"
-        lines.append(f"| {label} | {pa:.0f} MiB | {pb:.0f} MiB | {ratio} | {(pb - pa) / (b - a):.2f} |")
+        lines.append(f"| {label} | {pa:.0f} MiB | {pb:.0f} MiB | {ratio} | {round((pb - pa) / (b - a), 2) + 0.0:.2f} |")  # no "-0.00"
     return "\n".join(lines)
 
 
@@ -608,14 +624,18 @@ def run_all(cases: list[str], sizes: list[int], args: argparse.Namespace, d: str
     endpoints = {"s3": "", "gcs": ""}
     log = None
 
-    def attempt(case: str, job: list[str], group: list[int], keep: set[str]) -> None:
+    def attempt(job: list[str], group: list[int], keep: set[str], failed: tuple[str, ...] = ()) -> None:
+        """Run ``job``; its cases in ``keep`` recorded; on failure every case in ``failed``
+        (default: the job's) is."""
         try:
             os.sync()  # the last case's dirty pages written back
             lines = spawn(job, group, args, d, endpoints["s3"], timeout)
-            empty_store(store(job[0]), endpoints.get(store(job[0]) or "", ""))
+            for kind in {store(c) for c in job} - {None}:
+                empty_store(kind, endpoints[kind])
         except Exception as e:  # noqa: BLE001 - reported in the table and the exit status
-            errors[case] = str(e)
-            print(f"{case} failed: {e}", file=sys.stderr, flush=True)
+            for case in failed or job:
+                errors[case] = str(e)
+            print(f"{','.join(job)} failed: {e}", file=sys.stderr, flush=True)
             return
         for line in lines:
             if line["case"] in keep:
@@ -634,16 +654,23 @@ def run_all(cases: list[str], sizes: list[int], args: argparse.Namespace, d: str
         if any(base(c) in NEEDS_CKPT for c in cases):
             spawn(["setup"], sizes, args, d, "", timeout)
         singles = [c for c in CASES if c in cases and CASES[c][1] == "single"]
-        for case in singles:
+        bare = [c for c in singles if c.endswith("_bare")]
+        jobs = [[c for c in singles if c not in bare], bare] if args.smoke else [[c] for c in singles]
+        for job in (j for j in jobs if j):
             for group in groups:
-                attempt(case, [case], group, {case})
+                attempt(job, group, set(job))
         mp = [c for c in CASES if c in cases and CASES[c][1] == "mp"]  # the tuned ones last
         # the steps the wiped hosts will lack (peer_save measured, hosts_save not), then the wipe
-        if "host_copy" in mp:
-            attempt("host_copy", ["hosts_save"], sizes, set())
-        if {"peer_save", "peer_repair"} & set(mp):
-            for group in groups:
-                attempt("peer_save", ["peer_save"], group, {"peer_save"} & set(mp))
+        hosts = ["hosts_save"] if "host_copy" in mp else []
+        peers = ["peer_save"] if {"peer_save", "peer_repair"} & set(mp) else []
+        keep, failed = {"peer_save"} & set(mp), ("host_copy",) * bool(hosts) + ("peer_save",) * bool(peers)
+        if args.smoke and hosts + peers:  # one job for both
+            attempt(hosts + peers, sizes, keep, failed)
+        else:
+            if hosts:
+                attempt(hosts, sizes, set(), ("host_copy",))
+            for group in groups if peers else []:
+                attempt(peers, group, keep, ("peer_save",))
             if "peer_save" in errors and "peer_repair" in mp:
                 errors["peer_repair"] = "not run: the save of its step failed"
         for kind in ("hosts", "peers"):
@@ -653,7 +680,7 @@ def run_all(cases: list[str], sizes: list[int], args: argparse.Namespace, d: str
         rest = [c for c in mp if c not in ("peer_save",) and c not in errors]
         for group in groups:
             for job in ([rest] if args.smoke and rest else [[c] for c in rest]):
-                attempt(",".join(job), job, group, set(job))
+                attempt(job, group, set(job))
     finally:
         for proc in servers:
             proc.terminate()
@@ -668,7 +695,7 @@ def main() -> None:
     ap.add_argument("--mib", type=int, nargs=2, default=[256, 512], metavar=("A", "B"), help="the two state sizes")
     ap.add_argument("--leaf-mib", type=float, default=32, help="MiB per leaf (default 32; 1 with --smoke)")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated case ids (default: all)")
-    ap.add_argument("--smoke", action="store_true", help="4 and 8 MiB, one process or job per case")
+    ap.add_argument("--smoke", action="store_true", help="4 and 8 MiB, few processes: every path runs")
     ap.add_argument("--json", help="write every process's figures here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mp-worker", action="store_true", help=argparse.SUPPRESS)
