@@ -69,6 +69,7 @@ import argparse
 import contextlib
 import ctypes
 import gc
+import importlib
 import json
 import os
 import shutil
@@ -270,17 +271,18 @@ def check_first_leaf(back: dict, mib: int, leaf_mib: float) -> None:
 
 @contextlib.contextmanager
 def tuned(case: str) -> Iterator[None]:
-    """The constant a tuned case sets, set for the block (after jaxckpt is imported)."""
+    """The constant a tuned case sets, set for the block."""
     if case not in TUNED:
         yield
         return
-    _, module, name, value = TUNED[case]
-    before = getattr(sys.modules[module], name)
-    setattr(sys.modules[module], name, value)
+    _, name, attr, value = TUNED[case]
+    module = importlib.import_module(name)
+    before = getattr(module, attr)
+    setattr(module, attr, value)
     try:
         yield
     finally:
-        setattr(sys.modules[module], name, before)
+        setattr(module, attr, before)
 
 
 # --- one process -----------------------------------------------------------------------
