@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Peak host memory per path, at two state sizes (issue 30: the table in docs/guarantees.md).
 
-    python benchmarks/peak_memory.py                    # 256 and 512 MiB, every path (4.5 min on 2 cores)
+    python benchmarks/peak_memory.py                    # 256 and 512 MiB, every path (3-4.5 min on 2 cores)
     python benchmarks/peak_memory.py --mib 512 1024     # other sizes
     python benchmarks/peak_memory.py --cases save_raw,verify --json bench_out/peak.json
     python benchmarks/peak_memory.py --smoke            # 4 and 8 MiB, every path, under a minute
