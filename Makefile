@@ -39,6 +39,7 @@ demo: $(STAMP)
 bench-smoke: $(STAMP)
 	$(PY) benchmarks/run.py --smoke
 	$(PY) benchmarks/read_once.py --smoke
+	$(PY) benchmarks/peak_memory.py --smoke
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check jaxckpt tests examples benchmarks tools

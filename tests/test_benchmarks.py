@@ -1,8 +1,9 @@
-"""The benchmark scripts run end to end on CPU, in smoke size (about 30 s together).
+"""The benchmark scripts run end to end on CPU, in smoke size (about 80 s together).
 
-``benchmarks/gpu_check.py`` (meant for a GPU) and ``benchmarks/run.py``'s restore
-matrix (``--reshard``) and cold-cache rows (``--cold``); each in fresh processes, as
-``make bench-smoke`` would run them.
+``benchmarks/gpu_check.py`` (meant for a GPU), ``benchmarks/run.py``'s restore
+matrix (``--reshard``) and cold-cache rows (``--cold``), and ``benchmarks/peak_memory.py``
+(every row of the peak-memory table); each in fresh processes, as ``make bench-smoke``
+would run them.
 """
 
 import json
@@ -81,3 +82,40 @@ def test_run_reshard_and_cold_smoke(tmp_path):
     for rid in ("big:4>4:cold", "big:4>2x2b:cold", "many:1>1:cold"):
         assert "cold/warm" in mx[rid]["per_lib"]["jaxckpt"]
     assert res["fadvise"]["bytes"] > 0
+
+
+def test_peak_memory_smoke(tmp_path):
+    """Every path of the peak-memory table runs (tiny sizes; the figures are not checked)."""
+    out, err = _run(["benchmarks/peak_memory.py", "--smoke", "--json", str(tmp_path / "peak.json")], 240)
+    assert out.startswith("Peak host RSS above the state, state of 4 and 8 MiB"), out
+    assert "| path | peak above state, 4 MiB | 8 MiB | B/A | slope |" in out
+    rows = {}
+    for line in out.splitlines():
+        m = re.match(r"\| (.+?) \| (-?[0-9]+) MiB \| (-?[0-9]+) MiB \| ", line)
+        if m:
+            rows[m.group(1)] = (int(m.group(2)), int(m.group(3)))
+    for label in ("save, local, raw", 'save, local, `compression="zstd"`', 'save, local, `quantize={"mu*": "int8"}`',
+                  "async save (manager), numpy leaves, no budget",
+                  "async save (manager), numpy leaves, `max_staging_bytes` 64 MiB",
+                  "save, S3, with boto3", "save, S3, without boto3",
+                  "save, GCS, with a token (google-auth's path)", "save, GCS, without google-auth",
+                  "restore, raw, 4 devices", "restore, zstd, 4 devices", "`verify`, raw", "`verify`, zstd",
+                  "read-once restore, 2 processes, replicated",
+                  "host copy: start + restore, a wiped host gets the step (2 processes)",
+                  "peer copy: save with `peer_copies=1` (2 processes)",
+                  "peer copy: start + restore, a wiped host's part sent back (2 processes)",
+                  "bound check: save, S3, with boto3, parts of 8 MiB",
+                  "bound check: save, GCS, with a token, parts of 8 MiB",
+                  "bound check: read-once restore, waves of 64 MiB"):
+        assert label in rows, (label, out)
+    assert len(rows) == 20, out
+    res = json.loads((tmp_path / "peak.json").read_text())
+    assert res["sizes"] == [4, 8] and not res["errors"]
+    # each object-store save took the path its row names: data objects in parts, or whole
+    parts = {case: {ln["out"]["parts"] for ln in res["runs"][case]}
+             for case in ("save_s3", "save_s3_bare", "save_gcs", "save_gcs_bare", "save_s3_parts8", "save_gcs_parts8")}
+    assert parts == {"save_s3": {True}, "save_s3_bare": {False}, "save_gcs": {True}, "save_gcs_bare": {False},
+                     "save_s3_parts8": {True}, "save_gcs_parts8": {True}}
+    # both processes of each 2-process case reported, at both sizes
+    for case in ("read_once", "host_copy", "peer_save", "peer_repair", "read_once_waves64"):
+        assert sorted((ln["mib"], ln["pid"]) for ln in res["runs"][case]) == [(4, 0), (4, 1), (8, 0), (8, 1)]
