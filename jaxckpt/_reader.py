@@ -300,7 +300,10 @@ class Reader:
                 continue
 
             def decode(payload: np.ndarray, whole=whole, uses=uses) -> None:
-                chunk = decode_entry(rec, payload)
+                try:
+                    chunk = decode_entry(rec, payload)
+                except MemoryError as e:
+                    raise CheckpointError(f"Checkpoint '{self.loc}': {e}") from None
                 for index, overlap in uses:
                     dests[index][_rel(overlap, index)] = chunk[_rel(overlap, whole)]
 
@@ -316,6 +319,14 @@ def decode_entry(rec: LeafRecord, payload: np.ndarray) -> np.ndarray:
     ``_quantize.decode``); ``ValueError`` when it does not decode."""
     if rec.codec in _quantize.FORMS:
         return _quantize.decode(payload, tuple(rec.chunk_shape), _dtypes.DTYPES[rec.dtype], rec.codec)
+    # tensorstore allocates the decoded chunk (about twice its size at the peak) where a failed
+    # allocation aborts the process: numpy asks for as much first, so that one raises instead
+    decoded = 2 * math.prod(rec.chunk_shape) * _dtypes.DTYPES[rec.storage_dtype].itemsize
+    if decoded > PROBE_BYTES:
+        try:
+            np.empty(decoded, np.uint8)
+        except MemoryError:
+            raise MemoryError(f"leaf '{rec.path}': could not allocate {decoded} bytes to decode a chunk") from None
     return _tscodecs.decode(rec.codec, rec.codec_config, payload, tuple(rec.chunk_shape),
                             _dtypes.DTYPES[rec.storage_dtype])
 

@@ -742,3 +742,64 @@ def test_a_compressed_save_in_waves_that_fails_gives_its_budget_and_encoded_byte
         back = mgr.restore(1)
     for k, v in state.items():
         assert_bit_equal(back[k], v)
+
+
+def _zstd_of_ones(nbytes):
+    """A zstd frame of ``nbytes`` bytes of 1 that declares its content size: run-length
+    blocks of at most 128 KiB, 4 bytes each (4 GiB in 128 KiB)."""
+    block, blocks, left = 1 << 17, [], nbytes
+    while left:
+        n = min(block, left)
+        left -= n
+        blocks.append(((n << 3) | (1 << 1) | int(not left)).to_bytes(3, "little") + b"\x01")
+    return b"\x28\xb5\x2f\xfd" + bytes([(3 << 6) | 0x20]) + nbytes.to_bytes(8, "little") + b"".join(blocks)
+
+
+_READ_CAPPED = """
+import json, resource, sys
+import jaxckpt
+with open("/proc/self/status") as f:
+    held = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (held + (1 << 30), resource.RLIM_INFINITY))
+out = {}
+report = jaxckpt.verify(sys.argv[1])
+out["verify"] = [p["message"] for p in report.problems]
+try:
+    out["open"] = jaxckpt.open(sys.argv[1])["w"][:4].tolist()
+except Exception as e:
+    out["open"] = [type(e).__name__, str(e)]
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_a_chunk_declared_bigger_than_memory_allows_fails_verify_and_open_with_an_error_not_an_abort(tmp_path):
+    """A 130 KB file whose manifest declares one 4 GiB zstd chunk of ones (a true one: it
+    decodes to exactly that). verify and open, with 1 GiB of address space left, hit a
+    failed allocation inside tensorstore's decoder: the process aborted (std::bad_alloc,
+    no Python error; a breaker's case). Now numpy asks for the chunk first and the
+    failure is an error naming the leaf."""
+    import crc32c
+
+    size = 4 << 30
+    payload = _zstd_of_ones(size)
+    entry = payload + crc32c.crc32c(payload).to_bytes(4, "little")
+    d = tmp_path / "bomb"
+    os.makedirs(d / "data")
+    (d / "data" / "p0.0").write_bytes(entry)
+    man = {"format": "jaxckpt", "format_version": 3, "library_version": "0.1.0", "jax_version": "0.10.2",
+           "tensorstore_version": "0.1.86", "created": "2026-12-04T17:12:17+00:00", "created_unix": 1796404337.0,
+           "bytes": size, "write_seconds": 0.01, "process_count": 1, "segment_bytes": 1 << 30,
+           "streams": {"0": len(entry)}, "packed": [], "metadata": {}, "structure": {"dict": [["w", {"leaf": 0}]]},
+           "leaves": [{"path": "w", "kind": "array", "dtype": "uint8", "shape": [size], "sharding": None,
+                       "store": "stream", "chunk_shape": [size], "nbytes": size, "codec": "zstd",
+                       "entry_bytes": size + 4, "runs": [[0, 0, 1, 0]], "codec_config": {"level": 3, "checksum": False},
+                       "sizes": [len(entry)]}]}
+    (d / "manifest.json").write_text(json.dumps(man))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(jaxckpt.__file__)))
+    run = subprocess.run([sys.executable, "-c", _READ_CAPPED, str(d)], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu"))
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    out = json.loads(next(ln for ln in run.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    assert out["verify"] == [f"data/p0.0: leaf 'w': could not allocate {2 * size} bytes to decode a chunk"], out
+    assert out["open"] == ["CheckpointError", f"Checkpoint '{d}': leaf 'w': could not allocate {2 * size} bytes to "
+                           "decode a chunk"], out
