@@ -434,3 +434,45 @@ def test_a_complete_whose_answer_was_lost(s3_server, tmp_path, monkeypatch, land
                                                   r"no answer from the store in [\d.e-]+ s \(JAXCKPT_IO_TIMEOUT_S="):
             uploads.upload_file(root, "p0.0", str(path))
         assert s3_server.client.list_multipart_uploads(Bucket="jaxckpt-test", Prefix=key).get("Uploads", []) == []
+
+
+def test_files_going_up_whole_go_one_at_a_time(tmp_path, monkeypatch):
+    """Where a store takes no upload in parts, each file the persistent tier copies goes up
+    whole (read whole, and tensorstore's copy beside it): the copy's threads take turns,
+    so at most one such object is in memory at once (a breaker's case: without boto3 a
+    persistent copy peaked at three times its data object, times its eight threads)."""
+    import threading
+
+    from jaxckpt._storage import kvstore as _kvstore
+    from jaxckpt._storage import location as _location
+    from jaxckpt._storage import uploads as _uploads
+
+    monkeypatch.setattr(_uploads, "WHOLE_OBJECT_BYTES", 1 << 10)
+    root = _location.resolve("memory://whole-at-a-time")
+    paths = []
+    for i in range(6):
+        paths.append(tmp_path / f"p{i}")
+        paths[-1].write_bytes(bytes([i]) * (4 << 10))
+    busy, most, lock = [0], [0], threading.Lock()
+    real = _kvstore.write_blob
+
+    def write_blob(where, name, data, **kw):
+        with lock:
+            busy[0] += 1
+            most[0] = max(most[0], busy[0])
+        try:
+            threading.Event().wait(0.05)
+            return real(where, name, data, **kw)
+        finally:
+            with lock:
+                busy[0] -= 1
+
+    monkeypatch.setattr(_kvstore, "write_blob", write_blob)
+    threads = [threading.Thread(target=_uploads.upload_file, args=(root, p.name, str(p))) for p in paths]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert most[0] == 1
+    for i, p in enumerate(paths):
+        assert _kvstore.read_blob(root, p.name) == bytes([i]) * (4 << 10)

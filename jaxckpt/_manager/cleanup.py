@@ -267,17 +267,19 @@ def delete_durable(persistent: _tiers.PersistentTier, step: int, op_id: int, tim
 
 
 def delete_agreed(directory: _location.Location, step: int, op_id: int, timeout_s: float | None,
-                  lease: _lease.Lease | None, error: BaseException | None) -> tuple[BaseException | None, bool]:
+                  lease: _lease.Lease | None, error: BaseException | None,
+                  per_host: bool) -> tuple[BaseException | None, bool]:
     """``delete`` in two rounds, so that a step is deleted on every host or on none: first
     each process says whether it may (``error``: its own refusal, e.g. a pin; the lease
     holder of each directory checks its lease and the reader marks there), one verdict for
     all; then, only if none refused, each lease holder deletes what its directory holds of
     ``step`` (nothing, for a host that lacks it), one verdict again. Returns the first
     error of any process and whether the second round ran (the step is then gone from
-    every directory but where the error says)."""
+    every directory but where the error says). With one directory (not ``per_host``) its
+    reader marks are asked once, in the second round, where the delete itself asks them."""
     with _distributed.Operation(f"delete{op_id}", str(directory), timeout_s) as op:
         if error is None and lease is not None:
-            error = _may_delete(directory, step, lease)
+            error = _may_delete(directory, step, lease, readers=per_host)
         error = _hosts.share_verdict(op, "may", error)
         if error is not None:
             return error, False
@@ -289,11 +291,13 @@ def delete_agreed(directory: _location.Location, step: int, op_id: int, timeout_
         return _hosts.share_verdict(op, "deleted", error), True
 
 
-def _may_delete(directory: _location.Location, step: int, lease: _lease.Lease) -> CheckpointError | None:
-    """The refusal of deleting ``step`` in this lease holder's directory, if any."""
+def _may_delete(directory: _location.Location, step: int, lease: _lease.Lease,
+                readers: bool = True) -> CheckpointError | None:
+    """The refusal of deleting ``step`` in this lease holder's directory, if any (its lease;
+    with ``readers``, its reader marks)."""
     if lease.lost:
         return CheckpointError(f"CheckpointManager for '{directory}' cannot delete step {step}: {lease.lost}")
-    readers = _marks.live_readers(directory, step)
+    readers = readers and _marks.live_readers(directory, step)
     if not readers:
         return None
     who = ", ".join(_lease.describe_owner(r) for r in readers)

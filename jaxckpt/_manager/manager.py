@@ -516,9 +516,10 @@ def _delete(mgr: CheckpointManager, step: int) -> None:
     op_id = _distributed.next_id()  # before any verdict that one process may reach alone
     refusal = mgr._retention.unlist(step) if listed else (CheckpointError(
         f"Step {step} in '{mgr._dir}' is being restored; delete it afterwards") if mgr._pins.held(step) else None)
-    error, ran = _cleanup.delete_agreed(mgr._dir, step, op_id, mgr._timeout, mgr._lease, refusal)
-    if not ran:  # refused somewhere, deleted nowhere: listed again in every process
-        if listed and refusal is None:
+    error, ran = _cleanup.delete_agreed(mgr._dir, step, op_id, mgr._timeout, mgr._lease, refusal,
+                                        mgr._groups.per_host)
+    if error is not None and (not ran or not mgr._groups.per_host):  # refused; deleted nowhere
+        if listed and refusal is None:  # listed again in every process (from its manifest, still there)
             mgr._steps.relist(step, error)
         raise error
     mgr._partial.forget(step)

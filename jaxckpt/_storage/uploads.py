@@ -21,6 +21,7 @@ begun (best effort). See ``dataobjects`` for the stream and its segments.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -182,6 +183,9 @@ class _Uploads:
         self.check()
 
 
+_WHOLE_FILE = threading.Lock()  # upload_file: one file bigger than WHOLE_OBJECT_BYTES going up whole at a time
+
+
 def upload_file(root: Location, name: str, path: str) -> None:
     """Upload the local file ``path`` (a data object) as ``root/name``. On S3 and GCS in
     parallel parts (``PART_BYTES``, ``UPLOAD_THREADS`` at once; ``parted_object``), each
@@ -195,11 +199,16 @@ def upload_file(root: Location, name: str, path: str) -> None:
     obj = parted_object(root, name)
     part = part_bytes_for(root, size)
     if obj is None or size <= part:
-        data = _read_file_range(path, 0, size)
-        if obj is not None:
-            obj.put(data)
-        else:
-            _kvstore.write_blob(root, name, data)
+        # whole: one file at a time in this process (the persistent tier copies with
+        # several threads; without parts each would hold its whole data object, and
+        # tensorstore a copy of it): at most one object's bytes beyond a part's
+        with _WHOLE_FILE if size > WHOLE_OBJECT_BYTES else contextlib.nullcontext():
+            data = _read_file_bytes(path, size)  # bytes: tensorstore copies a bytearray once more
+            if obj is not None:
+                obj.put(data)
+            else:
+                _kvstore.write_blob(root, name, data)
+            del data
         return
     uploads = _Uploads(obj.url)
     starts = range(0, size, part)
@@ -212,6 +221,15 @@ def upload_file(root: Location, name: str, path: str) -> None:
     except BaseException:
         _abort_after(uploads, [obj])
         raise
+
+
+def _read_file_bytes(path: str, size: int) -> bytes:
+    """The ``size`` bytes of the file ``path`` as one ``bytes``; ``OSError`` if it is shorter."""
+    with open(path, "rb") as f:
+        data = f.read(size)
+    if len(data) != size:
+        raise OSError(f"{path}: {len(data)} bytes read of {size}")
+    return data
 
 
 def _upload_file_part(obj: Parted, number: int, path: str, start: int, nbytes: int) -> None:
