@@ -22,6 +22,7 @@ begun (best effort). See ``dataobjects`` for the stream and its segments.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import os
 import threading
@@ -57,6 +58,25 @@ WHOLE_OBJECT_BYTES = 32 << 20
 WHOLE_UPLOADS = 4
 
 
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Any:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # the process's own symbols: glibc's, where it is glibc
+    except (OSError, AttributeError):  # not glibc: nothing to give back this way
+        return None
+
+
+def _trim() -> None:
+    """Give the heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere
+    nothing). After each object put whole: tensorstore's copy of it is freed on its own
+    threads, and glibc kept such memory in per-thread arenas, so a save's peak grew with
+    its state (S3 without boto3: +323 / +521 MiB for 256 / 512 MiB states; with this
+    +197 / +223 MiB). It changes no setting of the allocator, only returns what is free."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 class WholeObject:
     """One object written whole (``put``: one PUT through tensorstore's kvstore), where
     the store takes no upload in parts: the interface of ``s3.ObjectUpload`` without
@@ -75,6 +95,7 @@ class WholeObject:
         kv = _kvstore._kvstore(self.root)
         future = _kvstore.track(kv.write(self.name, make()))
         _kvstore.wait(future, self.root, "writing", self.name, nbytes=nbytes)
+        _trim()
 
     def part(self, number: int, data: Any) -> None:
         raise CheckpointError(f"Writing '{self.url}' failed: this store takes no upload in parts")
