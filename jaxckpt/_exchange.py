@@ -474,7 +474,9 @@ class ReadOnce:
         """Gather ``wave`` and put its blocks in place (a function of its own so that the
         wave's buffers are released on return, before the next wave is gathered)."""
         data = self._gather(wave)
-        mine = sum(p.nbytes for p in wave if self._key(p.slice_no) in self.needed)
+        # what this process takes from the wave: its own reads it keeps from the reader
+        # (``_put``), so its own row counts as waste a view would keep alive
+        mine = sum(p.nbytes for p in wave if self._key(p.slice_no) in self.needed and p.piece.reader != self.me)
         view_ok = mine >= VIEW_SHARE * sum(p.nbytes for p in wave)
         for part, got in zip(wave, data):
             self._put(part, nparts[part.slice_no], got, view_ok)
