@@ -279,7 +279,7 @@ def delete_agreed(directory: _location.Location, step: int, op_id: int, timeout_
     reader marks are asked once, in the second round, where the delete itself asks them."""
     with _distributed.Operation(f"delete{op_id}", str(directory), timeout_s) as op:
         if error is None and lease is not None:
-            error = _may_delete(directory, step, lease, readers=per_host)
+            error = _may_delete(directory, step, lease, ask_readers=per_host)
         error = _hosts.share_verdict(op, "may", error)
         if error is not None:
             return error, False
@@ -292,12 +292,12 @@ def delete_agreed(directory: _location.Location, step: int, op_id: int, timeout_
 
 
 def _may_delete(directory: _location.Location, step: int, lease: _lease.Lease,
-                readers: bool = True) -> CheckpointError | None:
+                ask_readers: bool = True) -> CheckpointError | None:
     """The refusal of deleting ``step`` in this lease holder's directory, if any (its lease;
-    with ``readers``, its reader marks)."""
+    with ``ask_readers``, its reader marks)."""
     if lease.lost:
         return CheckpointError(f"CheckpointManager for '{directory}' cannot delete step {step}: {lease.lost}")
-    readers = readers and _marks.live_readers(directory, step)
+    readers = _marks.live_readers(directory, step) if ask_readers else []
     if not readers:
         return None
     who = ", ".join(_lease.describe_owner(r) for r in readers)
