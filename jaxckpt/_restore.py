@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -517,7 +518,8 @@ def _restore_tree(path: Any, target: Any, shardings: Any, partial: bool, allow_n
     ref = target if target is not None else shardings
     flat, treedef = _tree.flatten(ref)
     shard_map = _sharding_map(shardings, single_sharding, target, flat, loc)
-    saved = _match(flat, man, key_map, partial, missing, loc, source.format == "safetensors")
+    empties = functools.partial(_tree.empty_node_paths, ref) if _orbax_made(source) else None
+    saved = _match(flat, man, key_map, partial, missing, loc, source.format == "safetensors", empties)
     requests, errors, kept = [], [], {}
     for p, leaf in flat:
         rec = saved.get(p)
@@ -574,19 +576,34 @@ def _leaf_sharding(p: str, leaf: Any, rec: LeafRecord, target: Any, shardings: A
     return sharding
 
 
+def _orbax_made(source: _formats.Source) -> bool:
+    """An orbax checkpoint, or jaxckpt's import of one (``import-orbax``)."""
+    made = source.manifest.info.get("converted_from")
+    return source.format == "orbax" or (isinstance(made, dict) and made.get("format") == "orbax")
+
+
 def _match(flat: list[tuple[str, Any]], man: Manifest, key_map: Any, partial: bool, missing: str | None,
-           loc: Location, dotted: bool = False) -> dict[str, LeafRecord]:
+           loc: Location, dotted: bool = False,
+           empties: Callable[[], set[str]] | None = None) -> dict[str, LeafRecord]:
     """Target key path -> the saved record it restores from; strict about the rest.
 
     A ``.``-separated name stands for its ``/`` key path only where it is a convention:
     in a safetensors source (``dotted``; its tensor names are dotted), and in a name
     ``key_map`` gave (the user wrote it). Elsewhere ``a.b`` and ``a/b`` are different
     leaves, and taking one for the other is the silent fallback strictness forbids.
+
+    ``empties`` (orbax-made checkpoints only) gives the key paths of the target's empty
+    containers: orbax saves an empty NamedTuple (optax's ``EmptyState()``, ``MaskedNode()``)
+    as ``None``, and such a saved ``None`` matches an empty container of the target at
+    the same key path (as orbax restores it), and nothing else.
     """
     by_path = {r.path: r for r in man.leaves}
     paths = [p for p, _ in flat]
     found, absent = _pair(paths, by_path, key_map, dotted)
     unused = sorted(set(by_path) - {r.path for r in found.values()})
+    if empties is not None and any(by_path[p].kind == "value" and by_path[p].value is None for p in unused):
+        empty = {map_key(key_map, q) for q in empties()}
+        unused = [p for p in unused if not (p in empty and by_path[p].kind == "value" and by_path[p].value is None)]
     unexpected = [] if partial else unused
     if missing == "target" and absent:
         _check_kept(flat, absent, loc)

@@ -144,6 +144,23 @@ def _unflattenable_node(tree: Any) -> tuple[str, Any, Exception] | None:
     return None
 
 
+def empty_node_paths(tree: Any) -> set[str]:
+    """Key paths of the containers of ``tree`` that hold nothing (``()``, ``{}``, an empty
+    NamedTuple such as optax's ``EmptyState()``); ``None`` is a leaf here, not one of them."""
+    out: set[str] = set()
+
+    def empty(x: Any) -> bool:
+        return x is not None and _one_level(x) == []
+
+    def is_leaf(x: Any) -> bool:
+        return x is None or empty(x)
+
+    for p, x in _tu.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
+        if empty(x):
+            out.add(keypath_to_str(p))
+    return out
+
+
 def _unsortable_keys(d: dict[Any, Any]) -> tuple[Any, Any] | None:
     """Two keys of ``d`` that ``<`` cannot compare, preferring a pair like ``"1"``/``1``."""
     strs = {k for k in d if isinstance(k, str)}

@@ -370,3 +370,94 @@ def test_hostile_prng_impl_is_corrupt(tmp_path, impl):
         json.dump(doc, f)
     with pytest.raises(CorruptCheckpointError, match="rng|random_key_impl"):
         jaxckpt.metadata(path)
+
+
+# --- issue 31: what every orbax user has (optax's empty states, a fresh replicated key) --
+
+
+def _abstract_of(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                        if isinstance(x, jax.Array) else x, tree)
+
+
+def _adamw_state():
+    import optax
+
+    params = {"w": sharded(np.arange(32, dtype=np.float32).reshape(8, 4), (4,), ("x",), ("x", None))}
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    return {"params": params, "opt_state": opt.init(params)}
+
+
+@pytest.mark.parametrize("how", ["ocdbt", "files"])
+def test_optax_empty_state_restores_strictly(tmp_path, how):
+    """orbax stores optax's EmptyState() as None; a strict restore onto the optax state
+    (and onto an import of it) matches it with the target's EmptyState(), as orbax does."""
+    state = _adamw_state()
+    path = _save(tmp_path / "c", state, how)
+    target = _abstract_of(state)
+    theirs = _orbax_restore(path, target, how)
+    assert_same(jaxckpt.restore(path, target), theirs)
+    jaxckpt.convert.from_orbax(path, tmp_path / "j")
+    assert_same(jaxckpt.restore(tmp_path / "j", target), theirs)
+
+
+def test_saved_none_stays_strict_where_the_target_has_no_empty_node(tmp_path):
+    """The None-for-EmptyState rule matches an empty container only: a saved None where the
+    target has nothing is still a mismatch, and so is a target leaf the checkpoint lacks."""
+    state = {"a": jnp.arange(3), "gone": None, "empty": ()}
+    path = _save(tmp_path / "c", state, "ocdbt")
+    with pytest.raises(jaxckpt.TreeMismatchError, match="in the checkpoint but not in the target: gone"):
+        jaxckpt.restore(path, {"a": jnp.zeros(3, jnp.int32), "empty": ()})
+    with pytest.raises(jaxckpt.TreeMismatchError, match="not in the checkpoint: extra"):
+        jaxckpt.restore(path, {"a": jnp.zeros(3, jnp.int32), "gone": (), "empty": (), "extra": None})
+    out = jaxckpt.restore(path, {"a": jnp.zeros(3, jnp.int32), "gone": (), "empty": ()})
+    assert out["gone"] == () and out["empty"] == ()
+
+
+def test_jaxckpt_saved_none_does_not_match_an_empty_node(tmp_path):
+    """jaxckpt's own checkpoints keep the strict rule: None is a leaf, () has none."""
+    jaxckpt.save(tmp_path / "c", {"a": jnp.arange(3), "b": None})
+    with pytest.raises(jaxckpt.TreeMismatchError, match="in the checkpoint but not in the target: b"):
+        jaxckpt.restore(tmp_path / "c", {"a": jnp.zeros(3, jnp.int32), "b": ()})
+
+
+@pytest.mark.parametrize("how", SAVES)
+def test_fresh_replicated_key_reads(tmp_path, how):
+    """A replicated typed key put on a mesh (never through jit) is saved with the spec
+    [None]; restore, show and import read it, as orbax restores it."""
+    m4 = mesh((4,), ("x",))
+    tree = {"key": jax.device_put(jax.random.key(1), NamedSharding(m4, P())),
+            "keys": jax.device_put(jax.random.split(jax.random.key(2), 4), NamedSharding(m4, P()))}
+    path = _save(tmp_path / "c", tree, how)
+    target = _abstract_of(tree)
+    theirs = _orbax_restore(path, target, how)
+    assert_same(jaxckpt.restore(path, target), theirs)
+    assert _formats.open_source(path).manifest.leaves[0].sharding["spec"] == []
+    view = jaxckpt.open(path)
+    assert view["key"].prng_impl == "threefry2x32" and view["key"].shape == ()
+    assert [r["path"] for r in view.rows()] == ["key", "keys"]
+    from click.testing import CliRunner
+
+    from jaxckpt.cli import main
+
+    shown = CliRunner().invoke(main, ["show", str(path)])
+    assert shown.exit_code == 0 and "key  key<fry>[]  P() on x=4  8 B" in shown.output, shown.output
+    jaxckpt.convert.from_orbax(path, tmp_path / "j")
+    assert_same(jaxckpt.restore(tmp_path / "j", target), theirs)
+
+
+def test_key_spec_sharding_key_data_is_corrupt(tmp_path):
+    """Entries past a key's rank may only be None: a sharded key-data dimension is refused."""
+    path = _save(tmp_path / "c", {"key": jax.random.key(1)}, "files")
+    raw = json.loads((tmp_path / "c" / "_sharding").read_text()) if (tmp_path / "c" / "_sharding").exists() else None
+    m4 = mesh((4,), ("x",))
+    sharding = {"sharding_type": "NamedSharding", "shape": [4], "axis_names": ["x"], "partition_spec": ["x"],
+                "device_mesh": {"mesh": [{"id": i} for i in range(4)]}}
+    del m4
+    name = "key"
+    import base64
+
+    key = base64.urlsafe_b64encode(name.encode()).decode()
+    (tmp_path / "c" / "_sharding").write_text(json.dumps({**(raw or {}), key: json.dumps(sharding)}))
+    with pytest.raises(CorruptCheckpointError, match=r"leaf 'key': sharding spec \['x'\] is longer than its rank 0"):
+        jaxckpt.restore(path)

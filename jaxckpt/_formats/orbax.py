@@ -471,7 +471,11 @@ def _array_record(p: _Pending, store: Any, where: str) -> LeafRecord:
         fields.update(kind="prng_key", impl=impl, key_ndim=rank)
     sharding = p.arrays.shardings.get(p.param)
     if sharding is not None and sharding["type"] == "named" and len(sharding["spec"]) > rank:
-        raise _bad(where, f"leaf '{p.path}': sharding spec {sharding['spec']} is longer than its rank {rank}")
+        # orbax records a fresh replicated key's spec as [None] (one entry per key-data
+        # dimension, none of them sharded): entries past the rank are harmless when None.
+        if any(e is not None for e in sharding["spec"][rank:]):
+            raise _bad(where, f"leaf '{p.path}': sharding spec {sharding['spec']} is longer than its rank {rank}")
+        sharding = {**sharding, "spec": sharding["spec"][:rank]}
     chunk = store.chunk_layout.read_chunk.shape
     fields["chunk_shape"] = tuple(int(c) for c in chunk) if chunk is not None else shape
     return LeafRecord(sharding=sharding, **fields)
