@@ -309,8 +309,10 @@ def save(path: Any, tree: Any, *, metadata: dict[str, Any] | None = None,
       quantize: lossy, opt-in storage of optimizer moments (default none): a dict from
         key-path patterns to ``"int8"`` (per-block scales; for Adam's first moment) or
         ``"int4"`` (log-spaced, never 0 for a positive value; for the second moment),
-        or a ``jaxckpt.Quantize``. Only float32/bfloat16/float16 leaves, never under
-        ``params`` (refused with ``ValueError``); they come back in their dtype, not bit
+        or a ``jaxckpt.Quantize``. Only float32/bfloat16/float16 leaves, never params
+        (a ``params`` key at any depth outside an optimizer state, or an ``nnx.Param``),
+        and every pattern must match an array leaf (else ``ValueError`` naming the nearest
+        key paths, before anything is written); they come back in their dtype, not bit
         for bit. It wins over ``compression`` for the leaves it selects.
 
     Example:

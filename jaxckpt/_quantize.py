@@ -3,8 +3,12 @@
 
 A rule maps a key-path glob (``fnmatch.fnmatchcase`` on the leaf's path as the manifest
 names it, keys joined with ``/``: ``opt/0/nu/layers/0/kernel``; ``*`` also crosses
-``/``) to a form; the first matching rule wins. Never ``params``: a leaf under a
-top-level ``params`` key is refused, as is any dtype but float32, bfloat16 and float16.
+``/``) to a form; the first matching rule wins. A rule that matches no array leaf of the
+saved state is refused (``unmatched``), naming the key paths nearest to it. Never
+``params``: a leaf under a ``params`` key at any depth (``params/...``,
+``state/params/...``; not in an optimizer state's mirror of the params, ``opt/0/mu/params/...``,
+``params_guarded``) or held by a flax ``nnx.Param`` is refused, as is any dtype but
+float32, bfloat16 and float16.
 
 Payload of one chunk (a C-order array of ``chunk_shape``, ``n`` values, read in flat
 C order whatever its rank; blocks are ``BLOCK`` = 128 consecutive values of that flat
@@ -37,8 +41,11 @@ a negative value in an int4 chunk: there is no exact way to keep them.
 
 from __future__ import annotations
 
+import collections
+import difflib
 import fnmatch
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,6 +61,13 @@ _FLT_MIN = np.float32(np.finfo(np.float32).tiny)
 MAX_RULES = 1024
 MAX_PATTERN_CHARS = 4096
 MAX_LOSSY_RESUMES = 1_000_000
+# Keys under which a ``params`` key is an optimizer state's mirror of the params, not the
+# params: a key naming an optimizer state (``opt``, ``opt_state``, ``optimizer``) and the
+# fields of optax's states that hold one value per parameter.
+_OPT_STATE = re.compile(r"opt(im(izer)?)?(_?states?)?")
+_MIRRORS = frozenset({"mu", "nu", "nu_max", "trace", "v", "v_row", "v_col", "ema", "sum_of_squares",
+                      "acc_grads", "inner_state", "inner_states", "inner_opt_state", "tx_state"})
+SHOWN_NEAREST = 3  # key paths an unmatched rule's error names
 
 
 class Quantize:
@@ -175,16 +189,37 @@ def parse(value: Any) -> Quantize | None:
                     f"Quantize, got {type(value).__name__} {_short(value)}{hint}")
 
 
-def check_leaf(path: str, dtype: Any, shape: tuple[int, ...], form: str) -> None:
-    """Refuse (``ValueError`` naming the path) a leaf the form cannot store.
+def params_guarded(path: str) -> bool:
+    """Whether ``path`` lies under a ``params`` key at any depth, outside an optimizer state.
+
+    A ``params`` key below one that names an optimizer state (``opt``, ``opt_state``,
+    ``optimizer``, ...) or a per-parameter field of an optax state (``mu``, ``nu``,
+    ``trace``, ...) is that state's mirror of the params.
+
+    Example:
+        >>> params_guarded("state/params/dense/kernel"), params_guarded("opt_state/0/mu/params/w")
+        (True, False)
+    """
+    for key in path.split("/"):
+        if key == "params":
+            return True
+        if key in _MIRRORS or _OPT_STATE.fullmatch(key):
+            return False
+    return False
+
+
+def check_leaf(path: str, dtype: Any, shape: tuple[int, ...], form: str, param: bool = False) -> None:
+    """Refuse (``ValueError`` naming the path) a leaf the form cannot store; ``param``: the
+    leaf is held by a flax ``nnx.Param``.
 
     Example:
         >>> check_leaf("opt/0/mu/0/kernel", np.float32, (64, 256), "int8")
     """
     if form not in FORMS:
         raise ValueError(f"quantize=: leaf {path!r}: unknown form {form!r}; the forms are {FORMS}")
-    if path.split("/", 1)[0] == "params":
-        raise ValueError(f"quantize=: leaf {path!r} is under 'params'; only optimizer moments may be "
+    if param or params_guarded(path):
+        what = "an nnx.Param" if param else "under 'params'"
+        raise ValueError(f"quantize=: leaf {path!r} is {what}; only optimizer moments may be "
                          f"quantized, never params: narrow the pattern that matched it")
     name = np.dtype(dtype).name
     if name not in _DTYPES:
@@ -194,6 +229,57 @@ def check_leaf(path: str, dtype: Any, shape: tuple[int, ...], form: str) -> None
     if not shape or 0 in shape:
         raise ValueError(f"quantize=: leaf {path!r} has shape {shape}; {form} needs at least one "
                          f"dimension and no empty one (store scalars and empty leaves exactly)")
+
+
+def unmatched(rules: Quantize, paths: list[str]) -> str | None:
+    """The refusal of the first rule no path of ``paths`` (a state's array leaves) matches,
+    naming the nearest paths and a pattern that would match; None when every rule matches.
+
+    Example:
+        >>> unmatched(Quantize({"opt/*/mu/*": "int8"}), ["state/opt/0/mu/w"]).split("; ")[1:]
+        ["the nearest key paths: 'state/opt/0/mu/w'", "'state/opt/*/mu/*' would match 1 leaf"]
+    """
+    for pattern, _ in rules.rules:
+        if any(fnmatch.fnmatchcase(p, pattern) for p in paths):
+            continue
+        suggestion, near = _suggest(pattern, paths)
+        if not near:
+            near = difflib.get_close_matches(pattern, paths, n=SHOWN_NEAREST, cutoff=0.0)
+        text = f"quantize= pattern {pattern!r} matches no array leaf of the state (nothing would be stored quantized)"
+        if near:
+            text += "; the nearest key paths: " + ", ".join(map(repr, near[:SHOWN_NEAREST]))
+        else:
+            text += "; it has no array leaves"
+        if suggestion is not None:
+            n = sum(fnmatch.fnmatchcase(p, suggestion) for p in paths)
+            text += f"; {suggestion!r} would match {n} " + ("leaf" if n == 1 else "leaves")
+        return text
+    return None
+
+
+def _suggest(pattern: str, paths: list[str]) -> tuple[str | None, list[str]]:
+    """A pattern that matches where ``pattern`` was meant to, and paths it matches: the
+    pattern below a prefix the paths have (the state nested one level or more down), or
+    the pattern without leading keys the paths lack (the state saved less nested)."""
+    prefixes: collections.Counter[str] = collections.Counter()
+    found: list[str] = []
+    for p in paths:
+        keys = p.split("/")
+        for k in range(1, len(keys)):
+            if fnmatch.fnmatchcase("/".join(keys[k:]), pattern):
+                prefixes["/".join(keys[:k])] += 1
+                found.append(p)
+                break
+    if prefixes:
+        (top, _), = prefixes.most_common(1)
+        return (f"{top}/{pattern}" if len(prefixes) == 1 else f"*/{pattern}"), found
+    parts = pattern.split("/")
+    for k in range(1, len(parts)):
+        shorter = "/".join(parts[k:])
+        found = [p for p in paths if fnmatch.fnmatchcase(p, shorter)]
+        if found and shorter.strip("*/"):
+            return shorter, found
+    return None, []
 
 
 def _counts(chunk_shape: tuple[int, ...]) -> tuple[int, int]:

@@ -18,6 +18,7 @@ import functools
 import math
 import operator
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -153,6 +154,8 @@ def snapshot(tree: Any, *, copy_host_arrays: bool, group: tuple[int, ...] = (),
     """
     codecs = _Codecs(_codecs.parse(compression), _quantize.parse(quantize))
     codecs = None if codecs.lossless is None and codecs.lossy is None else codecs
+    if codecs is not None and codecs.lossy is not None:
+        codecs = codecs._replace(nnx_params=_nnx_params(tree))
     for what, given in (("compression", codecs and codecs.lossless), ("quantize", codecs and codecs.lossy)):
         if given is not None and (group or not streams_wanted()):
             why = "a directory per host" if group else f"{FORMAT_ENV}={LEGACY_FORMAT} ({what} needs format 3)"
@@ -171,15 +174,30 @@ class _Codecs(NamedTuple):
 
     lossless: Any  # _codecs.Compression | None
     lossy: Any  # _quantize.Quantize | None
+    nnx_params: frozenset[str] = frozenset()  # with lossy: the paths of the tree's nnx.Param nodes
 
     def codec_for(self, path: str, dtype: Any, shape: tuple[int, ...]) -> tuple[str, Any]:
         """``(codec, lossless Codec or None)`` for an array leaf; a quantized one is checked."""
         form = self.lossy.form_for(path) if self.lossy is not None else None
         if form is not None:
-            _quantize.check_leaf(path, dtype, shape, form)
+            keys = path.split("/")
+            param = any("/".join(keys[:k]) in self.nnx_params for k in range(1, len(keys) + 1))
+            _quantize.check_leaf(path, dtype, shape, form, param)
             return form, None
         c = self.lossless.codec_for(path) if self.lossless is not None else None
         return (_streams.CODEC_RAW, None) if c is None else (c.name, c)
+
+
+def _nnx_params(tree: Any) -> frozenset[str]:
+    """The key paths of the flax ``nnx.Param`` nodes of ``tree`` (flattened, their arrays
+    lie below them: ``lin/kernel/value``), which ``quantize=`` never selects. Without
+    ``flax.nnx`` imported the tree holds none."""
+    nnx = sys.modules.get("flax.nnx")
+    param = getattr(nnx, "Param", None)
+    if not isinstance(param, type):
+        return frozenset()
+    nodes = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None or isinstance(x, param))[0]
+    return frozenset(_tree.keypath_to_str(p) for p, x in nodes if isinstance(x, param))
 
 
 def _snapshot(tree: Any, copy_host_arrays: bool, group: tuple[int, ...],
@@ -459,6 +477,10 @@ def _lay_out_streams(arrays: list[_ArrayLeaf], group: tuple[int, ...] = (),
     writers have encoded them (``_writer``), so process 0 places them then."""
     payloads = [math.prod(a.fields["chunk_shape"]) * _dtypes.DTYPES[a.fields["storage_dtype"]].itemsize
                 for a in arrays]
+    if codecs is not None and codecs.lossy is not None:  # before anything is written (issue 31)
+        refusal = _quantize.unmatched(codecs.lossy, [a.fields["path"] for a in arrays])
+        if refusal is not None:
+            raise ValueError(refusal)
     chosen = [codecs.codec_for(a.fields["path"], _dtypes.DTYPES[a.fields["dtype"]], a.fields["shape"])
               if codecs is not None else (_streams.CODEC_RAW, None) for a in arrays]
     if any(name != _streams.CODEC_RAW for name, _ in chosen):

@@ -508,6 +508,77 @@ def test_quantize_refuses_what_it_cannot_store_and_writes_nothing(tmp_path, quan
     assert not os.path.exists(tmp_path / "c")
 
 
+def _nested_adam_state():
+    """docs/compression.md's state (params, an optax Adam state, a step) one level down."""
+    import optax
+
+    params = {"dense": {"kernel": jnp.ones((64, 32)), "bias": jnp.zeros(32)}}
+    return {"state": {"params": params, "opt_state": optax.adam(1e-3).init(params), "step": 0}}
+
+
+DOCS_RULES = {"opt_state/*/mu/*": "int8", "opt_state/*/nu/*": "int4"}  # docs/compression.md's at c1abc6a
+DOCS_REFUSAL = ("quantize= pattern 'opt_state/*/mu/*' matches no array leaf of the state (nothing would be stored "
+                "quantized); the nearest key paths: 'state/opt_state/0/mu/dense/bias', "
+                "'state/opt_state/0/mu/dense/kernel'; 'state/opt_state/*/mu/*' would match 2 leaves")
+
+
+def test_a_pattern_that_matches_no_leaf_fails_the_save_naming_what_would_match(tmp_path):
+    # issue 31: on c1abc6a the docs' own patterns, on the state nested one level down,
+    # matched nothing and the save stored every leaf exactly without a word
+    with pytest.raises(ValueError) as e:
+        jaxckpt.save(tmp_path / "c", _nested_adam_state(), quantize=DOCS_RULES)
+    assert str(e.value) == DOCS_REFUSAL
+    assert not os.path.exists(tmp_path / "c")
+    rules = {"*/mu/*": "int8", "*/nu/*": "int4"}  # the docs' patterns now: wherever the state sits
+    for name, state in (("flat", _nested_adam_state()["state"]), ("nested", _nested_adam_state())):
+        jaxckpt.save(tmp_path / name, state, quantize=rules)
+        codecs = {p: leaf["codec"] for p, leaf in _leaves(tmp_path / name).items() if leaf["kind"] == "array"}
+        pre = "state/" if name == "nested" else ""
+        assert codecs == {f"{pre}params/dense/kernel": "raw", f"{pre}params/dense/bias": "raw",
+                          f"{pre}opt_state/0/count": "raw",
+                          f"{pre}opt_state/0/mu/dense/kernel": "int8", f"{pre}opt_state/0/mu/dense/bias": "int8",
+                          f"{pre}opt_state/0/nu/dense/kernel": "int4", f"{pre}opt_state/0/nu/dense/bias": "int4"}
+
+
+def test_a_manager_refuses_a_pattern_that_matches_nothing_before_writing(tmp_path):
+    with jaxckpt.CheckpointManager(tmp_path / "m", quantize=DOCS_RULES, async_save=True) as mgr:
+        with pytest.raises(ValueError) as e:
+            mgr.save(0, _nested_adam_state())
+        assert str(e.value) == DOCS_REFUSAL
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [] and mgr.latest_step() is None
+    assert sorted(n for n in os.listdir(tmp_path / "m") if n[:1].isdigit()) == []
+
+
+def test_params_nested_at_any_depth_are_never_quantized(tmp_path):
+    # issue 31: on c1abc6a only a top-level 'params' key was guarded
+    with pytest.raises(ValueError) as e:
+        jaxckpt.save(tmp_path / "c", _nested_adam_state(), quantize={"*kernel": "int8"})
+    assert str(e.value) == ("quantize=: leaf 'state/params/dense/kernel' is under 'params'; only optimizer moments "
+                            "may be quantized, never params: narrow the pattern that matched it")
+    assert not os.path.exists(tmp_path / "c")
+
+
+def test_nnx_params_are_never_quantized_and_nnx_moments_are(tmp_path):
+    import optax
+    from flax import nnx
+
+    model = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    state = {"model": nnx.state(model), "opt": nnx.state(opt)}
+    with pytest.raises(ValueError) as e:  # on c1abc6a: saved, the weights stored as int8
+        jaxckpt.save(tmp_path / "c", state, quantize={"*kernel*": "int8"})
+    assert str(e.value) == ("quantize=: leaf 'model/kernel/value' is an nnx.Param; only optimizer moments may "
+                            "be quantized, never params: narrow the pattern that matched it")
+    assert not os.path.exists(tmp_path / "c")
+    jaxckpt.save(tmp_path / "ok", state, quantize={"*/mu/*": "int8", "*/nu/*": "int4"})
+    codecs = {p: leaf["codec"] for p, leaf in _leaves(tmp_path / "ok").items() if leaf["kind"] == "array"}
+    assert codecs == {"model/bias/value": "raw", "model/kernel/value": "raw", "opt/step/value": "raw",
+                      "opt/opt_state/0/count/value": "raw",
+                      "opt/opt_state/0/mu/bias/value": "int8", "opt/opt_state/0/mu/kernel/value": "int8",
+                      "opt/opt_state/0/nu/bias/value": "int4", "opt/opt_state/0/nu/kernel/value": "int4"}
+
+
 def test_a_non_finite_moment_fails_the_save_naming_the_leaf(tmp_path):
     state = _adam_like()
     state["opt"]["nu"] = state["opt"]["nu"].copy()

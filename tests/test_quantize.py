@@ -263,6 +263,66 @@ def test_check_leaf_accepts_moments_of_every_float_width():
         q.check_leaf("opt/0/mu/w", np.float32, (4,), "int2")
 
 
+@pytest.mark.parametrize("path", ["params/w", "state/params/dense/kernel", "model/params/0/w",
+                                  "train/state/params/w", "a/b/params"])
+def test_params_are_refused_at_any_depth(path):
+    # issue 31: c1abc6a refused only a top-level 'params' key, so a state nested one level
+    # down ({"state": {"params": ...}}) let a broad pattern quantize the weights
+    with pytest.raises(ValueError) as e:
+        q.check_leaf(path, np.float32, (4, 4), "int8")
+    assert str(e.value) == (f"quantize=: leaf {path!r} is under 'params'; only optimizer moments may be "
+                            "quantized, never params: narrow the pattern that matched it")
+
+
+@pytest.mark.parametrize("path", ["opt_state/0/mu/params/w", "state/opt_state/0/nu/params/dense/kernel",
+                                  "opt/0/nu/params/w", "optimizer/0/mu/params/w", "0/mu/params/w",
+                                  "state/opt/inner_state/0/trace/params/w", "paramsX/w", "state/my_params/w",
+                                  "options_params/w"])
+def test_an_optimizer_states_mirror_of_the_params_is_not_params(path):
+    assert not q.params_guarded(path) and q.check_leaf(path, np.float32, (4, 4), "int8") is None
+
+
+def test_an_nnx_param_is_refused_whatever_its_path():
+    with pytest.raises(ValueError) as e:
+        q.check_leaf("lin/kernel/value", np.float32, (4, 3), "int4", param=True)
+    assert str(e.value) == ("quantize=: leaf 'lin/kernel/value' is an nnx.Param; only optimizer moments may "
+                            "be quantized, never params: narrow the pattern that matched it")
+
+
+NESTED = ["state/params/dense/kernel", "state/opt_state/0/mu/dense/bias", "state/opt_state/0/mu/dense/kernel",
+          "state/opt_state/0/nu/dense/bias", "state/opt_state/0/nu/dense/kernel", "state/opt_state/0/count"]
+
+
+@pytest.mark.parametrize("rules, message", [
+    # the state one level down: the pattern under the prefix the paths have
+    ({"opt_state/*/mu/*": "int8", "opt_state/*/nu/*": "int4"},
+     "quantize= pattern 'opt_state/*/mu/*' matches no array leaf of the state (nothing would be stored "
+     "quantized); the nearest key paths: 'state/opt_state/0/mu/dense/bias', 'state/opt_state/0/mu/dense/kernel'; "
+     "'state/opt_state/*/mu/*' would match 2 leaves"),
+    # the first rule matches, the second is the one refused
+    ({"*/mu/*": "int8", "opt_state/*/nu/*": "int4"},
+     "quantize= pattern 'opt_state/*/nu/*' matches no array leaf of the state (nothing would be stored "
+     "quantized); the nearest key paths: 'state/opt_state/0/nu/dense/bias', 'state/opt_state/0/nu/dense/kernel'; "
+     "'state/opt_state/*/nu/*' would match 2 leaves"),
+    # a key the paths lack: the pattern without it
+    ({"train/state/opt_state/*/nu/*": "int4"},
+     "quantize= pattern 'train/state/opt_state/*/nu/*' matches no array leaf of the state (nothing would be "
+     "stored quantized); the nearest key paths: 'state/opt_state/0/nu/dense/bias', "
+     "'state/opt_state/0/nu/dense/kernel'; 'state/opt_state/*/nu/*' would match 2 leaves"),
+    # nothing close by structure: the nearest by spelling, no suggestion
+    ({"state/opt_stat/0/mu/dense/kernel": "int8"},
+     "quantize= pattern 'state/opt_stat/0/mu/dense/kernel' matches no array leaf of the state (nothing would be "
+     "stored quantized); the nearest key paths: 'state/opt_state/0/mu/dense/kernel', "
+     "'state/opt_state/0/nu/dense/kernel', 'state/opt_state/0/mu/dense/bias'"),
+])
+def test_a_rule_that_matches_no_leaf_names_the_nearest_paths_and_a_pattern_that_would(rules, message):
+    assert q.unmatched(Quantize(rules), NESTED) == message
+    assert q.unmatched(Quantize({"*/mu/*": "int8", "*/nu/*": "int4"}), NESTED) is None
+    several = ["a/opt/0/mu/w", "b/c/opt/0/mu/w"]  # the state under two prefixes: any prefix
+    assert q.unmatched(Quantize({"opt/*/mu/*": "int8"}), several).endswith("; '*/opt/*/mu/*' would match 2 leaves")
+    assert q.unmatched(Quantize({"mu": "int8"}), []).endswith("; it has no array leaves")
+
+
 @pytest.mark.parametrize("form", q.FORMS)
 def test_bad_payloads_are_refused_before_use(form):
     x = np.abs(np.random.default_rng(5).standard_normal((3, 50))).astype(np.float32)
