@@ -113,7 +113,8 @@ def main(work):
           f"and {saved.count(None)} None (the places of static fields)")
 
     # A fresh start: the static half from code, the arrays' shapes from filter_eval_shape.
-    # Its leaves have no sharding: the restore replicates them on the mesh in context.
+    # Its leaves have no sharding: each gets the spec it was saved with (replicated here)
+    # on the mesh in context.
     abstract, static = eqx.filter_eval_shape(create, 0)
     with jax.set_mesh(mesh), jaxckpt.CheckpointManager(directory, read_only=True) as reader:
         restored = reader.restore(target={**abstract, "step": 0})

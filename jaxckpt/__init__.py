@@ -23,6 +23,7 @@ from ._manager.history import History as History
 from ._manager.history import HistoryRecord as HistoryRecord
 from ._manager.history import history as history
 from ._manager.manager import CheckpointManager as CheckpointManager
+from ._placement import PlacementWarning as PlacementWarning
 from ._plot import plot_history as plot_history
 from ._quantize import Quantize as Quantize
 from ._restore import MissingKeysWarning as MissingKeysWarning
@@ -48,6 +49,7 @@ __all__ = [
     "LazyArray",
     "LeafInfo",
     "MissingKeysWarning",
+    "PlacementWarning",
     "Quantize",
     "LeafStats",
     "SavedSharding",

@@ -23,7 +23,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from . import _distributed, _dtypes, _exchange, _formats, _layout, _tree
+from . import _distributed, _dtypes, _exchange, _formats, _layout, _placement, _tree
 from ._errors import SHOWN_PATHS, CheckpointError, TreeMismatchError, some_paths
 from ._manifest import LeafRecord, Manifest
 from ._storage.location import Location
@@ -91,7 +91,7 @@ def _target_kind(path: str, leaf: Any, rec: LeafRecord, sharding: Any, where: st
         sharding = leaf.sharding
     if isinstance(leaf, (np.ndarray, np.generic)) and sharding is None:
         return _Request(rec, "numpy", np.dtype(dtype), None, leaf, check_range=check_range)
-    if sharding is not None:  # None: placed with the restore's other leaves known (_place_unsharded)
+    if sharding is not None:  # None: placed with the restore's other leaves known (_placement)
         sharding = _concrete_sharding(sharding, path, where)
     if saved_key:
         return _Request(rec, "jax", None, sharding, leaf)
@@ -122,52 +122,6 @@ def _concrete_sharding(sharding: Any, path: str, where: str) -> Any:
             f"Checkpoint '{where}': leaf '{path}': the target's sharding is on an abstract mesh "
             f"({axes}) but the mesh set in context has axes ({have})")
     return jax.sharding.NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
-
-
-def _place_unsharded(requests: list[_Request], where: str) -> list[_Request]:
-    """``requests`` with every device leaf that has no sharding (what ``jax.eval_shape``
-    gives a step counter or a key) placed replicated on the restore's mesh
-    (``_unsharded_placement``), so that every process holds it."""
-    unplaced = [r.rec.path for r in requests if r.mode == "jax" and r.sharding is None]
-    if not unplaced:
-        return requests
-    placed = [r.sharding for r in requests if r.mode == "jax" and r.sharding is not None]
-    sharding = _unsharded_placement(placed, unplaced, where)
-    return [r._replace(sharding=sharding) if r.mode == "jax" and r.sharding is None else r for r in requests]
-
-
-def _unsharded_placement(placed: list[Any], unplaced: list[str], where: str) -> Any:
-    """Where leaves without a sharding go: replicated on the concrete mesh in context
-    (``jax.set_mesh``), else on the one mesh every sharded leaf of the target uses. With
-    no mesh to choose, a single process keeps the default device; in a multi-process job
-    one process's device is no place for a leaf every process asked for, so it raises."""
-    mesh = _mesh_in_context() or _one_mesh(placed)
-    if mesh is not None:
-        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    if _distributed.process_count() == 1:
-        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shown = ", ".join(unplaced[:5]) + (f" and {len(unplaced) - 5} more" if len(unplaced) > 5 else "")
-    raise CheckpointError(
-        f"Checkpoint '{where}': {len(unplaced)} target leaves have no sharding ({shown}) and there is no "
-        "mesh to place them on in this multi-process job (none set in context, and the target's sharded "
-        "leaves do not all use one mesh); pass shardings= for them, or restore inside "
-        "`with jax.set_mesh(mesh):` to have them replicated on that mesh")
-
-
-def _mesh_in_context() -> Any:
-    """The concrete mesh set with ``jax.set_mesh``, or None."""
-    mesh = jax.sharding.get_mesh()
-    if mesh.empty or isinstance(mesh, jax.sharding.AbstractMesh):
-        return None
-    return mesh
-
-
-def _one_mesh(shardings: list[Any]) -> Any:
-    """The mesh all of ``shardings`` are on, or None (none, several, or one not on a mesh)."""
-    if not shardings or not all(isinstance(s, jax.sharding.NamedSharding) for s in shardings):
-        return None
-    meshes = {s.mesh for s in shardings}
-    return meshes.pop() if len(meshes) == 1 else None
 
 
 def _all_devices_replicated() -> Any:
@@ -458,9 +412,14 @@ def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bo
         its dtypes (and Python scalar types) are cast to on the host. Shardings on an
         ``AbstractMesh`` (``nnx.eval_shape`` under ``jax.set_mesh``) resolve against
         the mesh set with ``jax.set_mesh``. A leaf with no sharding (``jax.eval_shape``
-        gives none to a step counter or a key) goes replicated on the mesh set with
-        ``jax.set_mesh``, else on the one mesh every sharded leaf uses; with neither, a
-        single process puts it on its default device and a multi-process job raises.
+        gives none to a step counter or a key, and to every leaf under Auto axes) gets
+        the PartitionSpec it was saved with: on the mesh set with ``jax.set_mesh`` when
+        the spec's axes fit it (names present, sizes dividing the shape), or, with no mesh
+        set, on the saved mesh when the job's devices fit it (as many as it had; built
+        from ``jax.devices()``). Otherwise it goes replicated on the mesh in context, else
+        on the one mesh every sharded leaf uses; with neither, a single process puts it on
+        its default device and a multi-process job raises. Leaves over 1 MiB placed so
+        are named in a ``PlacementWarning`` (docs/training.md).
       shardings: a PyTree of ``jax.sharding.Sharding`` (``None`` for non-array leaves)
         matching ``target`` (or used alone as the target), or one ``Sharding`` for all
         array leaves.
@@ -535,7 +494,7 @@ def _restore_tree(path: Any, target: Any, shardings: Any, partial: bool, allow_n
             errors.append(e)
     if errors:
         raise _leaves_mismatch(errors)
-    values = iter(_restore_leaves(source, _place_unsharded(requests, str(loc))))
+    values = iter(_restore_leaves(source, _placement.place_unsharded(requests, str(loc))))
     return _tree.unflatten(treedef, [kept[p] if p in kept else next(values) for p, _ in flat])
 
 

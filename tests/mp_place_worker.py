@@ -3,7 +3,7 @@ restore places leaves the target gives no sharding, in every process.
 
 Usage: mp_place_worker.py PORT NPROC PID NDEV PATH
 Saves a state (a sharded array, a replicated one, a scalar step counter, a typed key, a
-leaf on process 0's devices only), restores it three ways and prints one line
+leaf on process 0's devices only), restores it five ways and prints one line
 `RESULT <json>`: for each restore and leaf, what this process got, and the slices each
 exchanging restore shared. ``JAXCKPT_READ_ONCE`` in the environment (read by jaxckpt)
 turns the exchange on or off.
@@ -128,6 +128,33 @@ def restore_on_process0(mesh, host):
     return {k: describe(back[k], host[k], on0 if k == "p0" else replicated) for k in target}
 
 
+def bare_target(host):
+    """What ``jax.eval_shape`` gives under Auto axes: shapes and dtypes, no shardings."""
+    target = {k: jax.ShapeDtypeStruct(host[k].shape, host[k].dtype) for k in ("w", "repl", "step")}
+    target["key"] = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+    return target
+
+
+def restore_bare_without_mesh(host):
+    """(e) no sharding anywhere, no mesh in context: the saved mesh (x over every device of
+    the job) fits the devices at hand, so each leaf gets its saved spec on a mesh of
+    ``jax.devices()`` shaped as the saved one (c1abc6a: CheckpointError, no mesh)."""
+    back = jaxckpt.restore(path, bare_target(host), partial=True)
+    built = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+    return {k: describe(back[k], host[k], NamedSharding(built, P("x") if k == "w" else P()))
+            for k in ("w", "repl", "step", "key")}
+
+
+def restore_bare_on_another_mesh(host):
+    """(f) no sharding, a 2x2 mesh in context: w's saved P("x") fits it (x=2 divides 8
+    rows), so w is split over x there (c1abc6a: replicated)."""
+    mesh = jax.make_mesh((2, 2), ("x", "y"))
+    with jax.set_mesh(mesh):
+        back = jaxckpt.restore(path, bare_target(host), partial=True)
+    return {k: describe(back[k], host[k], NamedSharding(mesh, P("x") if k == "w" else P()))
+            for k in ("w", "repl", "step", "key")}
+
+
 def attempt(fn, *args):
     try:
         return fn(*args)
@@ -143,6 +170,8 @@ def main():
     result["eval_shape"] = attempt(restore_eval_shape, mesh, host)
     result["no_target"] = attempt(restore_without_target, host)
     result["process0"] = attempt(restore_on_process0, mesh, host)
+    result["bare_no_mesh"] = attempt(restore_bare_without_mesh, host)
+    result["bare_other_mesh"] = attempt(restore_bare_on_another_mesh, host)
     result["exchanges"] = EXCHANGES  # per exchanging restore: the slices it shared
     print("RESULT " + json.dumps(result), flush=True)
 

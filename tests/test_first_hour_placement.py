@@ -72,8 +72,10 @@ def test_a_target_without_shardings_resumes_on_the_mesh(tmp_path, resume, how):
             assert len(x.sharding.device_set) == 8, k  # on the whole mesh, not device 0
             data = jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
             assert np.asarray(data).tobytes() == saved[k].tobytes(), k
-        for k in unsharded:
-            assert flat(back)[k].sharding.spec == P(), k  # replicated
+        for k in unsharded:  # the spec it was saved with (issue 31; before: replicated, P())
+            assert flat(back)[k].sharding.spec == flat(state)[k].sharding.spec, k
+        if how == "jax-auto":  # every leaf unsharded: the params and moments too
+            assert flat(back)["['model']['lin1']['kernel'].value"].sharding.spec == P(None, "model")
         next_step(back)  # the next step runs; d7c90e7: "incompatible devices"
 
 
