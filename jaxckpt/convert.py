@@ -277,25 +277,10 @@ def _select(source: _formats.Source, select: Any) -> tuple[list[int], dict[int, 
             chosen[i] = max(under, key=len)
     empty = [p for p in prefixes if not any(_under(r.path, p) for r in leaves)]
     if empty:
+        near = {p: _tree.keys_near([r.path for r in leaves], p) for p in empty}  # what there is instead
         raise CheckpointError(f"Checkpoint '{source.loc}': select: no leaf under "
-                              + "; ".join(f"'{p}' ({_keys_near([r.path for r in leaves], p)})" for p in empty))
+                              + "; ".join(f"'{p}' ({keys})" for p, keys in near.items()))
     return sorted(chosen), chosen
-
-
-def _keys_near(paths: list[str], prefix: str, shown: int = 20) -> str:
-    """For a ``prefix`` that selects nothing, the keys one level below its longest part
-    that selects something: ``top-level keys: 'opt_state', 'params'`` or ``keys under
-    'params': 'dense', 'out'`` (at most ``shown``, in manifest order)."""
-    parts = prefix.split("/")
-    for n in range(len(parts) - 1, -1, -1):
-        base = "/".join(parts[:n])
-        below = [p[len(base) + 1:] if base else p for p in paths if p != base and _under(p, base)]
-        keys = list(dict.fromkeys(p.split("/")[0] for p in below))
-        if keys:
-            more = f", … {len(keys) - shown} more" if len(keys) > shown else ""
-            return (f"keys under '{base}': " if base else "top-level keys: ") + ", ".join(
-                f"'{k}'" for k in keys[:shown]) + more
-    return "the checkpoint has no leaves"
 
 
 def _prune(node: dict[str, Any], keep: dict[int, int]) -> dict[str, Any] | None:

@@ -188,6 +188,24 @@ def test_max_pending_bounds_saves_in_flight(tmp_path, monkeypatch):
     assert mgr.staging_bytes == 0
 
 
+def test_latest_step_lists_a_step_once_it_commits(tmp_path, monkeypatch):
+    # what the latest_step docstring and docs/training.md say (issue 31): an async save in
+    # flight is not listed yet
+    release = threading.Event()
+    monkeypatch.setattr(_storage, "fault_hook", lambda op, key: release.wait(10))
+    with jaxckpt.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"x": np.ones(4)})
+        assert mgr.latest_step() is None and mgr.all_steps() == []
+        release.set()
+        mgr.wait_until_finished()
+        assert mgr.latest_step() == 1
+        release.clear()
+        mgr.save(2, {"x": np.ones(4)})
+        assert mgr.latest_step() == 1
+        release.set()
+    assert mgr.latest_step() == 2
+
+
 def test_snapshot_owns_host_arrays(tmp_path, monkeypatch):
     release = threading.Event()
     monkeypatch.setattr(_storage, "fault_hook", lambda op, key: release.wait(10))

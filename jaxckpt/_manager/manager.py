@@ -169,7 +169,8 @@ class CheckpointManager:
         return self._steps.all()
 
     def latest_step(self) -> int | None:
-        """The newest committed step (of either tier), or ``None``."""
+        """The newest committed step (of either tier), or ``None``: right after an async
+        ``save`` still the previous one (``None`` in a new run) until the new step commits."""
         return max(self.all_steps(), default=None)
 
     def step_tiers(self) -> dict[int, tuple[str, ...]]:
@@ -486,8 +487,7 @@ class CheckpointManager:
         return f"CheckpointManager({str(self._dir)!r}{mode}, steps={self.all_steps()}{best})"
 
     def _repr_html_(self) -> str:
-        """The notebook view: directory, mode, committed steps (stored sizes, the best
-        marked), totals, cadence advice."""
+        """The notebook view: directory, mode, steps (stored sizes, the best marked), totals, advice."""
         mode = "read-only" if self._read_only else "writer"
         return _html.render_manager(str(self._dir), mode, _step_infos(self), self._clock(), self._advice,
                                     _best(self))
