@@ -143,7 +143,8 @@ class LeafStats:
     finite elements (``None`` when there are none); ``nan`` and ``inf`` count the
     others. ``min``/``max`` keep the leaf's kind (``bool``, ``int`` or ``float``).
     ``numeric`` is ``False`` for PRNG keys, inline values and complex arrays, whose
-    other fields then stay empty.
+    other fields then stay empty. An inline value (a step counter, a string, a float;
+    ``kind`` ``"value"``) is in ``value``.
     """
 
     path: str
@@ -158,10 +159,14 @@ class LeafStats:
     max: bool | int | float | None = None
     mean: float | None = None
     std: float | None = None
+    value: Any = None
 
     def to_json(self) -> dict[str, Any]:
-        """The statistics as a JSON-able dict."""
-        return json_value(dataclasses.asdict(self))
+        """The statistics as a JSON-able dict (``value`` only for an inline value)."""
+        out = dataclasses.asdict(self)
+        if self.kind != "value":
+            del out["value"]
+        return json_value(out)
 
 
 # --- streaming regions through the reader (stats, diff) -------------------------------
@@ -343,7 +348,7 @@ def leaf_stats(new_reader: Callable[[], Any], records: Sequence[LeafRecord],
     out = {}
     for rec in records:
         if rec.kind == "value":
-            out[rec.path] = LeafStats(rec.path, "value", None, None, False)
+            out[rec.path] = LeafStats(rec.path, "value", None, None, False, value=rec.value)
             continue
         m = acc.get(rec.path)
         if m is None:

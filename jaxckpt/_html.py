@@ -61,15 +61,20 @@ border:0;background:transparent;color:inherit}}
 .{CLASS} td:nth-child(2){{width:19ch}}.{CLASS} td:nth-child(3){{width:13ch}}
 .{CLASS} td:nth-child(4){{width:10ch}}.{CLASS} td:nth-child(5){{width:20ch}}
 .{CLASS} td:nth-child(6){{width:16ch}}.{CLASS} td:nth-child(7){{width:9ch;text-align:right}}
+.{CLASS} td:nth-child(8){{width:16ch;text-align:right}}
+.{CLASS} summary>i+i+i{{width:16ch}}.{CLASS} summary>i.z{{padding-right:8px}}
 .{CLASS} tr.jc td{{opacity:.7;border-bottom:1px solid var(--jp-border-color2,#8888)}}
 .{CLASS} tr.jz td{{padding-top:0;padding-bottom:0}}
 .{CLASS} td.v{{opacity:.85;font-style:italic}}
 </style>"""
 
-_COLUMNS = "<table><tr class=jc><td>key<td>kind<td>shape<td>dtype<td>sharding<td>mesh<td>size</table>"
+_COLUMNS = "<table><tr class=jc><td>key<td>kind<td>shape<td>dtype<td>sharding<td>mesh<td>size"
 # A first row of plain cells fixes the column widths of a table whose first row is a value
 # (a ``colspan`` cell would otherwise spread one column's width over five).
 _SIZER = "<tr class=jz><td><td><td><td><td><td><td>"
+# A checkpoint with compressed leaves has an eighth column: what each leaf and subtree
+# takes as stored, with the codec (in the size cell it was cut off at 9 characters).
+_STORED = "<td>stored"
 
 
 def human_bytes(n: float) -> str:
@@ -84,17 +89,18 @@ def human_bytes(n: float) -> str:
 class _Node:
     """A subtree: children by key (a ``_Node`` or a ``LeafRecord``), leaf count, bytes."""
 
-    __slots__ = ("children", "count", "nbytes")
+    __slots__ = ("children", "count", "nbytes", "stored")
 
     def __init__(self) -> None:
         self.children: dict[str, _Node | LeafRecord] = {}
         self.count = 0
         self.nbytes = 0
+        self.stored = 0  # the bytes its arrays take as stored
 
 
 def build_tree(records: Iterable[LeafRecord], prefix: str = "") -> _Node:
     """The key-path tree of ``records`` (paths relative to ``prefix``), in manifest order,
-    with every subtree's leaf count and bytes summed."""
+    with every subtree's leaf count, bytes and stored bytes summed."""
     root = _Node()
     for rec in records:
         parts = rec.path[len(prefix):].split("/")
@@ -106,9 +112,11 @@ def build_tree(records: Iterable[LeafRecord], prefix: str = "") -> _Node:
             node = child
             trail.append(node)
         node.children[parts[-1]] = rec
+        stored = 0 if rec.kind == "value" else rec.stored_nbytes
         for n in trail:
             n.count += 1
             n.nbytes += rec.nbytes
+            n.stored += stored
     return root
 
 
@@ -165,7 +173,7 @@ def sharding_cells(sharding: dict[str, Any] | None) -> str:
     return f'<td title="{title}">other{f" ({n} devices)" if n else ""}<td>'
 
 
-def _leaf_row(out: list[str], name: str, rec: LeafRecord, titles: bool) -> None:
+def _leaf_row(out: list[str], name: str, rec: LeafRecord, titles: bool, stored: bool) -> None:
     path = f' title="{escape(rec.path, quote=True)}"' if titles else ""
     if rec.kind == "value":
         text = repr(rec.value)
@@ -179,20 +187,23 @@ def _leaf_row(out: list[str], name: str, rec: LeafRecord, titles: bool) -> None:
         shape, dtype = rec.shape[:rec.key_ndim], f"{rec.dtype}{list(rec.shape[rec.key_ndim:])}"
     else:
         kind, shape, dtype = rec.kind, rec.shape, rec.dtype
-    stored = "" if rec.codec in ("", "raw") else (
-        f' <span title="{rec.stored_nbytes:,} bytes stored">({escape(rec.codec)}: '
-        f"{human_bytes(rec.stored_nbytes)})</span>")
     out.append(f'<tr><td{path}>{name}<td>{kind}<td>{shape}<td>{escape(dtype)}'
-               f"{sharding_cells(rec.sharding)}<td>{human_bytes(rec.nbytes)}{stored}")
+               f"{sharding_cells(rec.sharding)}<td>{human_bytes(rec.nbytes)}")
+    if stored:
+        codec = "" if rec.codec in ("", "raw") else f" {escape(rec.codec)}"  # 16 characters at most
+        out.append(f'<td title="{rec.stored_nbytes:,} bytes stored">{human_bytes(rec.stored_nbytes)}{codec}')
 
 
-def _summary(out: list[str], name: str, node: _Node, open_: bool) -> None:
+def _summary(out: list[str], name: str, node: _Node, open_: bool, stored: bool) -> None:
     leaves = f"{node.count} lea{'f' if node.count == 1 else 'ves'}"
-    out.append(f"<details{' open' if open_ else ''}><summary><b>{name}</b><i>{leaves}</i>"
-               f'<i title="{node.nbytes:,} bytes">{human_bytes(node.nbytes)}</i></summary>')
+    size = f"<i{' class=z' if stored else ''} title=\"{node.nbytes:,} bytes\">{human_bytes(node.nbytes)}</i>"
+    if stored:
+        size += f'<i title="{node.stored:,} bytes stored">{human_bytes(node.stored)}</i>'
+    out.append(f"<details{' open' if open_ else ''}><summary><b>{name}</b><i>{leaves}</i>{size}</summary>")
 
 
-def _render_children(out: list[str], node: _Node, trail: str, expand: frozenset[str], titles: bool) -> None:
+def _render_children(out: list[str], node: _Node, trail: str, expand: frozenset[str], titles: bool,
+                     stored: bool) -> None:
     """Rows of ``node``'s children: runs of leaves as one table, each subtree a ``<details>``.
 
     A subtree holding a single leaf is that leaf's row, named by the keys down to it
@@ -207,14 +218,15 @@ def _render_children(out: list[str], node: _Node, trail: str, expand: frozenset[
                 out.append("</table>")
                 in_table = False
             path = trail + part
-            _summary(out, name, child, path in expand)
-            _render_children(out, child, path + "/", expand, titles)
+            _summary(out, name, child, path in expand, stored)
+            _render_children(out, child, path + "/", expand, titles, stored)
             out.append("</details>")
         else:
             if not in_table:
-                out.append("<table>" + (_SIZER if child.kind == "value" else ""))
+                sizer = _SIZER + "<td>" * stored if child.kind == "value" else ""
+                out.append("<table>" + sizer)
                 in_table = True
-            _leaf_row(out, name, child, titles)
+            _leaf_row(out, name, child, titles, stored)
     if in_table:
         out.append("</table>")
 
@@ -242,12 +254,18 @@ def _metadata(metadata: dict[str, Any]) -> str:
             f"</summary><pre>{escape(text)}</pre></details>")
 
 
+def stored_size(records: Iterable[LeafRecord]) -> tuple[int, list[str]]:
+    """The bytes the arrays of ``records`` take as stored, and the codecs of the compressed
+    or quantized ones, sorted (``[]``: none is)."""
+    arrays = [r for r in records if r.kind != "value"]
+    return sum(r.stored_nbytes for r in arrays), sorted({r.codec for r in arrays if r.codec not in ("", "raw")})
+
+
 def _stored(records: list[LeafRecord]) -> str:
     """`` (3.1 MiB stored, zstd)`` when some of ``records`` are compressed, else ``""``."""
-    codecs = sorted({r.codec for r in records if r.codec not in ("", "raw")})
+    stored, codecs = stored_size(records)
     if not codecs:
         return ""
-    stored = sum(r.stored_nbytes for r in records if r.kind != "value")
     return f' <span title="{stored:,} bytes stored">({human_bytes(stored)} stored, {escape(", ".join(codecs))})</span>'
 
 
@@ -275,7 +293,8 @@ def render_view(view: Any, expand: Iterable[str] = ()) -> str:
     """The HTML of a ``CheckpointView``: a header (path, leaf count, size, format version,
     creation time, user metadata collapsed) and the key-path tree, each subtree a
     ``<details>`` summarising its leaf count and bytes, each leaf a row (key, kind,
-    shape, dtype, PartitionSpec, mesh axes, size).
+    shape, dtype, PartitionSpec, mesh axes, size; with compressed leaves also the
+    stored size, of subtrees too).
 
     Args:
       view: the ``CheckpointView`` (its manifest records are read, nothing else).
@@ -284,9 +303,11 @@ def render_view(view: Any, expand: Iterable[str] = ()) -> str:
     """
     records = [r for r in view._man.leaves if r.path in view._by_path]
     root = build_tree(records, view._prefix)
-    out = [f'<div class="{CLASS}">', _STYLE, _header(view, root), "<div class=jt>", _COLUMNS]
+    stored = bool(stored_size(records)[1])
+    out = [f'<div class="{CLASS}">', _STYLE, _header(view, root), "<div class=jt>",
+           _COLUMNS + _STORED * stored + "</table>"]
     expand = frozenset(p.strip("/") for p in expand)
-    _render_children(out, root, "", expand, root.count <= TITLE_LEAVES)
+    _render_children(out, root, "", expand, root.count <= TITLE_LEAVES, stored)
     out.append("</div></div>")
     return "".join(out)
 
@@ -301,27 +322,33 @@ _TH = "padding:1px 8px;border-bottom:1px solid var(--jp-border-color1, #999)"
 
 
 def render_manager(directory: str, mode: str, infos: Mapping[int, Mapping[str, Any]], now: float,
-                 advice: Any) -> str:
+                   advice: Any, best: tuple[int, str, str] | None = None) -> str:
     """The manager as HTML that reads in light and dark JupyterLab themes (no fixed colours):
-    its committed steps (``infos``: step -> manifest info), totals and the last
-    ``CadenceAdvice`` (``None``: how to get one)."""
+    its committed steps (``infos``: step -> manifest info, with ``stored_bytes`` and
+    ``codecs`` for compressed steps), totals, the best step (``best``: ``(step, metric,
+    mode)``) marked, and the last ``CadenceAdvice`` (``None``: how to get one)."""
     esc = escape
     steps = sorted(infos, reverse=True)
     shown = steps[:_MANAGER_ROWS]
     names = list(dict.fromkeys(k for s in shown for k in _info_metrics(infos[s])))
-    columns = ["step", "committed", "age", "size", "blocking s", "total s", *names[:_MANAGER_METRICS]]
+    stored = any("stored_bytes" in infos[s] for s in shown)
+    columns = ["step", "committed", "age", "size", *(["stored"] if stored else []), "blocking s", "total s",
+               *names[:_MANAGER_METRICS]]
     head = "".join(f"<th style='{_TH}'>{esc(c)}</th>" for c in columns)
     if len(names) > _MANAGER_METRICS:
         head += f"<th style='{_TH}'>… {len(names) - _MANAGER_METRICS} more metrics</th>"
-    rows = "".join(_html_row(s, infos[s], names[:_MANAGER_METRICS], now) for s in shown)
+    best_step = None if best is None else best[0]
+    rows = "".join(_html_row(s, infos[s], names[:_MANAGER_METRICS], now, stored, s == best_step) for s in shown)
     if len(steps) > len(shown):
         rows += (f"<tr><td colspan='{len(columns)}' style='{_TD};text-align:left'>… {len(steps) - len(shown)} "
                  "more (older steps not shown)</td></tr>")
     total_bytes = sum(_num(i.get("bytes")) or 0 for i in infos.values())
     blocking = sum(_num(i.get("blocking_seconds")) or 0.0 for i in infos.values())
     total_s = sum(_num(i.get("total_seconds")) or 0.0 for i in infos.values())
-    summary = (f"{len(steps)} committed step{'s' if len(steps) != 1 else ''}, {human_bytes(total_bytes)}; "
-               f"saves blocked {blocking:.3g} s in all, {total_s:.3g} s from save to commit in all")
+    summary = (f"{len(steps)} committed step{'s' if len(steps) != 1 else ''}, {human_bytes(total_bytes)}"
+               + _stored_total(infos.values()) + "; "
+               + ("" if best is None else f"best {best[1]} ({best[2]}): step {best[0]}; ")
+               + f"saves blocked {blocking:.3g} s in all, {total_s:.3g} s from save to commit in all")
     table = (f"<table style='border-collapse:collapse;color:inherit;text-align:right'><thead><tr>{head}</tr></thead>"
              f"<tbody>{rows}</tbody></table>") if steps else "<div>no committed step yet</div>"
     return (
@@ -331,7 +358,18 @@ def render_manager(directory: str, mode: str, infos: Mapping[int, Mapping[str, A
     )
 
 
-def _html_row(step: int, info: Mapping[str, Any], names: list[str], now: float) -> str:
+def _stored_total(infos: Iterable[Mapping[str, Any]]) -> str:
+    """`` (1.2 MiB stored, zstd)`` over the steps, when some are compressed: a step
+    without ``stored_bytes`` counts its ``bytes``."""
+    infos = list(infos)
+    codecs = sorted({c for i in infos for c in i.get("codecs", ())})
+    if not codecs:
+        return ""
+    stored = sum(_num(i.get("stored_bytes", i.get("bytes"))) or 0 for i in infos)
+    return f" ({human_bytes(stored)} stored, {', '.join(codecs)})"
+
+
+def _html_row(step: int, info: Mapping[str, Any], names: list[str], now: float, stored: bool, best: bool) -> str:
     esc = escape
     when = _num(info.get("commit_time"))
     when = _num(info.get("created_unix")) if when is None else when
@@ -339,10 +377,13 @@ def _html_row(step: int, info: Mapping[str, Any], names: list[str], now: float) 
     age = _human_age(now - when) if when is not None else "?"
     size = _num(info.get("bytes"))
     metrics = _info_metrics(info)
-    cells = [str(step), committed, age, human_bytes(size) if size is not None else "?",
+    kept = _num(info.get("stored_bytes"))
+    cells = [f"★ {step}" if best else str(step), committed, age, human_bytes(size) if size is not None else "?",
+             *([f"{human_bytes(kept)} {', '.join(info['codecs'])}" if kept is not None else ""] if stored else []),
              _fmt(info.get("blocking_seconds")), _fmt(info.get("total_seconds")),
              *(_fmt(metrics.get(n)) for n in names)]
-    return f"<tr style='{_TR}'>" + "".join(f"<td style='{_TD}'>{esc(c)}</td>" for c in cells) + "</tr>"
+    style = _TR + (";font-weight:bold" if best else "")
+    return f"<tr style='{style}'>" + "".join(f"<td style='{_TD}'>{esc(c)}</td>" for c in cells) + "</tr>"
 
 
 def _html_advice(advice: Any) -> str:

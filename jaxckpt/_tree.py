@@ -290,6 +290,22 @@ def _most_common(items: Iterable[str]) -> str | None:
     return counts[0][0] if counts else None
 
 
+def keys_near(paths: Sequence[str], prefix: str, shown: int = 20) -> str:
+    """For a key path ``prefix`` under which none of ``paths`` lies, the keys one level
+    below its longest part that has some: ``top-level keys: 'opt', 'params'`` or ``keys
+    under 'params': 'dense', 'out'`` (in the order of ``paths``, at most ``shown``)."""
+    parts = prefix.strip("/").split("/")
+    for n in range(len(parts) - 1, -1, -1):
+        base = "/".join(parts[:n])
+        below = [p[len(base) + 1:] if base else p for p in paths if p.startswith(base + "/" if base else "")]
+        keys = list(dict.fromkeys(p.split("/")[0] for p in below))
+        if keys:
+            more = f", … {len(keys) - shown} more" if len(keys) > shown else ""
+            where = f"keys under '{base}'" if base else "top-level keys"
+            return f"{where}: " + ", ".join(f"'{k}'" for k in keys[:shown]) + more
+    return "no keys at all"
+
+
 def near_miss_key_maps(absent: Sequence[str], unused: Sequence[str]) -> list[KeyMapGuess]:
     """``key_map`` guesses that map target paths not in a checkpoint (``absent``) onto its
     paths the target does not name (``unused``), one consistent level apart.

@@ -159,7 +159,8 @@ def _step_row(mgr: Any, step: int) -> dict[str, Any]:
     info = mgr.info(step)
     when = info.get("commit_time", info.get("created_unix"))
     return {"step": step, "commit_time": when, "age_s": None if when is None else max(0.0, time.time() - when),
-            "bytes": info.get("bytes"), "metrics": info.get("metrics"),
+            "bytes": info.get("bytes"), "stored_bytes": info.get("stored_bytes"), "codecs": info.get("codecs", []),
+            "metrics": info.get("metrics"),
             "total_seconds": info.get("total_seconds"), "blocking_seconds": info.get("blocking_seconds")}
 
 
@@ -167,7 +168,7 @@ def _print_steps(directory: str, steps: list[dict[str, Any]]) -> None:
     if not steps:
         click.echo(f"no committed steps in '{directory}'")
         return
-    rows = []
+    rows, stored = [], any(s.get("codecs") for s in steps)
     for s in steps:
         when = "-" if s["commit_time"] is None else datetime.datetime.fromtimestamp(
             s["commit_time"]).strftime("%Y-%m-%d %H:%M:%S")
@@ -176,10 +177,11 @@ def _print_steps(directory: str, steps: list[dict[str, Any]]) -> None:
         blocking, total = (_seconds(s["blocking_seconds"]), _seconds(s["total_seconds"]))
         tiers = [",".join(s["tiers"])] if "tiers" in s and any(t != ["local"] for t in
                                                                  (x["tiers"] for x in steps)) else []
-        rows.append([s["step"], when, _age(s["age_s"]), _human(s["bytes"] or 0), blocking, total, *tiers, metrics])
+        kept = [f"{_human(s['stored_bytes'])} {','.join(s['codecs'])}" if s.get("codecs") else "-"] * stored
+        rows.append([s["step"], when, _age(s["age_s"]), _human(s["bytes"] or 0), *kept, blocking, total, *tiers, metrics])
     show_tiers = any(s.get("tiers", ["local"]) != ["local"] for s in steps)
-    _table(["step", "committed", "age", "size", "blocking", "total", *(["tier"] if show_tiers else []),
-            "metrics"], rows)
+    _table(["step", "committed", "age", "size", *(["stored"] if stored else []), "blocking", "total",
+            *(["tier"] if show_tiers else []), "metrics"], rows)
 
 
 def _seconds(value: float | None) -> str:
@@ -377,14 +379,16 @@ def stats_command(path: str, keys: tuple[str, ...], as_json: bool) -> None:
     if as_json:
         _emit_json(rows)
         return
-    table = []
-    for k, st in rows.items():
-        if not st["numeric"]:
-            table.append([k, "-", "-", "-", "-", "-", "-", st["kind"]])
-            continue
-        table.append([k, _short(st["min"]), _short(st["max"]), _short(st["mean"]), _short(st["std"]),
-                      st["nan"], st["inf"], st["dtype"]])
-    _table(["leaf", "min", "max", "mean", "std", "nan", "inf", "dtype"], table)
+    fields = ("min", "max", "mean", "std", "nan", "inf")
+    table = [[k, *(_short(st[f]) if st["numeric"] else "-" for f in fields), st["dtype" if st["numeric"] else "kind"]]
+             for k, st in rows.items() if st["kind"] != "value"]
+    values = [[k, r if len(r := repr(found[k].value)) <= 60 else r[:59] + "…", type(found[k].value).__name__]
+              for k, st in rows.items() if st["kind"] == "value"]  # a step counter, a string: its value
+    if table or not values:
+        _table(["leaf", *fields, "dtype"], table)
+    if values:
+        click.echo("\n" * bool(table), nl=False)
+        _table(["leaf", "value", "type"], values)
 
 
 def _is_prefix(view: Any, key: str) -> bool:

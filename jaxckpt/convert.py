@@ -277,8 +277,9 @@ def _select(source: _formats.Source, select: Any) -> tuple[list[int], dict[int, 
             chosen[i] = max(under, key=len)
     empty = [p for p in prefixes if not any(_under(r.path, p) for r in leaves)]
     if empty:
+        near = {p: _tree.keys_near([r.path for r in leaves], p) for p in empty}  # what there is instead
         raise CheckpointError(f"Checkpoint '{source.loc}': select: no leaf under "
-                              + ", ".join(f"'{p}'" for p in empty))
+                              + "; ".join(f"'{p}' ({keys})" for p, keys in near.items()))
     return sorted(chosen), chosen
 
 

@@ -11,6 +11,7 @@ import pytest
 from conftest import sharded
 
 import jaxckpt
+from jaxckpt._html import human_bytes as _human_bytes
 
 EXE = os.path.join(os.path.dirname(sys.executable), "jaxckpt")
 
@@ -68,6 +69,24 @@ def test_ls_lists_committed_steps_and_dead_attempts_apart(run_dir):
     # one checkpoint path lists that one
     _, out, _ = cli("ls", run_dir / "40", "--json")
     assert [c["path"] for c in json.loads(out)["checkpoints"]] == [str(run_dir / "40")]
+
+
+def test_ls_shows_the_stored_size_of_compressed_steps(tmp_path):
+    # issue 31: a compressed step listed only its logical size
+    d = tmp_path / "run"
+    w = np.tile(np.arange(256, dtype=np.float32), (256, 1))
+    with jaxckpt.CheckpointManager(d, async_save=False) as mgr:
+        mgr.save(1, {"w": w})
+    with jaxckpt.CheckpointManager(d, async_save=False, compression="zstd") as mgr:
+        mgr.save(2, {"w": w})
+    stored = jaxckpt.open(d / "2")["w"].stored_nbytes
+    _, out, _ = cli("ls", d, "--json")
+    assert [(s["step"], s["bytes"], s["stored_bytes"], s["codecs"]) for s in json.loads(out)["steps"]] == [
+        (1, w.nbytes, None, []), (2, w.nbytes, stored, ["zstd"])]
+    _, out, _ = cli("ls", d)
+    lines = out.splitlines()
+    assert lines[0].split() == ["step", "committed", "age", "size", "stored", "blocking", "total", "metrics"]
+    assert "  256.0 KiB  -  " in lines[1] and f"  256.0 KiB  {_human_bytes(stored)} zstd  " in lines[2]
 
 
 def test_ls_advises_a_cadence(run_dir):
@@ -197,8 +216,29 @@ def test_stats_match_numpy(run_dir):
     assert (doc["params/b"]["min"], doc["params/b"]["max"], doc["params/b"]["nan"]) == (0, 7, 0)
     _, out, _ = cli("stats", run_dir / "40")
     assert out.splitlines()[0].split() == ["leaf", "min", "max", "mean", "std", "nan", "inf", "dtype"]
-    assert len(out.splitlines()) == 1 + 5
+    assert len(out.splitlines()) == 1 + 4 + 1 + 2  # the arrays and the key; a blank line; the step's value
     cli("stats", run_dir / "40", "nope", ok=(2,))
+
+
+def test_stats_shows_inline_values(tmp_path):
+    # issue 31: a step counter, a string, a float were rows of dashes
+    jaxckpt.save(tmp_path / "c", {"w": np.arange(4, dtype=np.float32), "step": 12, "name": "run-a", "lr": 0.5,
+                                  "note": "x" * 100})
+    _, out, _ = cli("stats", tmp_path / "c")
+    assert out == (
+        "leaf  min  max  mean  std      nan  inf  dtype\n"
+        "w     0    3    1.5   1.11803  0    0    float32\n"
+        "\n"
+        "leaf  value" + " " * 57 + "type\n"
+        "lr    0.5" + " " * 59 + "float\n"
+        "name  'run-a'" + " " * 55 + "str\n"
+        "note  '" + "x" * 58 + "…  str\n"
+        "step  12" + " " * 60 + "int\n")
+    _, out, _ = cli("stats", tmp_path / "c", "step")
+    assert out == "leaf  value  type\nstep  12     int\n"
+    _, out, _ = cli("stats", tmp_path / "c", "--json")
+    doc = json.loads(out)
+    assert [doc[k]["value"] for k in ("step", "name", "lr")] == [12, "run-a", 0.5] and "value" not in doc["w"]
 
 
 def test_progress_bar_only_on_a_terminal(run_dir):

@@ -347,6 +347,25 @@ def test_relayout_refuses_a_non_float_dtype_and_an_empty_selection(tmp_path):
         convert.relayout(tmp_path / "a", tmp_path / "b", select=["params", "nope"])
 
 
+def test_a_selection_of_nothing_names_the_keys_there_are(tmp_path):
+    # issue 31: "no leaf under 'parms'" left the user to guess the key paths
+    jaxckpt.save(tmp_path / "a", {"params": {"dense": {"kernel": np.ones(2)}, "out": np.ones(2)},
+                                  "opt_state": [np.ones(2)], "step": 3})
+    where = f"Checkpoint '{tmp_path / 'a'}': select: no leaf under"
+    with pytest.raises(jaxckpt.CheckpointError) as e:
+        convert.to_safetensors(tmp_path / "a", tmp_path / "x.safetensors", select="parms")
+    assert str(e.value) == f"{where} 'parms' (top-level keys: 'opt_state', 'params', 'step')"
+    with pytest.raises(jaxckpt.CheckpointError) as e:  # as deep as the path is right
+        convert.to_safetensors(tmp_path / "a", tmp_path / "x.safetensors", select=["params/dense/bias", "params/x/y"])
+    assert str(e.value) == (f"{where} 'params/dense/bias' (keys under 'params/dense': 'kernel'); "
+                            "'params/x/y' (keys under 'params': 'dense', 'out')")
+    jaxckpt.save(tmp_path / "b", {f"k{i:02d}": i for i in range(25)})
+    with pytest.raises(jaxckpt.CheckpointError) as e:  # many keys: the first 20, counted beyond
+        convert.relayout(tmp_path / "b", tmp_path / "c", select="x")
+    keys = ", ".join(f"'k{i:02d}'" for i in range(20))
+    assert str(e.value) == f"Checkpoint '{tmp_path / 'b'}': select: no leaf under 'x' (top-level keys: {keys}, … 5 more)"
+
+
 # --- safetensors ------------------------------------------------------------------------
 
 
@@ -447,7 +466,8 @@ def test_cli_export_writes_safetensors(tmp_path):
     doc = json.loads(out)
     assert doc["files"] == [str(tmp_path / "one.safetensors")] and doc["skipped"] == ["lr", "name", "rng", "step"]
     code, _, err = cli("export", tmp_path / "a", tmp_path / "x.safetensors", "--select", "nope", ok=(1,))
-    assert err.startswith("jaxckpt: ") and "no leaf under 'nope'" in err
+    assert err == (f"jaxckpt: Checkpoint '{tmp_path / 'a'}': select: no leaf under 'nope' "
+                   "(top-level keys: 'lr', 'name', 'opt', 'params', 'rng', 'step')\n")
 
 
 def test_cli_convert_relayouts_onto_a_mesh(tmp_path):

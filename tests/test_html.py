@@ -38,9 +38,12 @@ class _Tree(HTMLParser):
             self.stack.append(d)
             self.details.append(d)
         elif tag in ("b", "i") and self.stack and self.row is None:  # in a summary
-            self.field = "name" if tag == "b" else "size" if "title" in attrs else "count"
-            if self.field == "size":
-                self.stack[-1]["bytes"] = int(attrs["title"].split()[0].replace(",", ""))
+            title = attrs.get("title", "")
+            self.field = ("name" if tag == "b" else "count" if not title else
+                          "stored" if title.endswith(" stored") else "size")
+            if self.field in ("size", "stored"):
+                key = "bytes" if self.field == "size" else "stored_bytes"
+                self.stack[-1][key] = int(title.split()[0].replace(",", ""))
         elif tag == "tr":
             self.row = None
             if attrs.get("class") not in ("jc", "jz"):  # not the column titles, not a sizer
@@ -116,6 +119,36 @@ def test_nesting_rows_and_totals(saved):
         under = [r for r in view._by_path.values() if r.path.startswith("/".join(d["outer"] + [d["name"]]) + "/")]
         assert d["bytes"] == sum(r.nbytes for r in under) and d["count"] == f"{len(under)} leaves"
     assert "<table>" in page and 'class="jaxckpt-view"' in page
+
+
+def test_compressed_leaves_show_their_stored_size_in_a_column_of_its_own(tmp_path):
+    # issue 31: the stored size was a note inside the 9-character size cell ("256.0 KiB
+    # (zstd: 660 B)"), cut off on the page; now it is a column of its own, 16 characters
+    # wide, and subtrees sum it too
+    w = np.tile(np.arange(256, dtype=np.float32), (256, 1))
+    tree = {"params": {"w": w, "b": np.arange(64, dtype=np.float32)}, "opt": np.ones(8, np.float32), "step": 3}
+    jaxckpt.save(tmp_path / "c", tree, compression={"params/*": "zstd"})
+    view = jaxckpt.open(tmp_path / "c")
+    stored = {k: view[k].stored_nbytes for k in ("params/w", "params/b", "opt")}
+    assert stored["params/w"] < 1024 and stored["opt"] > 32  # compressed; raw, with its checksum
+    page = _html.render_view(view, expand=("params",))
+    got = _Tree(page)
+    h = _html.human_bytes
+    assert got.rows["params/w"]["cells"] == [
+        "w", "array", "(256, 256)", "float32", "host", "", "256.0 KiB", f"{h(stored['params/w'])} zstd"]
+    assert got.rows["params/b"]["cells"][6:] == ["256 B", f"{h(stored['params/b'])} zstd"]
+    assert got.rows["opt"]["cells"][6:] == ["32 B", h(stored["opt"])]  # raw: no codec
+    assert got.rows["step"]["cells"] == ["step", "value", "3 (int)"]
+    (params,) = got.details
+    assert (params["name"], params["bytes"], params["stored_bytes"]) == (
+        "params", w.nbytes + 256, stored["params/w"] + stored["params/b"])
+    assert "<td>mesh<td>size<td>stored</table>" in page and "td:nth-child(8){width:16ch;" in page
+    assert all(len(r["cells"][7]) <= 16 for r in got.all_rows if len(r["cells"]) == 8)
+    # without compressed leaves: the seven columns, no stored sizes
+    jaxckpt.save(tmp_path / "raw", tree)
+    page = _html.render_view(jaxckpt.open(tmp_path / "raw"), expand=("params",))
+    assert "<td>mesh<td>size</table>" in page and " stored" not in page
+    assert _Tree(page).rows["params/w"]["cells"][6:] == ["256.0 KiB"]
 
 
 def test_collapsed_below_the_top_level_unless_expanded(saved):

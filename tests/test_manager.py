@@ -188,6 +188,24 @@ def test_max_pending_bounds_saves_in_flight(tmp_path, monkeypatch):
     assert mgr.staging_bytes == 0
 
 
+def test_latest_step_lists_a_step_once_it_commits(tmp_path, monkeypatch):
+    # what the latest_step docstring and docs/training.md say (issue 31): an async save in
+    # flight is not listed yet
+    release = threading.Event()
+    monkeypatch.setattr(_storage, "fault_hook", lambda op, key: release.wait(10))
+    with jaxckpt.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"x": np.ones(4)})
+        assert mgr.latest_step() is None and mgr.all_steps() == []
+        release.set()
+        mgr.wait_until_finished()
+        assert mgr.latest_step() == 1
+        release.clear()
+        mgr.save(2, {"x": np.ones(4)})
+        assert mgr.latest_step() == 1
+        release.set()
+    assert mgr.latest_step() == 2
+
+
 def test_snapshot_owns_host_arrays(tmp_path, monkeypatch):
     release = threading.Event()
     monkeypatch.setattr(_storage, "fault_hook", lambda op, key: release.wait(10))
@@ -527,6 +545,34 @@ def test_html_lists_steps_metrics_totals_and_escapes(tmp_path):
     assert "background" not in page and "white" not in page and "#fff" not in page
     reader = jaxckpt.CheckpointManager(tmp_path, read_only=True)
     assert "(read-only)" in reader._repr_html_()
+
+
+def test_views_show_stored_sizes_and_mark_the_best_step(tmp_path):
+    from jaxckpt import _html
+
+    # issue 31: the manager's views showed neither what compressed steps take nor the best step
+    with jaxckpt.CheckpointManager(tmp_path, best_metric="loss", async_save=False, compression="zstd") as mgr:
+        for s, loss in ((1, 0.5), (2, 0.25), (3, 0.4)):
+            mgr.save(s, {"w": np.tile(np.arange(64, dtype=np.float32), (64, 1)) * s, "step": s},
+                     metrics={"loss": loss})
+        page, text, infos = mgr._repr_html_(), repr(mgr), {s: mgr.info(s) for s in mgr.all_steps()}
+    stored = {s: jaxckpt.open(tmp_path / str(s))["w"].stored_nbytes for s in (1, 2, 3)}
+    assert [(i["stored_bytes"], i["codecs"], i["bytes"]) for i in infos.values()] == [
+        (stored[s], ["zstd"], 64 * 64 * 4) for s in (1, 2, 3)]
+    assert text == f"CheckpointManager({str(tmp_path)!r}, steps=[1, 2, 3], best=2)"
+    td = f"<td style='{_html._TD}'>"
+    assert f"<th style='{_html._TH}'>size</th><th style='{_html._TH}'>stored</th>" in page
+    assert f"{td}16.0 KiB</td>{td}{_html.human_bytes(stored[3])} zstd</td>" in page
+    assert f"<tr style='{_html._TR};font-weight:bold'>{td}★ 2</td>" in page and page.count("★") == 1
+    total = _html.human_bytes(sum(stored.values()))
+    assert f"3 committed steps, 48.0 KiB ({total} stored, zstd); best loss (min): step 2; saves blocked" in page
+    # a manager without best_metric marks none; steps saved raw have no stored column
+    reader = jaxckpt.CheckpointManager(tmp_path, read_only=True)
+    assert repr(reader) == f"CheckpointManager({str(tmp_path)!r}, read_only=True, steps=[1, 2, 3])"
+    assert "★" not in reader._repr_html_() and "best" not in reader._repr_html_()
+    with jaxckpt.CheckpointManager(tmp_path / "raw", async_save=False) as mgr:
+        mgr.save(1, {"w": np.ones(4, np.float32)})
+        assert ">stored<" not in mgr._repr_html_() and "stored_bytes" not in mgr.info(1)
 
 
 def test_html_caps_rows(tmp_path, monkeypatch):

@@ -244,6 +244,7 @@ def test_stats_equal_numpy(ckpt):
     assert (stats["bool"].min, stats["bool"].max) == (False, True)
     assert (stats["rng"].numeric, stats["rng"].kind, stats["step"].numeric, stats["step"].kind) == (
         False, "prng_key", False, "value")
+    assert (stats["step"].value, stats["step"].to_json()["value"], stats["rng"].value) == (3, 3, None)  # issue 31
     assert (stats["empty"].count, stats["empty"].mean, stats["empty"].min) == (0, None, None)
     assert jaxckpt.open(ckpt).stats("f32") == stats["f32"]
     assert json.loads(json.dumps(stats["f32"].to_json()))["shape"] == [512, 1024]

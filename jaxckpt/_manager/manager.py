@@ -169,7 +169,8 @@ class CheckpointManager:
         return self._steps.all()
 
     def latest_step(self) -> int | None:
-        """The newest committed step (of either tier), or ``None``."""
+        """The newest committed step (of either tier), or ``None``: right after an async
+        ``save`` still the previous one (``None`` in a new run) until the new step commits."""
         return max(self.all_steps(), default=None)
 
     def step_tiers(self) -> dict[int, tuple[str, ...]]:
@@ -181,8 +182,9 @@ class CheckpointManager:
         return self._steps.manifest(step).info.get("metrics")
 
     def info(self, step: int) -> dict[str, Any]:
-        """What the manifest of ``step`` records: versions, times, bytes, save stats."""
-        return dict(self._steps.manifest(step).info)
+        """What the manifest of ``step`` records: versions, times, bytes, save stats; for a
+        compressed step also ``stored_bytes`` (what its arrays take as stored) and ``codecs``."""
+        return _step_info(self._steps.manifest(step))
 
     def best_step(self) -> int | None:
         """The committed step with the best ``best_metric`` (``None`` if none reports it)."""
@@ -481,12 +483,37 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         mode = ", read_only=True" if self._read_only else ""
-        return f"CheckpointManager({str(self._dir)!r}{mode}, steps={self.all_steps()})"
+        best = f", best={self.best_step()}" if self._retention.policy.best_metric is not None else ""
+        return f"CheckpointManager({str(self._dir)!r}{mode}, steps={self.all_steps()}{best})"
 
     def _repr_html_(self) -> str:
-        """The notebook view: directory, mode, committed steps, totals, cadence advice."""
+        """The notebook view: directory, mode, steps (stored sizes, the best marked), totals, advice."""
         mode = "read-only" if self._read_only else "writer"
-        return _html.render_manager(str(self._dir), mode, self._steps.infos(), self._clock(), self._advice)
+        return _html.render_manager(str(self._dir), mode, _step_infos(self), self._clock(), self._advice,
+                                    _best(self))
+
+
+def _step_info(man: Any) -> dict[str, Any]:
+    """``man.info``, with ``stored_bytes`` and ``codecs`` when some of its leaves are compressed."""
+    info = dict(man.info)
+    stored, codecs = _html.stored_size(man.leaves)
+    if codecs:
+        info.update(stored_bytes=stored, codecs=codecs)
+    return info
+
+
+def _step_infos(mgr: CheckpointManager) -> dict[int, dict[str, Any]]:
+    """``_step_info`` of each listed local step (the notebook view's rows)."""
+    with mgr._lock:
+        listed = dict(mgr._steps.local)
+    return {s: _step_info(m) for s, m in listed.items()}
+
+
+def _best(mgr: CheckpointManager) -> tuple[int, str, str] | None:
+    """``(best step, best_metric, best_mode)``; ``None`` without ``best_metric`` or a step reporting it."""
+    policy = mgr._retention.policy
+    step = mgr.best_step() if policy.best_metric is not None else None
+    return None if step is None else (step, policy.best_metric, policy.best_mode)
 
 
 def _check_step(mgr: CheckpointManager, step: Any, force: bool) -> int:
