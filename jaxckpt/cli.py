@@ -448,7 +448,7 @@ def import_orbax_command(src: str, dest: str, overwrite: bool, as_json: bool) ->
     _limit_malloc_retention()
     with _progress("import") as progress:
         result = convert.from_orbax(src, dest, overwrite=overwrite, progress=progress)
-    run = {"steps": list(result.steps), "skipped": list(result.skipped)} if result.steps or result.skipped else None
+    run = {"steps": list(result.steps), "skipped": list(result.skipped)} if hasattr(result, "steps") else None
     _print_copy(src, result.path, result.leaves, result.total_size, as_json, run)
 
 

@@ -32,10 +32,11 @@ from ._errors import CheckpointError, CheckpointNotFoundError, TreeMismatchError
 from ._formats import safetensors as _safetensors
 from ._formats import stream as _stream
 from ._manager import orbaximport as _orbaximport
+from ._manager.orbaximport import RunImportResult
 from ._manifest import LeafRecord, Manifest
 from ._storage import location as _location
 
-__all__ = ["ExportResult", "ImportResult", "from_orbax", "relayout", "to_safetensors"]
+__all__ = ["ExportResult", "ImportResult", "RunImportResult", "from_orbax", "relayout", "to_safetensors"]
 
 Progress = Callable[[int, int], None]
 # Hugging Face's default max_shard_size ("5GB", decimal).
@@ -55,18 +56,16 @@ class ImportResult(NamedTuple):
       leaves: how many leaves it holds: arrays, PRNG keys and inline values.
       arrays: how many of them hold array data (PRNG keys included).
       total_size: bytes of array data (uncompressed, as ``metadata`` counts them).
-      steps, skipped: a run's steps imported now (the counts sum them) and those imported before.
     """
 
     path: str
     leaves: int
     arrays: int
     total_size: int
-    steps: tuple[int, ...] = ()
-    skipped: tuple[int, ...] = ()
 
 
-def from_orbax(src: Any, dest: Any, *, overwrite: bool = False, progress: Progress | None = None) -> ImportResult:
+def from_orbax(src: Any, dest: Any, *, overwrite: bool = False,
+               progress: Progress | None = None) -> ImportResult | RunImportResult:
     """Convert the orbax-checkpoint checkpoint at ``src`` into a jaxckpt checkpoint at ``dest``.
 
     The tree structure, values, dtypes and recorded shardings are kept; each array's
@@ -90,7 +89,8 @@ def from_orbax(src: Any, dest: Any, *, overwrite: bool = False, progress: Progre
       progress: called with ``(bytes done, bytes total)`` after each leaf.
 
     Returns:
-      An ``ImportResult``: the checkpoint written, its leaf and array counts, its bytes.
+      An ``ImportResult``: the checkpoint written, its leaf and array counts, its bytes
+      (from a run directory a ``RunImportResult``: also the steps imported and skipped).
 
     Raises:
       CheckpointError: ``src`` is a checkpoint of another format (jaxckpt, safetensors).
@@ -105,7 +105,7 @@ def from_orbax(src: Any, dest: Any, *, overwrite: bool = False, progress: Progre
     except CheckpointNotFoundError:  # or an orbax run directory
         if (run := _orbaximport.import_run(src, dest, import_source, overwrite, progress)) is None:
             raise
-        return ImportResult(*run)
+        return run
     if source.format != "orbax":
         raise CheckpointError(
             f"'{source.loc}' is a {source.format} checkpoint, not an orbax-checkpoint one; from_orbax "

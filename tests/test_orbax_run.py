@@ -152,7 +152,8 @@ def test_import_run_then_train_on(runs, tmp_path):
     out = tmp_path / "jaxckpt-run"
     seen = []
     result = convert.from_orbax(runs["prefixed"], out, progress=lambda d, t: seen.append((d, t)))
-    assert result.steps == STEPS and result.skipped == () and result.path == str(out)
+    assert isinstance(result, convert.RunImportResult) and result.path == str(out)
+    assert result.steps == STEPS and result.skipped == ()
     assert result.leaves == 3 * 5 and seen[-1][0] == seen[-1][1] == result.total_size
     with jaxckpt.CheckpointManager(out, max_to_keep=3, best_metric="loss") as mgr:  # the one line changed
         assert mgr.all_steps() == list(STEPS) and mgr.best_step() == 10

@@ -29,10 +29,20 @@ from . import cleanup as _cleanup
 Progress = Callable[[int, int], None]
 
 
-class RunImport(NamedTuple):
-    """What ``import_run`` did (``convert.ImportResult``'s fields): the manager directory,
-    the sums over the steps imported now, those steps, and the steps an earlier import
-    of the same run had already written."""
+class RunImportResult(NamedTuple):
+    """What ``convert.from_orbax`` did with an orbax run directory.
+
+    Attributes:
+      path: the jaxckpt manager directory (``dest`` as a path or URL).
+      leaves, arrays, total_size: as ``ImportResult``'s, summed over the steps imported now.
+      steps: the steps imported now, ascending.
+      skipped: the steps an earlier import of the same run had written already.
+
+    Example:
+      >>> convert.from_orbax("/runs/a/orbax", "/runs/a/jaxckpt")
+      RunImportResult(path='/runs/a/jaxckpt', leaves=636, arrays=630, total_size=3221225472,
+                      steps=(0, 500, 1000), skipped=())
+    """
 
     path: str
     leaves: int
@@ -47,7 +57,7 @@ class _Holder:
 
 
 def import_run(src: Any, dest: Any, import_step: Callable[..., Any], overwrite: bool = False,
-               progress: Progress | None = None) -> RunImport | None:
+               progress: Progress | None = None) -> RunImportResult | None:
     """Import every committed step of the orbax run directory ``src`` into the manager
     directory ``dest``; ``None`` when ``src`` holds no orbax step.
 
@@ -80,7 +90,7 @@ def import_run(src: Any, dest: Any, import_step: Callable[..., Any], overwrite: 
             meter.finish()
     finally:
         lease.release()
-    return RunImport(str(dest), sum(r.leaves for r in results), sum(r.arrays for r in results),
+    return RunImportResult(str(dest), sum(r.leaves for r in results), sum(r.arrays for r in results),
                      sum(r.total_size for r in results), tuple(todo), tuple(skipped))
 
 
