@@ -120,8 +120,12 @@ def test_tmp_hidden_and_hostile_entries_are_not_steps(runs, tmp_path, caplog):
     os.mkdir(run / "11")  # no _CHECKPOINT_METADATA: not a committed step
     os.symlink(run / "5", run / "13")  # a link could lead out of the run
     (run / "14").write_text("a file")
-    with jaxckpt.CheckpointManager(run, read_only=True) as mgr:
-        assert mgr.all_steps() == [0, 5]
+    shutil.copytree(run / "5", run / "15")
+    (run / "15" / "_CHECKPOINT_METADATA").write_text("[1, 2")  # skipped, with a warning
+    with caplog.at_level(logging.WARNING, logger="jaxckpt"):
+        with jaxckpt.CheckpointManager(run, read_only=True) as mgr:
+            assert mgr.all_steps() == [0, 5]
+    assert "Skipping orbax step 15" in caplog.text
     # metrics orbax's manager would choke on, or jaxckpt cannot keep: the step without them
     (run / "0" / "metrics" / "metrics").write_text("{not json")
     with open(run / "5" / "metrics" / "metrics", "wb") as f:

@@ -9,7 +9,8 @@ What orbax 0.12.8 writes, and how it is read here:
   names with several prefixes, or two names for one step (``7`` and ``0007``), are
   refused: which is the run is not ours to guess;
 * a step is committed when its directory has its final name (orbax writes under
-  ``<name>.orbax-checkpoint-tmp*`` and renames) and holds ``_CHECKPOINT_METADATA``;
+  ``<name>.orbax-checkpoint-tmp*`` and renames) and holds ``_CHECKPOINT_METADATA`` (one
+  that is not a JSON object: the step is skipped with a warning, as a bad manifest is);
   on an object store (no rename) also orbax's ``commit_success.txt``. Temporary,
   hidden and symlinked entries are never steps (a link could lead out of the run);
 * metrics (``mgr.save(step, args, metrics=...)``; orbax writes them only with a
@@ -100,7 +101,8 @@ def find_steps(directory: Any) -> dict[int, OrbaxStep]:
         shown = ", ".join(f"'{n}'" for n in sorted(prefixes.values())[:5])
         raise CheckpointError(f"'{loc}' holds orbax steps named with {len(prefixes)} prefixes ({shown}): "
                               "several runs in one directory; jaxckpt reads a run with one step name format")
-    return {s: _step(loc, s, names[s]) for s in sorted(names)}
+    found = {s: _step(loc, s, names[s]) for s in sorted(names)}
+    return {s: o for s, o in found.items() if o is not None}
 
 
 def manifests(directory: Any) -> dict[int, Manifest]:
@@ -153,14 +155,18 @@ def _committed(loc: Location, name: str) -> bool:
     return all(_kvstore.read_blob(step, f) is not None for f in (COMMIT_FILE, _orbax.CHECKPOINT_METADATA))
 
 
-def _step(loc: Location, step: int, name: str) -> OrbaxStep:
+def _step(loc: Location, step: int, name: str) -> OrbaxStep | None:
+    """The step, or ``None`` (skipped, with a warning, as jaxckpt's discovery skips a
+    step whose manifest is bad) when its ``_CHECKPOINT_METADATA`` is not a JSON object."""
     where = str(loc.child(name))
     try:
         ckpt = _orbax._read_json(loc.child(name), _orbax.CHECKPOINT_METADATA, where)
+        if not isinstance(ckpt, dict):
+            raise CheckpointError(f"{_orbax.CHECKPOINT_METADATA} is not a JSON object")
     except CheckpointError as e:
-        _log.warning("orbax step %d in '%s': %s (listed without a commit time)", step, loc, e)
-        ckpt = None
-    stamp = ckpt.get("commit_timestamp_nsecs") if isinstance(ckpt, dict) else None
+        _log.warning("Skipping orbax step %d in '%s': %s", step, loc, e)
+        return None
+    stamp = ckpt.get("commit_timestamp_nsecs")
     if isinstance(stamp, int) and not isinstance(stamp, bool) and 0 < stamp < 1 << 63:
         when: float | None = stamp / 1e9
     else:
