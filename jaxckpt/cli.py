@@ -146,6 +146,8 @@ def ls_command(directory: str, as_json: bool, mtbf: float | None, persistent: st
                     "advice": None if advice is None else advice._asdict()})
         return
     _print_steps(directory, steps)
+    if steps and mgr.info(steps[0]["step"]).get("format") == "orbax":
+        click.echo(f"\nan orbax-checkpoint run: read here, never written; `jaxckpt import-orbax {directory} OUT` imports it")
     if attempts:
         click.echo("\nuncommitted attempts (not checkpoints; `jaxckpt gc` removes dead ones):")
         _table(["name", "step", "size", "state"],
@@ -178,7 +180,8 @@ def _print_steps(directory: str, steps: list[dict[str, Any]]) -> None:
         tiers = [",".join(s["tiers"])] if "tiers" in s and any(t != ["local"] for t in
                                                                  (x["tiers"] for x in steps)) else []
         kept = [f"{_human(s['stored_bytes'])} {','.join(s['codecs'])}" if s.get("codecs") else "-"] * stored
-        rows.append([s["step"], when, _age(s["age_s"]), _human(s["bytes"] or 0), *kept, blocking, total, *tiers, metrics])
+        size = "-" if s["bytes"] is None else _human(s["bytes"])  # unknown for an orbax step
+        rows.append([s["step"], when, _age(s["age_s"]), size, *kept, blocking, total, *tiers, metrics])
     show_tiers = any(s.get("tiers", ["local"]) != ["local"] for s in steps)
     _table(["step", "committed", "age", "size", *(["stored"] if stored else []), "blocking", "total",
             *(["tier"] if show_tiers else []), "metrics"], rows)
@@ -238,13 +241,11 @@ def show_command(path: str, as_json: bool, depth: int | None) -> None:
 
 
 def _stored(tree: Any) -> tuple[list[str], int]:
-    """The codecs of a ``metadata()`` tree's compressed or quantized leaves (none: ``[]``)
-    and the bytes its arrays' data takes."""
+    """A ``metadata()`` tree's codecs of compressed/quantized leaves, and its arrays' stored bytes."""
     from . import LeafInfo
 
     found: set[str] = set()
-    total = 0
-    stack = [tree]
+    total, stack = 0, [tree]
     while stack:
         node = stack.pop()
         if isinstance(node, LeafInfo):
@@ -442,13 +443,14 @@ def gc_command(directory: str, yes: bool) -> None:
 @click.option("--overwrite", is_flag=True, help="Replace a checkpoint already at DEST.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def import_orbax_command(src: str, dest: str, overwrite: bool, as_json: bool) -> None:
-    """Convert the orbax checkpoint SRC into a jaxckpt checkpoint at DEST, leaf by leaf."""
+    """Convert the orbax checkpoint (or run directory, with metrics) SRC into jaxckpt's at DEST."""
     from . import convert
 
     _limit_malloc_retention()
     with _progress("import") as progress:
         result = convert.from_orbax(src, dest, overwrite=overwrite, progress=progress)
-    _print_copy(src, result.path, result.leaves, result.total_size, as_json)
+    run = {"steps": list(result.steps), "skipped": list(result.skipped)} if hasattr(result, "steps") else None
+    _print_copy(src, result.path, result.leaves, result.total_size, as_json, run)
 
 
 @main.command("export")
@@ -504,8 +506,7 @@ def _parse_renames(renames: tuple[str, ...]) -> dict[str, str] | None:
 
 
 def _limit_malloc_retention() -> None:
-    """This process only converts: keep decoded chunks from piling up in malloc's
-    arenas (see ``_stream.limit_malloc_retention``), unless ``JAXCKPT_KEEP_MALLOC`` is set."""
+    """This process only converts: no decoded chunks piling up in malloc (``_stream``'s note)."""
     from ._formats import stream as _stream
 
     _stream.limit_malloc_retention()
@@ -639,11 +640,13 @@ def _print_written(src: str, dest: str, as_json: bool) -> None:
     _print_copy(src, info.path, tree["leaves"], tree["bytes"], as_json)
 
 
-def _print_copy(src: str, dest: str, leaves: int, nbytes: int, as_json: bool) -> None:
+def _print_copy(src: str, dest: str, leaves: int, nbytes: int, as_json: bool, run: Any = None) -> None:
     if as_json:
-        _emit_json({"src": src, "dest": dest, "leaves": leaves, "bytes": nbytes})
+        _emit_json({"src": src, "dest": dest, "leaves": leaves, "bytes": nbytes, **(run or {})})
         return
-    click.echo(f"{src} -> {dest}: {_leaves(leaves)}, {_human(nbytes)}")
+    steps = f"{_count(len(run['steps']), 'step')} {run['steps']}, " if run else ""
+    skipped = f"; imported before: {_count(len(run['skipped']), 'step')} {run['skipped']}" if run and run["skipped"] else ""
+    click.echo(f"{src} -> {dest}: {steps}{_leaves(leaves)}, {_human(nbytes)}{skipped}")
 
 
 def run(argv: list[str] | None = None) -> int:

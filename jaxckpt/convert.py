@@ -28,13 +28,15 @@ import jax
 import numpy as np
 
 from . import _dtypes, _formats, _layout, _restore, _tasks, _tree
-from ._errors import CheckpointError, TreeMismatchError
+from ._errors import CheckpointError, CheckpointNotFoundError, TreeMismatchError
 from ._formats import safetensors as _safetensors
 from ._formats import stream as _stream
+from ._manager import orbaximport as _orbaximport
+from ._manager.orbaximport import RunImportResult
 from ._manifest import LeafRecord, Manifest
 from ._storage import location as _location
 
-__all__ = ["ExportResult", "ImportResult", "from_orbax", "relayout", "to_safetensors"]
+__all__ = ["ExportResult", "ImportResult", "RunImportResult", "from_orbax", "relayout", "to_safetensors"]
 
 Progress = Callable[[int, int], None]
 # Hugging Face's default max_shard_size ("5GB", decimal).
@@ -62,13 +64,15 @@ class ImportResult(NamedTuple):
     total_size: int
 
 
-def from_orbax(src: Any, dest: Any, *, overwrite: bool = False, progress: Progress | None = None) -> ImportResult:
+def from_orbax(src: Any, dest: Any, *, overwrite: bool = False, progress: Progress | None = None,
+               ) -> ImportResult | RunImportResult:
     """Convert the orbax-checkpoint checkpoint at ``src`` into a jaxckpt checkpoint at ``dest``.
 
     The tree structure, values, dtypes and recorded shardings are kept; each array's
     chunks follow its recorded sharding's shard shape (the whole array when none was
     recorded), so a restore onto the same mesh reads each chunk once. Leaves are read
-    and written one at a time.
+    and written one at a time. An orbax run directory becomes a manager directory (each
+    committed step as ``dest/<step>``, with its metrics; a rerun skips steps imported).
 
     Memory: tensorstore decodes orbax's compressed chunks on its own threads, and
     glibc's malloc keeps what those threads free in per-thread arenas, so the import
@@ -78,13 +82,14 @@ def from_orbax(src: Any, dest: Any, *, overwrite: bool = False, progress: Progre
     malloc alone.
 
     Args:
-      src: an orbax step directory (or item directory) or URL.
+      src: an orbax step directory (or item directory), or run directory, or URL.
       dest: where the jaxckpt checkpoint goes (committed atomically, manifest last).
-      overwrite: replace a checkpoint already at ``dest``.
+      overwrite: replace a checkpoint already at ``dest`` (a run: the steps both have).
       progress: called with ``(bytes done, bytes total)`` after each leaf.
 
     Returns:
-      An ``ImportResult``: the checkpoint written, its leaf and array counts, its bytes.
+      An ``ImportResult`` (the checkpoint written, its leaf and array counts, its bytes), or
+      from a run directory a ``RunImportResult`` (also the steps imported and skipped).
 
     Raises:
       CheckpointError: ``src`` is a checkpoint of another format (jaxckpt, safetensors).
@@ -94,7 +99,12 @@ def from_orbax(src: Any, dest: Any, *, overwrite: bool = False, progress: Progre
       >>> convert.from_orbax("/runs/a/checkpoints/1000", "/runs/a/jaxckpt/1000")
       ImportResult(path='/runs/a/jaxckpt/1000', leaves=212, arrays=210, total_size=1073741824)
     """
-    source = _formats.open_source(src)
+    try:
+        source = _formats.open_source(src)
+    except CheckpointNotFoundError:  # or an orbax run directory
+        if (run := _orbaximport.import_run(src, dest, import_source, overwrite, progress)) is None:
+            raise
+        return run
     if source.format != "orbax":
         raise CheckpointError(
             f"'{source.loc}' is a {source.format} checkpoint, not an orbax-checkpoint one; from_orbax "
@@ -104,19 +114,19 @@ def from_orbax(src: Any, dest: Any, *, overwrite: bool = False, progress: Progre
 
 
 def import_source(source: _formats.Source, dest: Any, *, overwrite: bool = False,
-                  progress: Progress | None = None) -> ImportResult:
+                  progress: Progress | None = None, info: dict[str, Any] | None = None) -> ImportResult:
     """Write any ``Source`` as a jaxckpt checkpoint (what ``from_orbax`` runs); chunks
-    follow each leaf's recorded sharding."""
+    follow each leaf's recorded sharding; ``info`` joins its manifest's info."""
     man = source.manifest
     leaves = [_retarget(rec, rec.sharding, None) for rec in man.leaves]
-    written = _copy(source, dest, man.structure, list(range(len(leaves))), leaves, overwrite, progress)
+    written = _copy(source, dest, man.structure, list(range(len(leaves))), leaves, overwrite, progress, info)
     arrays = [r for r in written.leaves if r.kind != "value"]
     return ImportResult(str(_location.resolve(dest)), len(written.leaves), len(arrays),
                         sum(r.nbytes for r in arrays))
 
 
 def _copy(source: _formats.Source, dest: Any, structure: dict[str, Any], indices: list[int],
-          leaves: list[LeafRecord], overwrite: bool, progress: Progress | None) -> Manifest:
+          leaves: list[LeafRecord], overwrite: bool, progress: Progress | None, extra: Any = None) -> Manifest:
     """Write source leaves ``indices`` as ``leaves`` (their new records, same order);
     returns the manifest committed.
 
@@ -131,7 +141,7 @@ def _copy(source: _formats.Source, dest: Any, structure: dict[str, Any], indices
             return functools.partial(_read_region, source, saved[i])
         return small.leaf(saved[i])  # the writer writes views of it, casting
 
-    info = {"converted_from": {"path": str(source.loc), "format": source.format}}
+    info = {"converted_from": {"path": str(source.loc), "format": source.format}, **(extra or {})}
     return _stream.write_checkpoint(dest, structure, leaves, chunk_data, metadata=source.manifest.metadata,
                              overwrite=overwrite, info=info, progress=progress)
 

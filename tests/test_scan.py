@@ -425,5 +425,6 @@ def test_verify_says_a_foreign_checkpoint_is_not_its_format(tmp_path):
 
     save_file({"w": np.ones(3, np.float32)}, str(tmp_path / "m.safetensors"))
     with pytest.raises(jaxckpt.CheckpointError, match=f"'{tmp_path / 'm.safetensors'}' is a safetensors "
-                                                      "checkpoint: verify checks jaxckpt's format"):
+                                                      "checkpoint: verify reads jaxckpt checkpoints and "
+                                                      "orbax-checkpoint steps"):
         jaxckpt.verify(tmp_path / "m.safetensors")

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 from .. import _claims, _commit, _distributed, _owner, _tasks, _untrusted, _verify
 from .._errors import CheckpointError, CheckpointNotFoundError
+from .._formats import orbaxrun as _orbaxrun
 from .._manifest import Manifest
 from .._storage import kvstore as _kvstore
 from .._storage import location as _location
@@ -90,7 +91,9 @@ def release_leases(lease: _lease.Lease | None, persistent: Any) -> None:
 
 
 def take_directory(where: _location.Location, owner: object) -> _lease.Lease:
-    """Create ``where``, take its writer lease, clean what a gone writer left there."""
+    """Create ``where``, take its writer lease, clean what a gone writer left there. An
+    orbax run directory is refused first: jaxckpt never writes there."""
+    _orbaxrun.refuse_writer(where)
     if where.local is not None:
         try:
             os.makedirs(where.local, exist_ok=True)

@@ -25,6 +25,7 @@ from typing import Any
 
 from .. import _checkpoint, _commit, _distributed, _html, _restore, _snapshot
 from .._errors import CheckpointError, CheckpointNotFoundError
+from .._formats import orbaxrun as _orbaxrun
 from .._storage import location as _location
 from . import arguments as _arguments
 from . import cadence as _cadence
@@ -140,8 +141,8 @@ class CheckpointManager:
         _cleanup.check_directory(self._dir)
         self._persistent = _tiers.make_persistent(persistent_directory, persistent_interval_steps,
                                                   persistent_max_to_keep, timeout_s, read_only)
-        if read_only:
-            local = dict(_commit.discover_steps(self._dir))
+        if read_only:  # jaxckpt's steps, or an orbax run's (_formats.orbaxrun)
+            local = _orbaxrun.manifests(self._dir)
         else:
             self._groups, self._lease, local = _cleanup.start_writer(
                 self._dir, self._persistent, timeout_s, self._partial, owner=self)
@@ -565,8 +566,8 @@ def _restore_here(mgr: CheckpointManager, step: int | None, read: Callable[[Any]
         with mgr._lock:  # chosen and pinned at once: retention cannot take it in between
             where, step = mgr._steps.locate(step)
             pinned.enter_context(mgr._pins.hold(step))
-        if not mgr._read_only or where != mgr._dir.child(_commit.step_name(step)):
-            return read(where)  # a writer's own restores are held by its pins
+        if not mgr._read_only or where != mgr._dir.child(_commit.step_name(step)) or mgr._steps.foreign(step):
+            return read(where)  # a writer's own restores are held by its pins; orbax's writer marks nothing
         # Another process writes here: mark the step so its retention waits for us.
         with _marks.ReaderMark(mgr._dir, step):
             if not _commit.has_manifest(where):

@@ -41,6 +41,7 @@ from typing import Any
 
 from .. import _claims, _commit, _distributed, _layout, _manifest, _storage, _tasks, _verify
 from .._errors import CheckpointError, CheckpointNotFoundError
+from .._formats import orbaxrun as _orbaxrun
 from .._manifest import Manifest
 from .._storage import kvstore as _kvstore
 from .._storage import location as _location
@@ -398,7 +399,14 @@ class Listing:
 
     def locate(self, step: int | None) -> tuple[Location, int]:
         """Where to read ``step`` (see ``locate``); call it under the lock."""
-        return locate(step, self.local, self.durable(), self.dir, self.persistent and self.persistent.dir)
+        where, step = locate(step, self.local, self.durable(), self.dir, self.persistent and self.persistent.dir)
+        name = _orbaxrun.step_dir(self.local.get(step))  # a step of an orbax run: its own directory name
+        return (where if name is None else self.dir.child(name)), step
+
+    def foreign(self, step: int) -> bool:
+        """Whether ``step`` is listed from an orbax run (read as orbax wrote it)."""
+        with self._lock:
+            return _orbaxrun.step_dir(self.local.get(step)) is not None
 
     def infos(self) -> dict[int, dict[str, Any]]:
         """The manifest info of each listed local step."""
@@ -427,7 +435,7 @@ class Listing:
         with self._lock:
             self._scanning = set()
         try:
-            found = _commit.discover_steps(self.dir)
+            found = _orbaxrun.manifests(self.dir)  # jaxckpt's steps, or an orbax run's
         finally:
             with self._lock:
                 ours, self._scanning = self._scanning, None
