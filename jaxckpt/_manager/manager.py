@@ -456,18 +456,27 @@ class CheckpointManager:
             raise first
 
     def close(self) -> None:
-        """Wait for pending saves, then release the background thread and the lease."""
+        """Wait for pending saves, then release the background thread and the lease.
+
+        Raises the first pending save's failure, if any (releasing the lease, when that
+        fails too, adds a note to it); else a failed release. After a store failed, the
+        clean-up (the failed save's, the lease's) ends within one ``JAXCKPT_IO_TIMEOUT_S``.
+        """
         if self._closed:
             return
+        failure = None
         try:
             self.wait_until_finished()
+        except BaseException as e:
+            failure = e  # what leaves close(): a failed release only adds a note to it
+            raise
         finally:
             self._closed = True
+            atexit.unregister(self._atexit)  # whatever close raises is not reported again at exit
             self._preemption.close()  # gives the SIGTERM handler back
             self._executor.shutdown(wait=True)
             self._deleter.close()
-            _cleanup.release_leases(self._lease, self._persistent)
-            atexit.unregister(self._atexit)
+            _cleanup.release_leases(self._lease, self._persistent, failure)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -283,8 +283,9 @@ def _abort_after(uploads: _Uploads, objects: list[Upload] | list[Parted]) -> Non
         uploads.join()
     except BaseException:  # noqa: BLE001 - already failing; the parts go with the abort
         pass
-    for obj in objects:
-        obj.abort()
+    with _kvstore.cleaning_up():  # a store that failed: all of it within one bound
+        for obj in objects:
+            obj.abort()
 
 
 class SegmentParts:
