@@ -138,8 +138,11 @@ class Lease:
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.renew_s):
             try:
-                self.renew()
+                with _kvstore.until(self._stop):  # a release does not wait for the store's answer
+                    self.renew()
             except Exception as e:  # noqa: BLE001 - retried at the next renewal; lost after a lease period
+                if self._stop.is_set():
+                    return  # released meanwhile: nothing to retry
                 self._failure = f"the last renewal failed: {type(e).__name__}: {e}"
                 _log.warning("jaxckpt: renewing the writer lease of '%s' failed (retrying every %g s): %s",
                              self.directory, self.renew_s, e)
@@ -174,7 +177,7 @@ class Lease:
                 if threading.current_thread() is not self._thread:
                     # a renewal in flight finishes first: it must not write the file back after
                     # us. Past the clean-up's bound it is left to finish alone, and the file too.
-                    self._thread.join(_kvstore.cleanup_left(self.directory.url))
+                    self._thread.join(_kvstore.cleanup_wait(self.directory.url))
                     if self._thread.is_alive():
                         raise CheckpointError(f"Releasing the writer lease of '{self.directory}' failed: a renewal "
                                               "of it is still waiting for the store")

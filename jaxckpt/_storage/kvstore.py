@@ -135,6 +135,13 @@ def track(future: Any) -> Any:
     return future
 
 
+def no_answer(seconds: float, nbytes: int = 0) -> str:
+    """The cause of a wait for the store that the I/O bound ended: ``no answer from the
+    store in N s (JAXCKPT_IO_TIMEOUT_S=B)`` (``nbytes``: the bound grew with the request)."""
+    more = ", + 1 s per 8 MiB of the request" if nbytes else ""
+    return f"no answer from the store in {seconds:.3g} s ({IO_TIMEOUT_ENV}={io_timeout_s() or 0:g}{more})"
+
+
 def _store_of(url: str) -> str | None:
     """The object store a URL is in (``s3://bucket``); ``None`` for a local path."""
     scheme, sep, rest = str(url).partition("://")
@@ -170,30 +177,49 @@ def cleaning_up() -> Iterator[None]:
         _cleaning.on = before
 
 
-def cleanup_left(url: str) -> float | None:
-    """Seconds left to the clean-up of ``url``'s store (``cleaning_up``), or ``None`` when
-    it has not failed (or waits are not bounded)."""
+@contextlib.contextmanager
+def until(stop: threading.Event) -> Iterator[None]:
+    """The waits of this thread inside end, their requests cancelled, soon (``STOP_POLL_S``)
+    after ``stop`` is set: a background thread's request (a lease renewal) never holds up,
+    or outlives, the close that stops it."""
+    before = getattr(_cleaning, "stop", None)
+    _cleaning.stop = stop
+    try:
+        yield
+    finally:
+        _cleaning.stop = before
+
+
+STOP_POLL_S = 0.1
+
+
+def cleanup_wait(url: str) -> float | None:
+    """How long a request of the clean-up of ``url``'s store (``cleaning_up``) may wait
+    now: ``_grace_s``, or what is left of one bound since the store failed if less;
+    ``None`` when it has not failed (or waits are not bounded)."""
     bound = io_timeout_s()
     failed = _failed_at.get(_store_of(url) or "")
     if bound is None or failed is None:
         return None
-    return max(0.0, failed + bound - time.monotonic())
+    return max(0.0, min(_grace_s(bound), failed + bound - time.monotonic()))
 
 
 def check_cleanup(root: Any, doing: str, key: str) -> None:
     """Raise, without a request, when this thread cleans up (``cleaning_up``) after
     ``root``'s store failed and the clean-up's bound is spent (for requests no ``wait``
     bounds: boto3's)."""
-    if getattr(_cleaning, "on", False) and cleanup_left(root.url) == 0:
+    if getattr(_cleaning, "on", False) and cleanup_wait(root.url) == 0:
         raise storage_error(root, doing, key, _cleanup_spent(root.url))
 
 
 def _cleanup_spent(url: str, waited: float | None = None) -> str:
-    """Why a clean-up's request ended: not made, or not answered, within the clean-up's bound."""
+    """Why a clean-up's request ended: not made, or not answered in its share of the
+    clean-up's bound (``cleaning_up``)."""
     since = time.monotonic() - _failed_at.get(_store_of(url) or "", time.monotonic())
+    bound = io_timeout_s() or 0.0
     head = "not tried" if waited is None else f"no answer from the store in {waited:.3g} s"
-    return (f"{head}: the store failed {since:.3g} s ago and has not answered since (the clean-up "
-            f"after a failure gets one {IO_TIMEOUT_ENV}={io_timeout_s():g} in all)")
+    return (f"{head}: the store failed {since:.3g} s ago and has not answered since (the clean-up after a "
+            f"failure gets {_grace_s(bound):.3g} s a request, one {IO_TIMEOUT_ENV}={bound:g} in all)")
 
 
 def wait(future: Any, root: Any, doing: str, key: str, issued: float | None = None, nbytes: int = 0) -> Any:
@@ -201,19 +227,21 @@ def wait(future: Any, root: Any, doing: str, key: str, issued: float | None = No
     anything with a ``url``); and one when, for ``io_timeout_s()`` seconds (plus 1 s per
     8 MiB of ``nbytes``) since ``issued`` (default: now), the store answered no request of
     this process. The abandoned request is cancelled. Within ``cleaning_up``, after the
-    store failed, it also ends when the clean-up's bound does (``cleanup_left``)."""
+    store failed, it gets ``cleanup_wait`` at most."""
     global _silent_since
     bound = io_timeout_s()
     now = time.monotonic()
     start = now if issued is None else issued
     allowed = None if bound is None else bound + nbytes * SECONDS_PER_BYTE
-    what = "" if not nbytes else ", + 1 s per 8 MiB of the request"
+    cause = no_answer(allowed or 0, nbytes)
     if allowed is not None and _silent_since is not None and _silent_since == _last_answer:
         start, allowed = now, _grace_s(bound)  # still silent since a wait gave up
-        what = f": a store that stopped answering gets {allowed:.3g} s a request"
-    deadline = None
+        cause = (f"no answer from the store in {allowed:.3g} s ({IO_TIMEOUT_ENV}={bound:g}: a store that "
+                 f"stopped answering gets {allowed:.3g} s a request)")
+    stop = getattr(_cleaning, "stop", None)  # (``until``)
+    deadline = None  # the clean-up's, after the store failed: whatever else answers meanwhile
     if getattr(_cleaning, "on", False) and bound is not None:
-        left = cleanup_left(root.url)
+        left = cleanup_wait(root.url)
         if left == 0:
             future.cancel()
             raise storage_error(root, doing, key, _cleanup_spent(root.url))
@@ -228,14 +256,18 @@ def wait(future: Any, root: Any, doing: str, key: str, issued: float | None = No
         if remaining is not None and remaining <= 0:
             _silent_since = _last_answer
             future.cancel()
-            cause = f"no answer from the store in {allowed:.3g} s ({IO_TIMEOUT_ENV}={bound:g}{what})"
             note_failure(root.url, cause)
             raise storage_error(root, doing, key, cause)
+        if stop is not None:
+            if stop.is_set():
+                future.cancel()
+                raise storage_error(root, doing, key, "given up: it was stopped while waiting for the store")
+            remaining = STOP_POLL_S if remaining is None else min(remaining, STOP_POLL_S)
         try:
             result = future.result(timeout=remaining)
         except TimeoutError:
             if not future.done():
-                continue  # others may have been answered meanwhile: look again
+                continue  # others may have been answered meanwhile (or stopped): look again
             result = call(root, doing, key, future.result)
         except CheckpointError:
             raise
