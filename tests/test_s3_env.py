@@ -220,10 +220,11 @@ def test_the_bound_is_configured_by_the_environment(monkeypatch):
         _bounds.io_timeout_s()
 
 
-def test_boto3_giving_up_on_a_silent_store_reads_as_the_bounded_waits_do(monkeypatch):
+def test_boto3_giving_up_on_a_silent_store_names_its_own_timeouts(monkeypatch):
     # format 3's uploads, listings and batch deletes on S3 go through boto3, whose timeouts
-    # (within the bound) end a request the store does not answer: the cause says so in the
-    # words of every other wait; a refused connection keeps botocore's own
+    # (3 attempts of max(1 s, bound / 6): about half the bound) end a request the store does
+    # not answer: the cause names those, the bound that fired, not JAXCKPT_IO_TIMEOUT_S
+    # alone (which read "30.1 s (JAXCKPT_IO_TIMEOUT_S=60)"); a refused connection keeps botocore's own
     import urllib3.exceptions
     from botocore import exceptions as bx
 
