@@ -198,6 +198,31 @@ def test_a_failed_save_alone_leaves_the_with(tmp_path, monkeypatch):
     assert jaxckpt.CheckpointManager(tmp_path).all_steps() == []  # the lease was released
 
 
+@pytest.mark.parametrize("traced", ["state", "step", "metric"])
+def test_save_inside_jit_is_refused_before_anything_starts(tmp_path, traced):
+    mgr = jaxckpt.CheckpointManager(tmp_path, async_save=True)
+
+    @jax.jit
+    def train_step(w, n):
+        state = {"opt": {"mu": w + 1 if traced == "state" else np.zeros(3)}, "n": 5}
+        mgr.save(n if traced == "step" else 7, state, metrics={"loss": w.sum() if traced == "metric" else 0.5})
+        return w
+
+    with pytest.raises(jaxckpt.CheckpointError) as err:
+        train_step(jnp.ones(3), 7)
+    what = {"state": "leaf 'opt/mu' is a JAX tracer (float32[3])", "step": "the step is a JAX tracer (int32[])",
+            "metric": "metrics['loss'] is a JAX tracer (float32[])"}[traced]
+    step = "(traced)" if traced == "step" else "7"
+    assert str(err.value) == (f"Saving step {step} to '{tmp_path}' failed: {what}, not an array with values: save "
+                              "was called inside a traced function (jax.jit, vmap, grad, ...). Save outside it, on "
+                              "the arrays it returns.")
+    assert mgr.attempts() == [] and mgr.all_steps() == []  # nothing started, nothing pending
+    mgr.wait_until_finished()
+    mgr.save(7, {"opt": {"mu": jnp.ones(3)}, "n": 5})  # outside jit: step 7 was never taken
+    mgr.close()
+    assert mgr.all_steps() == [7]
+
+
 def test_sync_failure_raises_directly(tmp_path, monkeypatch):
     monkeypatch.setattr(_storage, "fault_hook", lambda op, key: (_ for _ in ()).throw(OSError("boom")))
     with jaxckpt.CheckpointManager(tmp_path, async_save=False) as mgr:

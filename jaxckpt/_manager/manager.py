@@ -288,9 +288,11 @@ class CheckpointManager:
         Raises:
           CheckpointError: ``step`` is already committed or in flight, is older than the
             latest one, the manager is read-only or closed, or an earlier background
-            save failed (chained to the original exception).
+            save failed (chained to the original exception); or it was called inside
+            ``jax.jit`` (a leaf, the step or a metric is a tracer: nothing is started).
         """
         t_start = time.perf_counter()
+        _arguments.refuse_tracers(step, state, metrics, self._dir)  # (under jax.jit: before anything starts)
         step = _check_step(self, step, force)
         if not force and step % self._interval != 0:
             return False
