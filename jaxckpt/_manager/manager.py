@@ -288,8 +288,7 @@ class CheckpointManager:
         Raises:
           CheckpointError: ``step`` is already committed or in flight, is older than the
             latest one, the manager is read-only or closed, or an earlier background
-            save failed (chained to the original exception); or it was called inside
-            ``jax.jit`` (a leaf, the step or a metric is a tracer: nothing is started).
+            save failed (chained to the original exception); a tracer (inside ``jax.jit``).
         """
         t_start = time.perf_counter()
         _arguments.refuse_tracers(step, state, metrics, self._dir)  # (under jax.jit: before anything starts)
@@ -458,27 +457,16 @@ class CheckpointManager:
             raise first
 
     def close(self) -> None:
-        """Wait for pending saves, then release the background thread and the lease.
-
-        Raises the first pending save's failure, if any (releasing the lease, when that
-        fails too, adds a note to it); else a failed release. After a store failed, the
-        clean-up (the failed save's, the lease's) ends within one ``JAXCKPT_IO_TIMEOUT_S``.
-        """
+        """Wait for pending saves, then release the background thread and the lease. Raises
+        the first failed save's error (a failed release is a note on it), else a failed release."""
         if self._closed:
             return
-        failure = None
         try:
             self.wait_until_finished()
         except BaseException as e:
-            failure = e  # what leaves close(): a failed release only adds a note to it
+            _shut(self, e)
             raise
-        finally:
-            self._closed = True
-            atexit.unregister(self._atexit)  # whatever close raises is not reported again at exit
-            self._preemption.close()  # gives the SIGTERM handler back
-            self._executor.shutdown(wait=True)
-            self._deleter.close()
-            _cleanup.release_leases(self._lease, self._persistent, failure)
+        _shut(self, None)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -556,6 +544,18 @@ def _restore_here(mgr: CheckpointManager, step: int | None, read: Callable[[Any]
             if not _commit.has_manifest(where):
                 raise CheckpointNotFoundError(f"Step {step} in '{mgr._dir}' was deleted")
             return read(where)
+
+
+def _shut(mgr: CheckpointManager, failure: BaseException | None) -> None:
+    """The rest of ``close``: whatever it raises (``failure``, what is being raised already)
+    is not reported again at exit, and a failed release only adds a note to ``failure``.
+    After a store failed, the release ends within the clean-up's bound (``kvstore.cleaning_up``)."""
+    mgr._closed = True
+    atexit.unregister(mgr._atexit)
+    mgr._preemption.close()  # gives the SIGTERM handler back
+    mgr._executor.shutdown(wait=True)
+    mgr._deleter.close()
+    _cleanup.release_leases(mgr._lease, mgr._persistent, failure)
 
 
 def _finish_at_exit(mgr: CheckpointManager) -> None:
