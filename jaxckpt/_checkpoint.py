@@ -318,6 +318,7 @@ def save(path: Any, tree: Any, *, metadata: dict[str, Any] | None = None,
     Example:
       >>> jaxckpt.save("/tmp/ckpt", {"params": params, "step": 100})
     """
+    _tree.refuse_tracers(tree, f"Saving '{path}'")  # (under jax.jit: before anything starts)
     metadata = _check_metadata(metadata)
     snap = snapshot(tree, copy_host_arrays=False, compression=compression, quantize=quantize)
     save_snapshot(path, snap, metadata=metadata, overwrite=overwrite, timeout_s=timeout_s)

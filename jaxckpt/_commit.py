@@ -280,6 +280,11 @@ def abort(final: Location, staging: Location, token: str | None = None) -> None:
     names it (a PUT that reported an error may still have landed). Locally, a commit
     that failed between its renames without putting the old copy back gets it back
     here first; if that fails too the staging directory stays, for ``recover``."""
+    with _kvstore.cleaning_up():  # a store that failed: all of it within one bound (kvstore)
+        _abort(final, staging, token)
+
+
+def _abort(final: Location, staging: Location, token: str | None) -> None:
     if staging.local is not None and staging.local != final.local:
         try:
             _recover_local(*os.path.split(final.local))

@@ -105,6 +105,25 @@ def flatten(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
     return out, treedef
 
 
+def refuse_tracers(tree: Any, doing: str) -> None:
+    """Raise ``CheckpointError`` naming the first leaf of ``tree`` that is a JAX tracer:
+    a save called inside ``jax.jit`` (or ``vmap``, ``grad``, ``scan``...), where arrays
+    have no values yet. Checked before a save does anything. ``doing``: what is refused
+    (``"Saving '/ckpt'"``)."""
+    leaves = _tu.tree_leaves(tree, is_leaf=_is_none)
+    if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        return
+    path, leaf = next((p, x) for p, x in flatten(tree)[0] if isinstance(x, jax.core.Tracer))
+    raise CheckpointError(tracer_message(doing, f"leaf '{path}'", leaf))
+
+
+def tracer_message(doing: str, what: str, tracer: Any) -> str:
+    aval = getattr(tracer, "aval", None)
+    shown = aval.str_short() if hasattr(aval, "str_short") else type(tracer).__name__
+    return (f"{doing} failed: {what} is a JAX tracer ({shown}), not an array with values: save was called "
+            "inside a traced function (jax.jit, vmap, grad, ...). Save outside it, on the arrays it returns.")
+
+
 def unflatten(treedef: Any, leaves: list[Any]) -> Any:
     return _tu.tree_unflatten(treedef, leaves)
 

@@ -537,3 +537,40 @@ def test_metadata_errors_name_the_key_path(ckpt):
     jaxckpt.save(ckpt, {"a": 1}, metadata={"loss": float("nan"), "t": (1, 10**40 - 1)})
     saved = jaxckpt.metadata(ckpt).metadata
     assert np.isnan(saved["loss"]) and saved["t"] == [1, 10**40 - 1]
+
+
+# --- save inside a traced function ------------------------------------------------------
+
+TRACED_HINT = ("not an array with values: save was called inside a traced function (jax.jit, vmap, grad, ...). "
+               "Save outside it, on the arrays it returns.")
+
+
+@pytest.mark.parametrize("trace", ["jit", "vmap", "grad"])
+def test_save_inside_jit_vmap_or_grad_names_the_traced_leaf(tmp_path, trace):
+    # refused before anything starts: no directory, nothing to clean
+    ckpt = tmp_path / "ckpt"
+
+    def step(x):
+        jaxckpt.save(ckpt, {"step": 3, "params": {"dense": {"kernel": x * 2, "bias": np.ones(2)}}, "key": None})
+        return x.sum()
+
+    traced = {"jit": jax.jit(step), "vmap": jax.vmap(step), "grad": jax.grad(step)}[trace]
+    with pytest.raises(jaxckpt.CheckpointError) as err:
+        traced(jnp.ones((4, 2)))
+    shape = {"jit": "float32[4,2]", "vmap": "float32[2]", "grad": "float32[4,2]"}[trace]
+    assert str(err.value) == (f"Saving '{ckpt}' failed: leaf 'params/dense/kernel' is a JAX tracer ({shape}), "
+                              + TRACED_HINT)
+    assert not ckpt.exists() and os.listdir(tmp_path) == []
+    jaxckpt.save(ckpt, {"x": jnp.ones(2)})  # outside it: saved
+    assert jaxckpt.restore(ckpt)["x"].tolist() == [1.0, 1.0]
+
+
+def test_save_inside_jit_names_a_traced_key(tmp_path):
+    @jax.jit
+    def step(seed):
+        jaxckpt.save(tmp_path / "ckpt", {"rng": [jax.random.key(0), jax.random.key(seed)]})
+        return seed
+
+    with pytest.raises(jaxckpt.CheckpointError, match=r"leaf 'rng/0' is a JAX tracer \(key<fry>\[\]\)"):
+        step(1)
+    assert os.listdir(tmp_path) == []

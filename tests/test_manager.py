@@ -154,6 +154,75 @@ def test_background_failure_surfaces_on_next_call(tmp_path, monkeypatch):
     assert jaxckpt.CheckpointManager(tmp_path).all_steps() == [1]
 
 
+def test_a_failed_save_leaves_the_with_its_failed_lease_release_a_note(tmp_path, monkeypatch):
+    from jaxckpt._manager import lease as _lease
+
+    def fail_writes(op, key):
+        if op == "write":
+            raise OSError("injected: no space left on device")
+
+    removals = []
+
+    def no_removal(root, key):
+        removals.append(key)
+        raise PermissionError(f"injected: cannot remove '{key}'")
+
+    run = tmp_path / "run"
+    with pytest.raises(jaxckpt.CheckpointError) as err:
+        with jaxckpt.CheckpointManager(run) as mgr:
+            mgr.save(8, {"x": np.ones(3)})
+            mgr.wait_until_finished()
+            monkeypatch.setattr(_storage, "fault_hook", fail_writes)
+            monkeypatch.setattr(_lease._kvstore, "delete_blob", no_removal)
+            mgr.save(9, {"x": np.ones(3) * 9})
+    # the save's own error, never the lease's; the lease's is a note on it
+    assert str(err.value).startswith(f"Saving step 9 to '{run}' failed: ") and "no space left" in str(err.value)
+    assert err.value.__notes__ == [f"Then, closing the manager: injected: cannot remove '{_lease.LEASE_FILE}'"]
+    del mgr
+    import gc
+    gc.collect()  # the manager's finaliser: its lease was released (tried) once, by close
+    assert removals == [_lease.LEASE_FILE]
+    monkeypatch.undo()
+    assert (run / _lease.LEASE_FILE).exists()  # left behind, judged by its holder's liveness
+    with jaxckpt.CheckpointManager(run, read_only=True) as mgr:
+        assert mgr.all_steps() == [8]
+
+
+def test_a_failed_save_alone_leaves_the_with(tmp_path, monkeypatch):
+    with pytest.raises(jaxckpt.CheckpointError, match=r"^Saving step 9 to '.*' failed: .*injected") as err:
+        with jaxckpt.CheckpointManager(tmp_path) as mgr:
+            monkeypatch.setattr(_storage, "fault_hook", lambda op, key: (_ for _ in ()).throw(OSError("injected")))
+            mgr.save(9, {"x": np.ones(1)})
+    assert not hasattr(err.value, "__notes__")
+    monkeypatch.undo()
+    assert jaxckpt.CheckpointManager(tmp_path).all_steps() == []  # the lease was released
+
+
+@pytest.mark.parametrize("traced", ["state", "step", "metric"])
+def test_save_inside_jit_is_refused_before_anything_starts(tmp_path, traced):
+    mgr = jaxckpt.CheckpointManager(tmp_path, async_save=True)
+
+    @jax.jit
+    def train_step(w, n):
+        state = {"opt": {"mu": w + 1 if traced == "state" else np.zeros(3)}, "n": 5}
+        mgr.save(n if traced == "step" else 7, state, metrics={"loss": w.sum() if traced == "metric" else 0.5})
+        return w
+
+    with pytest.raises(jaxckpt.CheckpointError) as err:
+        train_step(jnp.ones(3), 7)
+    what = {"state": "leaf 'opt/mu' is a JAX tracer (float32[3])", "step": "the step is a JAX tracer (int32[])",
+            "metric": "metrics['loss'] is a JAX tracer (float32[])"}[traced]
+    step = "(traced)" if traced == "step" else "7"
+    assert str(err.value) == (f"Saving step {step} to '{tmp_path}' failed: {what}, not an array with values: save "
+                              "was called inside a traced function (jax.jit, vmap, grad, ...). Save outside it, on "
+                              "the arrays it returns.")
+    assert mgr.attempts() == [] and mgr.all_steps() == []  # nothing started, nothing pending
+    mgr.wait_until_finished()
+    mgr.save(7, {"opt": {"mu": jnp.ones(3)}, "n": 5})  # outside jit: step 7 was never taken
+    mgr.close()
+    assert mgr.all_steps() == [7]
+
+
 def test_sync_failure_raises_directly(tmp_path, monkeypatch):
     monkeypatch.setattr(_storage, "fault_hook", lambda op, key: (_ for _ in ()).throw(OSError("boom")))
     with jaxckpt.CheckpointManager(tmp_path, async_save=False) as mgr:

@@ -220,10 +220,11 @@ def test_the_bound_is_configured_by_the_environment(monkeypatch):
         _bounds.io_timeout_s()
 
 
-def test_boto3_giving_up_on_a_silent_store_reads_as_the_bounded_waits_do(monkeypatch):
+def test_boto3_giving_up_on_a_silent_store_names_its_own_timeouts(monkeypatch):
     # format 3's uploads, listings and batch deletes on S3 go through boto3, whose timeouts
-    # (within the bound) end a request the store does not answer: the cause says so in the
-    # words of every other wait; a refused connection keeps botocore's own
+    # (3 attempts of max(1 s, bound / 6): about half the bound) end a request the store does
+    # not answer: the cause names those, the bound that fired, not JAXCKPT_IO_TIMEOUT_S
+    # alone (which read "30.1 s (JAXCKPT_IO_TIMEOUT_S=60)"); a refused connection keeps botocore's own
     import urllib3.exceptions
     from botocore import exceptions as bx
 
@@ -235,8 +236,12 @@ def test_boto3_giving_up_on_a_silent_store_reads_as_the_bounded_waits_do(monkeyp
     stalled = [bx.ReadTimeoutError(endpoint_url=url), bx.ConnectTimeoutError(endpoint_url=url),
                bx.ConnectionClosedError(endpoint_url=url, error=urllib3.exceptions.ProtocolError(
                    "Connection aborted.", TimeoutError("timed out")))]
-    for error in stalled:
-        assert _s3._cause(error, started) == "no answer from the store in 3 s (JAXCKPT_IO_TIMEOUT_S=5)"
+    for error in stalled:  # the bound that fired: boto3's timeouts (3 attempts of max(1 s, bound / 6))
+        assert _s3._cause(error, started) == ("no answer from the store in 3 s (3 attempts of 1 s each, "
+                                              "boto3's timeouts for JAXCKPT_IO_TIMEOUT_S=5)")
+    monkeypatch.setenv("JAXCKPT_IO_TIMEOUT_S", "60")
+    assert _s3._cause(stalled[0], time.monotonic() - 30.1) == (
+        "no answer from the store in 30.1 s (3 attempts of 10 s each, boto3's timeouts for JAXCKPT_IO_TIMEOUT_S=60)")
     for error in (bx.EndpointConnectionError(endpoint_url=url), bx.ConnectionClosedError(
             endpoint_url=url, error=urllib3.exceptions.ProtocolError("Connection aborted.", ConnectionResetError()))):
         assert _s3._cause(error, started) == str(error)
@@ -298,13 +303,92 @@ def test_a_server_that_stops_answering_fails_the_save_within_the_bound(moto_serv
             moto_server.resume()
     assert elapsed < BOUND_S + SLACK_S, (elapsed, message)
     assert "Saving step 2 to 's3://jaxckpt-test/stalled/run' failed" in message
-    assert "failed: no answer from the store in " in message and message.endswith("s (JAXCKPT_IO_TIMEOUT_S=5)"), message
+    assert "failed: no answer from the store in " in message, message
+    assert message.endswith("s (3 attempts of 1 s each, boto3's timeouts for JAXCKPT_IO_TIMEOUT_S=5)"), message
     # the store is back: step 1 is there, step 2 was never committed
     with jaxckpt.CheckpointManager(url, read_only=True) as mgr:
         assert mgr.all_steps() == [1]
         assert_bit_equal(mgr.restore(1)["w"], state(1)["w"])
     elapsed, message = timed(jaxckpt.restore, f"{url}/2")
     assert "manifest.json" in message
+
+
+GONE_SCRIPT = textwrap.dedent("""
+    import os, signal, time
+    import numpy as np
+    import jaxckpt
+    from jaxckpt import _storage
+
+    def state(i):
+        return {"w": np.full((64, 64), i, np.float32), "step": i}
+
+    def store_goes_away(op, key):
+        if op == "write":
+            _storage.fault_hook = None
+            os.kill(int(os.environ["STORE_PID"]), signal.SIGKILL)
+
+    with jaxckpt.CheckpointManager("s3://jaxckpt-test/gone/run") as mgr:
+        mgr.save(8, state(8))
+        mgr.wait_until_finished()
+        _storage.fault_hook = store_goes_away
+        mgr.save(9, state(9))
+        print("leaving the with", flush=True)
+""")
+
+
+def test_a_store_that_goes_away_the_saves_own_error_leaves_the_with_once(moto_server, aws_env):
+    # The user's loop, as written, in a process of its own (so its exit is seen): the store
+    # goes away during step 9's write; what leaves the `with` is that save's error, with
+    # the failed lease release as a note; nothing is printed again at exit.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_ENDPOINT")}
+    env.update(AWS_ENDPOINT_URL=moto_server.endpoint, JAXCKPT_IO_TIMEOUT_S="2", JAX_PLATFORMS="cpu",
+               STORE_PID=str(moto_server.proc.pid))
+    out = subprocess.run([sys.executable, "-c", GONE_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and out.stdout == "leaving the with\n", (out.returncode, out.stdout, out.stderr)
+    err = [line for line in out.stderr.splitlines() if not any(n in line for n in AWS_NOISE)]
+    raised = [i for i, line in enumerate(err) if line.startswith("jaxckpt._errors.CheckpointError: ")][-1:]
+    assert raised and err[raised[0]].startswith("jaxckpt._errors.CheckpointError: Saving step 9 to "
+                                     "'s3://jaxckpt-test/gone/run' failed: Writing 's3://jaxckpt-test/gone/run/9/"), err
+    assert "Could not connect to the endpoint URL" in err[raised[0]]
+    assert err[raised[0] + 1].startswith("Then, closing the manager: Reading '.jaxckpt-writer.json' in "
+                                         "'s3://jaxckpt-test/gone/run' failed: "), err
+    assert raised[0] + 2 == len(err), err  # the last thing printed: nothing at exit
+    assert out.stderr.count("Then, closing the manager: ") == 1, out.stderr
+    assert "at exit" not in out.stderr and "_exitfunc" not in out.stderr and "Exception ignored" not in out.stderr
+
+
+def test_a_store_that_stops_answering_closing_takes_one_bound_in_all(moto_server, aws_env):
+    aws_env.setenv("AWS_ENDPOINT_URL", moto_server.endpoint)
+    aws_env.setenv("JAXCKPT_IO_TIMEOUT_S", "2")
+    url = "s3://jaxckpt-test/silent/run"
+
+    def stop_at_first_chunk(op, key):
+        if op == "write":
+            aws_env.setattr(_storage, "fault_hook", None)
+            moto_server.stop()
+
+    try:
+        with pytest.raises(jaxckpt.CheckpointError) as e:
+            with jaxckpt.CheckpointManager(url) as mgr:
+                mgr.save(8, state(8))
+                mgr.wait_until_finished()
+                aws_env.setattr(_storage, "fault_hook", stop_at_first_chunk)
+                mgr.save(9, state(9))
+                left = time.monotonic()
+        closing = time.monotonic() - left
+    finally:
+        moto_server.resume()
+    # the write fails (the I/O bound, 2 s); then its clean-up and the lease's: 2 s in all
+    assert str(e.value).startswith(f"Saving step 9 to '{url}' failed: Writing '{url}/9/d/"), str(e.value)
+    assert "failed: no answer from the store in " in str(e.value), str(e.value)
+    assert e.value.__notes__ == [e.value.__notes__[0]], e.value.__notes__
+    note = e.value.__notes__[0]
+    assert note.startswith(f"Then, closing the manager: Reading '.jaxckpt-writer.json' in '{url}' failed: "), note
+    assert note.endswith(" ago and has not answered since (the clean-up after a failure gets 1 s a request, "
+                         "one JAXCKPT_IO_TIMEOUT_S=2 in all)"), note
+    assert closing < 2 + 2 + SLACK_S, closing
+    with jaxckpt.CheckpointManager(url, read_only=True) as mgr:  # the store is back: step 8 only
+        assert mgr.all_steps() == [8]
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .. import _tree
 from .._errors import CheckpointError
 
 
@@ -50,6 +51,18 @@ def check_positive(**values: Any) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def refuse_tracers(step: Any, state: Any, metrics: Any, directory: Any) -> None:
+    """A ``save`` called inside ``jax.jit``: refused before anything starts, naming the
+    first traced leaf of ``state``, else the step or the first traced metric."""
+    doing = f"Saving step {step if not isinstance(step, jax.core.Tracer) else '(traced)'} to '{directory}'"
+    _tree.refuse_tracers(state, doing)
+    if isinstance(step, jax.core.Tracer):
+        raise CheckpointError(_tree.tracer_message(doing, "the step", step))
+    for key, value in (metrics.items() if isinstance(metrics, Mapping) else ()):
+        if isinstance(value, jax.core.Tracer):
+            raise CheckpointError(_tree.tracer_message(doing, f"metrics['{key}']", value))
 
 
 def check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:

@@ -83,11 +83,32 @@ def start_writer(directory: _location.Location, persistent: Any, timeout_s: floa
         return Writer(groups, lease, _hosts.agreed_steps(op, directory, groups, partial))
 
 
-def release_leases(lease: _lease.Lease | None, persistent: Any) -> None:
-    """Release the directory's lease and the persistent tier's (those held)."""
+def release_leases(lease: _lease.Lease | None, persistent: Any, failure: BaseException | None = None) -> None:
+    """Release the directory's lease and the persistent tier's (those held), each tried
+    once. A release that fails is raised, unless ``failure`` (what the close is already
+    raising: a save's own error) is given: then it is a note on that error, which stays
+    the one raised."""
+    first: BaseException | None = None
     for held in (lease, persistent.lease if persistent is not None else None):
-        if held is not None:
+        if held is None:
+            continue
+        try:
             held.release()
+        except Exception as e:  # noqa: BLE001 - every lease gets its release; the error is kept
+            if failure is not None:
+                failure.add_note(f"Then, closing the manager: {e}")
+            first = first or e
+    if first is not None and failure is None:
+        raise first
+
+
+def _release_dropped(lease: _lease.Lease) -> None:
+    """The release of a manager dropped unclosed (its finaliser, or at exit): a failure is
+    logged, once (a closed manager's lease is released already: nothing happens)."""
+    try:
+        lease.release()
+    except Exception as e:  # noqa: BLE001 - a finaliser has no caller to raise to
+        _log.warning("jaxckpt: %s", e)
 
 
 def take_directory(where: _location.Location, owner: object) -> _lease.Lease:
@@ -100,7 +121,7 @@ def take_directory(where: _location.Location, owner: object) -> _lease.Lease:
         except OSError as e:
             raise CheckpointError(f"Cannot create manager directory '{where}': {e}") from e
     lease = _lease.Lease.acquire(where)
-    weakref.finalize(owner, lease.release)  # a manager dropped unclosed
+    weakref.finalize(owner, _release_dropped, lease)  # a manager dropped unclosed
     try:
         # Every attempt left here belongs to a writer that is gone: ours to clean.
         for attempt in _commit.stale_attempts(where):

@@ -72,6 +72,7 @@ class Lease:
         self._renewed_at = time.monotonic()  # when the last renewal that succeeded began
         self._failure: str | None = None  # why the renewals fail, while they do
         self._stop = threading.Event()
+        self._released = False
         self._thread = threading.Thread(target=self._renew_loop, name="jaxckpt-lease", daemon=True)
         self._thread.start()
         _owner.hold(directory, owner["token"])
@@ -137,8 +138,11 @@ class Lease:
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.renew_s):
             try:
-                self.renew()
+                with _kvstore.until(self._stop):  # a release does not wait for the store's answer
+                    self.renew()
             except Exception as e:  # noqa: BLE001 - retried at the next renewal; lost after a lease period
+                if self._stop.is_set():
+                    return  # released meanwhile: nothing to retry
                 self._failure = f"the last renewal failed: {type(e).__name__}: {e}"
                 _log.warning("jaxckpt: renewing the writer lease of '%s' failed (retrying every %g s): %s",
                              self.directory, self.renew_s, e)
@@ -159,17 +163,31 @@ class Lease:
         self.owner, self._renewed_at, self._failure = owner, began, None
 
     def release(self) -> None:
-        if self._lost == "released":
+        """Give the lease up: stop renewing, then remove the lease file if it is still ours.
+        Done once, whatever happens: a failed removal (the store is gone) is raised here and
+        never tried again (not at exit either); the file left is judged by its holder's
+        liveness, as a crashed writer's is. After a store failed, all of it ends within
+        the clean-up's bound (``kvstore.cleaning_up``)."""
+        if self._released:
             return
+        self._released = True
         self._stop.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
-        _owner.unhold(self.directory, self.owner["token"])
-        if self.lost is None:
-            holder = _untrusted.load_record(_kvstore.read_blob(self.directory, LEASE_FILE))
-            if holder and holder.get("token") == self.owner["token"]:
-                _kvstore.delete_blob(self.directory, LEASE_FILE)
-        self._lost = self._lost or "released"
+        try:
+            with _kvstore.cleaning_up():
+                if threading.current_thread() is not self._thread:
+                    # a renewal in flight finishes first: it must not write the file back after
+                    # us. Past the clean-up's bound it is left to finish alone, and the file too.
+                    self._thread.join(_kvstore.cleanup_wait(self.directory.url))
+                    if self._thread.is_alive():
+                        raise CheckpointError(f"Releasing the writer lease of '{self.directory}' failed: a renewal "
+                                              "of it is still waiting for the store")
+                if self.lost is None:
+                    holder = _untrusted.load_record(_kvstore.read_blob(self.directory, LEASE_FILE))
+                    if holder and holder.get("token") == self.owner["token"]:
+                        _kvstore.delete_blob(self.directory, LEASE_FILE)
+        finally:
+            _owner.unhold(self.directory, self.owner["token"])
+            self._lost = self._lost or "released"
 
 
 def _remove_if_unchanged(directory: Location, data: bytes | None) -> None:

@@ -291,9 +291,10 @@ class CheckpointManager:
         Raises:
           CheckpointError: ``step`` is already committed or in flight, is older than the
             latest one, the manager is read-only or closed, or an earlier background
-            save failed (chained to the original exception).
+            save failed (chained to the original exception); a tracer (inside ``jax.jit``).
         """
         t_start = time.perf_counter()
+        _arguments.refuse_tracers(step, state, metrics, self._dir)  # (under jax.jit: before anything starts)
         step = _check_step(self, step, force)
         if not force and step % self._interval != 0:
             return False
@@ -459,18 +460,16 @@ class CheckpointManager:
             raise first
 
     def close(self) -> None:
-        """Wait for pending saves, then release the background thread and the lease."""
+        """Wait for pending saves, then release the background thread and the lease. Raises
+        the first failed save's error (a failed release is a note on it), else a failed release."""
         if self._closed:
             return
         try:
             self.wait_until_finished()
-        finally:
-            self._closed = True
-            self._preemption.close()  # gives the SIGTERM handler back
-            self._executor.shutdown(wait=True)
-            self._deleter.close()
-            _cleanup.release_leases(self._lease, self._persistent)
-            atexit.unregister(self._atexit)
+        except BaseException as e:
+            _shut(self, e)
+            raise
+        _shut(self, None)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -573,6 +572,18 @@ def _restore_here(mgr: CheckpointManager, step: int | None, read: Callable[[Any]
             if not _commit.has_manifest(where):
                 raise CheckpointNotFoundError(f"Step {step} in '{mgr._dir}' was deleted")
             return read(where)
+
+
+def _shut(mgr: CheckpointManager, failure: BaseException | None) -> None:
+    """The rest of ``close``: whatever it raises (``failure``, what is being raised already)
+    is not reported again at exit, and a failed release only adds a note to ``failure``.
+    After a store failed, the release ends within the clean-up's bound (``kvstore.cleaning_up``)."""
+    mgr._closed = True
+    atexit.unregister(mgr._atexit)
+    mgr._preemption.close()  # gives the SIGTERM handler back
+    mgr._executor.shutdown(wait=True)
+    mgr._deleter.close()
+    _cleanup.release_leases(mgr._lease, mgr._persistent, failure)
 
 
 def _finish_at_exit(mgr: CheckpointManager) -> None:

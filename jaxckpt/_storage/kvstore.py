@@ -17,11 +17,13 @@ resolved by ``location``; I/O is counted by the wing's ``__init__`` (``_storage`
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import tensorstore as ts
@@ -99,14 +101,22 @@ _RETRIES = {"s3": "s3_request_retries", "gcs": "gcs_request_retries"}
 # Monotonic time of the last answer (a result or an error) to a storage request of this
 # process. A wait fails once neither its own request nor any other was answered for the
 # bound. After one gave up, the store counts as silent until it answers again: later
-# waits (a failed save's clean-up) get only ``_grace_s`` for their own request, so one
-# dead store does not cost the bound once per request.
+# waits get only ``_grace_s`` for their own request, so one dead store does not cost the
+# bound once per request.
 _last_answer = time.monotonic()
 _silent_since: float | None = None  # ``_last_answer`` when a wait last gave up
 # A big request gets this much more time per byte (1 s per 8 MiB): a whole-shard chunk
 # of GiBs may take minutes on a slow link. A stalled one is dropped sooner by curl's
 # low-speed limit, where set (see ``bounds.http_timeouts``), and retried within tensorstore's budget.
 SECONDS_PER_BYTE = 1 / (8 << 20)
+# Per object store (``s3://bucket``): when a request there first failed for want of the
+# store (no answer, no connection) since one last succeeded. The clean-up after a failure
+# (``cleaning_up``: a failed save's abort, a manager's close) shares one bound from that
+# moment, however many requests it makes; a request past it is not waited for at all.
+_failed_at: dict[str, float] = {}
+_cleaning = threading.local()
+# How ``wait``, boto3, tensorstore and curl word a store that cannot be reached
+_UNREACHABLE = re.compile(r"no answer from the store|UNAVAILABLE|DEADLINE_EXCEEDED|ABORTED|CURL error|connect", re.I)
 
 
 def _grace_s(bound: float) -> float:
@@ -125,35 +135,147 @@ def track(future: Any) -> Any:
     return future
 
 
+def no_answer(seconds: float, nbytes: int = 0) -> str:
+    """The cause of a wait for the store that the I/O bound ended: ``no answer from the
+    store in N s (JAXCKPT_IO_TIMEOUT_S=B)`` (``nbytes``: the bound grew with the request)."""
+    more = ", + 1 s per 8 MiB of the request" if nbytes else ""
+    return f"no answer from the store in {seconds:.3g} s ({IO_TIMEOUT_ENV}={io_timeout_s() or 0:g}{more})"
+
+
+def _store_of(url: str) -> str | None:
+    """The object store a URL is in (``s3://bucket``); ``None`` for a local path."""
+    scheme, sep, rest = str(url).partition("://")
+    if not sep or scheme in ("file", "memory"):
+        return None
+    return f"{scheme}://{rest.split('/', 1)[0]}"
+
+
+def note_failure(url: str, cause: Any) -> None:
+    """Record that a request to ``url``'s store failed, when ``cause`` says the store could
+    not be reached or did not answer (the first such failure since a request succeeded)."""
+    store = _store_of(url)
+    if store is not None and _UNREACHABLE.search(str(cause)):
+        _failed_at.setdefault(store, time.monotonic())
+
+
+def note_success(url: str) -> None:
+    """A request to ``url``'s store succeeded: it answers again."""
+    if _failed_at:  # (works out the store only while one is counted as failed)
+        _failed_at.pop(_store_of(url) or "", None)
+
+
+@contextlib.contextmanager
+def cleaning_up() -> Iterator[None]:
+    """The requests of this thread inside are clean-up after a failure: on a store that
+    failed (``note_failure``) they all end within one ``io_timeout_s()`` of its first
+    failure, and one made after that is not waited for (``CheckpointError``)."""
+    before = getattr(_cleaning, "on", False)
+    _cleaning.on = True
+    try:
+        yield
+    finally:
+        _cleaning.on = before
+
+
+@contextlib.contextmanager
+def until(stop: threading.Event) -> Iterator[None]:
+    """The waits of this thread inside end, their requests cancelled, soon (``STOP_POLL_S``)
+    after ``stop`` is set: a background thread's request (a lease renewal) never holds up,
+    or outlives, the close that stops it."""
+    before = getattr(_cleaning, "stop", None)
+    _cleaning.stop = stop
+    try:
+        yield
+    finally:
+        _cleaning.stop = before
+
+
+STOP_POLL_S = 0.1
+
+
+def cleanup_wait(url: str) -> float | None:
+    """How long a request of the clean-up of ``url``'s store (``cleaning_up``) may wait
+    now: ``_grace_s``, or what is left of one bound since the store failed if less;
+    ``None`` when it has not failed (or waits are not bounded)."""
+    bound = io_timeout_s()
+    failed = _failed_at.get(_store_of(url) or "")
+    if bound is None or failed is None:
+        return None
+    return max(0.0, min(_grace_s(bound), failed + bound - time.monotonic()))
+
+
+def check_cleanup(root: Any, doing: str, key: str) -> None:
+    """Raise, without a request, when this thread cleans up (``cleaning_up``) after
+    ``root``'s store failed and the clean-up's bound is spent (for requests no ``wait``
+    bounds: boto3's)."""
+    if getattr(_cleaning, "on", False) and cleanup_wait(root.url) == 0:
+        raise storage_error(root, doing, key, _cleanup_spent(root.url))
+
+
+def _cleanup_spent(url: str, waited: float | None = None) -> str:
+    """Why a clean-up's request ended: not made, or not answered in its share of the
+    clean-up's bound (``cleaning_up``)."""
+    since = time.monotonic() - _failed_at.get(_store_of(url) or "", time.monotonic())
+    bound = io_timeout_s() or 0.0
+    head = "not tried" if waited is None else f"no answer from the store in {waited:.3g} s"
+    return (f"{head}: the store failed {since:.3g} s ago and has not answered since (the clean-up after a "
+            f"failure gets {_grace_s(bound):.3g} s a request, one {IO_TIMEOUT_ENV}={bound:g} in all)")
+
+
 def wait(future: Any, root: Any, doing: str, key: str, issued: float | None = None, nbytes: int = 0) -> Any:
     """``future.result()``, with its error a ``CheckpointError`` naming the URL (``root``:
     anything with a ``url``); and one when, for ``io_timeout_s()`` seconds (plus 1 s per
     8 MiB of ``nbytes``) since ``issued`` (default: now), the store answered no request of
-    this process. The abandoned request is cancelled."""
+    this process. The abandoned request is cancelled. Within ``cleaning_up``, after the
+    store failed, it gets ``cleanup_wait`` at most."""
     global _silent_since
     bound = io_timeout_s()
     now = time.monotonic()
     start = now if issued is None else issued
     allowed = None if bound is None else bound + nbytes * SECONDS_PER_BYTE
+    cause = no_answer(allowed or 0, nbytes)
     if allowed is not None and _silent_since is not None and _silent_since == _last_answer:
         start, allowed = now, _grace_s(bound)  # still silent since a wait gave up
+        cause = (f"no answer from the store in {allowed:.3g} s ({IO_TIMEOUT_ENV}={bound:g}: a store that "
+                 f"stopped answering gets {allowed:.3g} s a request)")
+    stop = getattr(_cleaning, "stop", None)  # (``until``)
+    deadline = None  # the clean-up's, after the store failed: whatever else answers meanwhile
+    if getattr(_cleaning, "on", False) and bound is not None:
+        left = cleanup_wait(root.url)
+        if left == 0:
+            future.cancel()
+            raise storage_error(root, doing, key, _cleanup_spent(root.url))
+        deadline = None if left is None else now + left
     while True:
         remaining = None if allowed is None else max(_last_answer, start) + allowed - time.monotonic()
+        if deadline is not None and deadline - time.monotonic() < remaining:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                future.cancel()
+                raise storage_error(root, doing, key, _cleanup_spent(root.url, time.monotonic() - now))
         if remaining is not None and remaining <= 0:
             _silent_since = _last_answer
             future.cancel()
-            raise storage_error(root, doing, key, f"no answer from the store in {allowed:.3g} s "
-                                                  f"({IO_TIMEOUT_ENV}={bound:g})")
+            note_failure(root.url, cause)
+            raise storage_error(root, doing, key, cause)
+        if stop is not None:
+            if stop.is_set():
+                future.cancel()
+                raise storage_error(root, doing, key, "given up: it was stopped while waiting for the store")
+            remaining = STOP_POLL_S if remaining is None else min(remaining, STOP_POLL_S)
         try:
-            return future.result(timeout=remaining)
+            result = future.result(timeout=remaining)
         except TimeoutError:
             if not future.done():
-                continue  # others may have been answered meanwhile: look again
-            return call(root, doing, key, future.result)
+                continue  # others may have been answered meanwhile (or stopped): look again
+            result = call(root, doing, key, future.result)
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - tensorstore reports I/O errors as ValueError and others
+            note_failure(root.url, e)
             raise storage_error(root, doing, key, e) from None
+        note_success(root.url)
+        return result
 
 
 # --- storage errors -------------------------------------------------------------------
@@ -189,6 +311,7 @@ def call(root: Any, doing: str, key: str, fn: Any) -> Any:
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - tensorstore reports I/O errors as ValueError and others
+        note_failure(root.url, e)
         raise storage_error(root, doing, key, e) from None
 
 
@@ -315,6 +438,7 @@ def delete_tree(root: Location) -> None:
     if root.kvstore["driver"] == "s3":
         from . import s3 as _s3  # boto3's side channel: only for an S3 location
 
+        check_cleanup(root, "deleting", "")  # (boto3's requests are bounded by its own timeouts)
         if _s3.delete_batched(root):
             return
     kv = _kvstore(root)

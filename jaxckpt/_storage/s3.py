@@ -30,13 +30,23 @@ from .location import Location
 _log = logging.getLogger("jaxckpt")
 
 
+def attempts() -> tuple[int, float]:
+    """How boto3 gives up on a store that does not answer: the attempts a request gets,
+    and the seconds each may go without an answer (its connect and read timeouts), so
+    that all of them take about half the I/O bound."""
+    bound = io_timeout_s() or DEFAULT_IO_TIMEOUT_S
+    return 3, max(1.0, bound / 6)
+
+
 def no_answer(seconds: float) -> str:
-    """The cause of a request the store did not answer in ``seconds``, in ``kvstore.wait``'s
-    words: ``no answer from the store in N s (JAXCKPT_IO_TIMEOUT_S=B)``."""
+    """The cause of a request boto3 gave up on after ``seconds`` without an answer, naming
+    the bound that fired: ``no answer from the store in N s (3 attempts of T s each,
+    boto3's timeouts for JAXCKPT_IO_TIMEOUT_S=B)``."""
     bound = io_timeout_s()
+    tries, each = attempts()
     setting = f"{IO_TIMEOUT_ENV}={bound:g}" if bound is not None else \
-        f"{IO_TIMEOUT_ENV}=0: boto3's requests keep the default {DEFAULT_IO_TIMEOUT_S:g} s"
-    return f"no answer from the store in {seconds:.3g} s ({setting})"
+        f"{IO_TIMEOUT_ENV}=0, whose requests keep the default {DEFAULT_IO_TIMEOUT_S:g} s"
+    return f"no answer from the store in {seconds:.3g} s ({tries} attempts of {each:g} s each, boto3's timeouts for {setting})"
 
 
 def _failed(doing: str, root: Location, error: Exception, started: float) -> CheckpointError:
@@ -46,7 +56,9 @@ def _failed(doing: str, root: Location, error: Exception, started: float) -> Che
     if isinstance(error, botocore.exceptions.ClientError):
         err = error.response.get("Error", {})
         return CheckpointError(f"{doing} '{root.url}' failed: {err.get('Code', '?')}: {err.get('Message', '')}")
-    return CheckpointError(f"{doing} '{root.url}' failed: {_cause(error, started)}")
+    cause = _cause(error, started)
+    _kvstore.note_failure(root.url, cause)
+    return CheckpointError(f"{doing} '{root.url}' failed: {cause}")
 
 
 def _cause(error: Exception, started: float) -> str:
@@ -93,7 +105,7 @@ def children(root: Location) -> list[str] | None:
             botocore.exceptions.ProfileNotFound):
         return None
     except botocore.exceptions.BotoCoreError as e:  # unreachable, timed out, ...
-        raise CheckpointError(f"Listing '{root.url}' failed: {_cause(e, started)}") from None
+        raise _failed("Listing", root, e, started) from None
     return sorted(n for n in names if n)
 
 
@@ -125,10 +137,9 @@ def new_client(root: Location) -> Any:
     except ImportError:
         return None
     spec = root.kvstore
-    bound = io_timeout_s() or DEFAULT_IO_TIMEOUT_S
-    step = max(1.0, bound / 6)  # 3 attempts, each timing out once: about half the bound
+    tries, step = attempts()  # each timing out once: about half the bound
     options: dict[str, Any] = {"connect_timeout": step, "read_timeout": step,
-                               "retries": {"total_max_attempts": 3, "mode": "standard"}}
+                               "retries": {"total_max_attempts": tries, "mode": "standard"}}
     given = spec.get("context") if isinstance(spec.get("context"), dict) else {}
     credentials = spec.get("aws_credentials") or given.get("aws_credentials") \
         or root.context_spec.get("aws_credentials") or {}
@@ -273,6 +284,7 @@ class ObjectUpload:
         if upload_id is None:
             return
         try:
+            _kvstore.check_cleanup(self, "aborting the upload of", "")
             self._call("aborting the upload of", self.client.abort_multipart_upload, UploadId=upload_id)
         except CheckpointError as e:
             _log.warning("jaxckpt: %s", e)
@@ -310,12 +322,16 @@ def _request(doing: str, url: str, fn: Any, **kw: Any) -> Any:
 
     started = time.monotonic()
     try:
-        return fn(**kw)
+        out = fn(**kw)
     except botocore.exceptions.ClientError as e:
         err = e.response.get("Error", {})
         cause = f"{err.get('Code', '?')}: {err.get('Message', '')}".rstrip(": ")
     except botocore.exceptions.BotoCoreError as e:  # unreachable, timed out, no credentials
         cause = _cause(e, started)
+        _kvstore.note_failure(url, cause)
+    else:
+        _kvstore.note_success(url)
+        return out
     raise CheckpointError(f"{doing.capitalize()} '{url}' failed: {cause}") from None
 
 

@@ -174,7 +174,7 @@ class _Uploads:
     def submit(self, fn: Any, nbytes: int) -> None:
         self.check()
         if not self._slots.acquire(timeout=_upload_bound(nbytes)):
-            raise CheckpointError(f"Writing '{self.what}' failed: {_s3.no_answer(_upload_bound(nbytes))}")
+            raise self._no_answer(nbytes)
         thread = threading.Thread(target=self._run, args=(fn,), name="jaxckpt-upload", daemon=True)
         with self._lock:
             self._threads.append((thread, nbytes))
@@ -200,8 +200,14 @@ class _Uploads:
         for thread, nbytes in threads:
             thread.join(_upload_bound(nbytes))
             if thread.is_alive():
-                raise CheckpointError(f"Writing '{self.what}' failed: {_s3.no_answer(_upload_bound(nbytes))}")
+                raise self._no_answer(nbytes)
         self.check()
+
+    def _no_answer(self, nbytes: int) -> CheckpointError:
+        """An upload the I/O bound gave up on (boto3's own timeouts had not yet)."""
+        cause = _kvstore.no_answer(_upload_bound(nbytes), nbytes)
+        _kvstore.note_failure(self.what, cause)
+        return CheckpointError(f"Writing '{self.what}' failed: {cause}")
 
 
 _WHOLE_FILE = threading.Lock()  # upload_file: one file bigger than WHOLE_OBJECT_BYTES going up whole at a time
@@ -283,8 +289,9 @@ def _abort_after(uploads: _Uploads, objects: list[Upload] | list[Parted]) -> Non
         uploads.join()
     except BaseException:  # noqa: BLE001 - already failing; the parts go with the abort
         pass
-    for obj in objects:
-        obj.abort()
+    with _kvstore.cleaning_up():  # a store that failed: all of it within one bound
+        for obj in objects:
+            obj.abort()
 
 
 class SegmentParts:
