@@ -96,7 +96,9 @@ class Case:
     def _manager(self, run):
         handlers = {"state": ocp.StandardCheckpointHandler(use_ocdbt=self.ocdbt),
                     "extra": ocp.JsonCheckpointHandler()}
-        return ocp.CheckpointManager(run, item_handlers=handlers)
+        # metrics are written only for a manager that keeps the best steps (best_fn)
+        options = ocp.CheckpointManagerOptions(best_fn=lambda m: m["loss"], best_mode="min")
+        return ocp.CheckpointManager(run, item_handlers=handlers, options=options)
 
     def target(self, where):
         """The user's target: the state's abstract form on its own shardings or on a 2x2 mesh;
@@ -266,3 +268,74 @@ def test_slow_tier(cases, case, tmp_path):
     _check_view_and_cli(c)
     _check_verify(c)
     _check_import(c, tmp_path)
+
+
+# --- fixtures made by orbax 0.12.8 (tests/fixtures/make_orbax_0_12_8.py; never regenerated) ---
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "orbax-0.12.8")
+# what each fixture holds: (state name, trained, step directory or item within it)
+FIXTURE_STATES = {
+    "train-state-fresh-ocdbt": ("linen_train_state", False, "train-state-fresh-ocdbt"),
+    "nnx-trained-files": ("nnx", True, "nnx-trained-files"),
+    "multi-transform-trained-files": ("multi_transform", True, "multi-transform-trained-files"),
+    "run-0": ("chain_clip_adamw", False, "run/0"),
+    "run-2": ("chain_clip_adamw", True, "run/2"),
+}
+
+
+def _assert_expected(ours, target, name):
+    """``ours`` has ``target``'s structure and shardings and the values recorded at generation."""
+    with open(os.path.join(FIXTURES, "expected.json")) as f:
+        doc = json.load(f)[name]
+    with np.load(os.path.join(FIXTURES, f"{name}.npz")) as npz:
+        arrays = dict(npz)
+    assert jax.tree_util.tree_structure(ours) == jax.tree_util.tree_structure(target)
+    seen = []
+    for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(ours)[0], jax.tree_util.tree_leaves(target)):
+        key = "/".join(_entry(e) for e in path)
+        seen.append(key)
+        if key in doc["values"]:
+            assert type(got) is type(doc["values"][key]) and got == doc["values"][key], key
+            continue
+        assert isinstance(got, jax.Array) and got.sharding == want.sharding, key
+        if key in doc["keys"]:
+            assert _is_key(got) and str(jax.random.key_impl(got)) == doc["keys"][key], key
+            got = jax.random.key_data(got)
+        want = arrays[key]
+        assert_bit_equal(got, want.view(doc["dtypes"][key]) if want.dtype.kind == "V" else want)
+    assert sorted(seen) == sorted([*arrays, *doc["values"]])
+
+
+@pytest.mark.parametrize("name", list(FIXTURE_STATES))
+def test_orbax_0_12_8_fixture_restores_strictly(name, tmp_path):
+    """What orbax 0.12.8 wrote restores strictly, bit for bit, onto the saved shardings and
+    onto another mesh, directly and through an import (orbax is not needed to check it)."""
+    state_name, trained, where = FIXTURE_STATES[name]
+    path = os.path.join(FIXTURES, where)
+    state = oc.state(state_name, trained)
+    for target in (oc.abstract(state), oc.on_mesh22(state)):
+        if name.startswith("run-"):
+            got = jaxckpt.restore(path, {"state": target, "extra": CONFIG})
+            assert got["extra"] == CONFIG
+            got = got["state"]
+            assert_same(jaxckpt.restore(os.path.join(path, "state"), target), got)
+        else:
+            got = jaxckpt.restore(path, target)
+        _assert_expected(got, target, name)
+    jaxckpt.convert.from_orbax(path, tmp_path / "imported")
+    target = {"state": oc.abstract(state), "extra": CONFIG} if name.startswith("run-") else oc.abstract(state)
+    got = jaxckpt.restore(tmp_path / "imported", target)
+    _assert_expected(got["state"] if name.startswith("run-") else got, oc.abstract(state), name)
+
+
+def test_orbax_0_12_8_run_directory_holds_two_steps_with_metrics():
+    """The run fixture is what orbax's CheckpointManager leaves (for readers of orbax runs):
+    steps 0 and 2, each with the state, the JSON item and the metrics orbax recorded."""
+    with open(os.path.join(FIXTURES, "expected.json")) as f:
+        doc = json.load(f)
+    run = os.path.join(FIXTURES, "run")
+    assert sorted(os.listdir(run)) == ["0", "2"]
+    for step in ("0", "2"):
+        with open(os.path.join(run, step, "metrics", "metrics")) as f:
+            assert json.load(f) == doc["metrics"][step]
+        assert jaxckpt.open(os.path.join(run, step)).info["orbax_items"] == ["extra", "state"]
