@@ -266,8 +266,8 @@ def test_slow_tier(cases, case, tmp_path):
     c = cases(case)
     _check_restore(c)
     _check_view_and_cli(c)
-    _check_verify(c)
     _check_import(c, tmp_path)
+    _check_verify(c)
 
 
 # --- fixtures made by orbax 0.12.8 (tests/fixtures/make_orbax_0_12_8.py; never regenerated) ---
