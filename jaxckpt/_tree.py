@@ -110,7 +110,13 @@ def refuse_tracers(tree: Any, doing: str) -> None:
     a save called inside ``jax.jit`` (or ``vmap``, ``grad``, ``scan``...), where arrays
     have no values yet. Checked before a save does anything. ``doing``: what is refused
     (``"Saving '/ckpt'"``)."""
-    leaves = _tu.tree_leaves(tree, is_leaf=_is_none)
+    try:
+        leaves = _tu.tree_leaves(tree, is_leaf=_is_none)
+    except Exception as e:  # noqa: BLE001 - e.g. jax cannot sort {"1": .., 1: ..}: our error names it
+        ours = _flatten_error(tree)
+        if ours is None:
+            raise
+        raise ours from e
     if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
         return
     path, leaf = next((p, x) for p, x in flatten(tree)[0] if isinstance(x, jax.core.Tracer))

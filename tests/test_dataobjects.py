@@ -431,7 +431,8 @@ def test_a_complete_whose_answer_was_lost(s3_server, tmp_path, monkeypatch, land
         assert s3_server.client.get_object(Bucket="jaxckpt-test", Key=key)["Body"].read() == data
     else:
         with pytest.raises(CheckpointError, match=rf"^Completing the upload of 's3://jaxckpt-test/{key}' failed: "
-                                                  r"no answer from the store in [\d.e-]+ s \(JAXCKPT_IO_TIMEOUT_S="):
+                                                  r"no answer from the store in [\d.e-]+ s \(3 attempts of [\d.]+ s "
+                                                  r"each, boto3's timeouts for JAXCKPT_IO_TIMEOUT_S="):
             uploads.upload_file(root, "p0.0", str(path))
         assert s3_server.client.list_multipart_uploads(Bucket="jaxckpt-test", Prefix=key).get("Uploads", []) == []
 
