@@ -94,6 +94,16 @@ def process_count() -> int:
     return jax.process_count()
 
 
+def coordinator_host() -> str | None:
+    """The host part of the job's coordinator address (``None`` without one)."""
+    from jax._src import distributed
+
+    address = getattr(distributed.global_state, "coordinator_address", None)
+    if not address:
+        return None
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
 def next_id() -> int:
     """This process's n-th number for its n-th collective operation: the same in every
     process only because collective operations (saves, manager starts, read-once
@@ -368,6 +378,21 @@ class Operation:
                 client.blocking_key_value_get_bytes(prefix + str(missing[0]) + "/n", _WAIT_MS)
             except Exception:  # noqa: BLE001, S110 - a timeout: check liveness again
                 pass
+
+    def watch(self, phase: str, peers: list[int]) -> Callable[[], None]:
+        """A check to call now and then while this process waits for something of
+        ``peers`` that is not a post (bytes on their way over another transport): it
+        raises as ``wait_for`` would (a peer dead, or alive without progress for the
+        stall bound), counting from this call. Call ``done_waiting()`` after."""
+        if not self.multi:
+            return lambda: None
+        client, start, stall = _client(), time.monotonic(), stall_s()
+        seen = {p: _Peer() for p in peers}
+        return lambda: self._check_alive(client, phase, peers, seen, start, stall)
+
+    def done_waiting(self) -> None:
+        if self.multi:
+            _heartbeat.waiting(self.name, None)
 
     def _check_alive(self, client: Any, phase: str, missing: list[int], seen: dict[int, _Peer],
                      start: float, stall: float) -> None:

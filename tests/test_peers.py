@@ -76,7 +76,7 @@ def test_a_failed_peer_copy_keeps_the_step_in_every_process(tmp_path):
         assert [w for w in res[p]["warnings"] if "peer cop" in w] == [
             f"jaxckpt: the peer copy of step 2 in '{tmp_path / f'host{p}'}' failed: "
             + ("process 1: OSError: [Errno 28] No space left on device (injected)" if p == 1 else
-               f"peer5/copied '{tmp_path / 'host0' / '2'}': failed in process 1 (process 1: OSError: [Errno 28] No "
+               f"peer5/d1s0/ack0 '{tmp_path / 'host0' / '2'}': failed in process 1 (process 1: OSError: [Errno 28] No "
                "space left on device (injected))")
             + "; the step is kept without its peer copies (sent again at the next save)"]
 

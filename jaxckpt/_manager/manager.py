@@ -307,7 +307,8 @@ class CheckpointManager:
                                   **self._codecs.save_options())
         blocking = time.perf_counter() - t_start
         job = functools.partial(self._write, step, snap, metrics, t_start, blocking, op_id)
-        self._saves.start(step, job, snap, self._executor if self._async else None)
+        self._saves.start(step, job, snap, self._executor if self._async else None,
+                          then=self._peers.submit if self._peers is not None else None)
         return True
 
     def _write(self, step: int, snap: _snapshot.Snapshot, metrics: dict | None, t_start: float,
@@ -335,11 +336,10 @@ class CheckpointManager:
             return manifest  # listed once its peer copies are made: _after_write
         self._listed(step, manifest)
 
-    def _after_write(self, step: int, manifest: Any) -> None:
-        """Settling ``step`` (the same call in every process): its peer copies, listed, earlier steps' copies."""
-        self._peers.copy(step)
-        self._listed(step, manifest)
-        self._peers.copy_missing(self._steps.local, step)
+    def _after_write(self, step: int, result: Any) -> None:
+        """Settling ``step`` (the same call in every process): the outcome of its peer copies
+        (made in the background after its commit), then listed."""
+        self._listed(step, self._peers.settle(step, result))
 
     def _listed(self, step: int, manifest: Any) -> None:
         final = self._dir.child(_commit.step_name(step))
@@ -387,6 +387,7 @@ class CheckpointManager:
                 return _restore_here(self, step, read)
             if self._peers is not None:  # a part some host lost: back from its peer copy first
                 _peerrepair.repair(self._peers, step, self._sources())
+                self._peers.submit_missing(self._steps.local)  # what a replaced host held for its partners
             return _hosts.restore_agreed(self._sources(), step, read)
 
     def _sources(self) -> _hosts.Sources:
@@ -452,6 +453,8 @@ class CheckpointManager:
             self._saves.settle_all()
         except CheckpointError as e:
             first = e
+        if self._peers is not None:  # the copies sent apart from any save (after a repair)
+            self._peers.drain()
         if self._persistent is not None:  # copies first: finishing one may queue local deletes
             failure = self._persistent.first_failure()
             first = first or failure
@@ -551,6 +554,7 @@ def _delete(mgr: CheckpointManager, step: int) -> None:
         raise error
     mgr._partial.forget(step)
     if mgr._peers is not None:  # gone from every host's directory: its peer copies go too
+        mgr._peers.drain()  # no copy of it still on its way
         mgr._peers.drop(step)
     if durable:
         _cleanup.delete_durable(mgr._persistent, step, _distributed.next_id(), mgr._timeout)
@@ -582,6 +586,8 @@ def _shut(mgr: CheckpointManager, failure: BaseException | None) -> None:
     atexit.unregister(mgr._atexit)
     mgr._preemption.close()  # gives the SIGTERM handler back
     mgr._executor.shutdown(wait=True)
+    if mgr._peers is not None:
+        mgr._peers.close()
     mgr._deleter.close()
     _cleanup.release_leases(mgr._lease, mgr._persistent, failure)
 
@@ -624,16 +630,20 @@ class _Saves:
             return sum(p.staging_bytes for p in self._pending if not p.future.done())
 
     def start(self, step: int, job: Callable[[], None], snap: _snapshot.Snapshot,
-              executor: concurrent.futures.Executor | None) -> None:
+              executor: concurrent.futures.Executor | None, then: Callable[[int, Any], Any] | None = None) -> None:
         """Run the save of ``step`` (``job``, which writes ``snap``; the snapshot is closed
         after it): here (``executor=None``: a failure is raised now) or in the background,
-        its staging continued here in waves (``max_staging_bytes``)."""
+        its staging continued here in waves (``max_staging_bytes``). ``then(step, written)``:
+        what runs after the job (peer copies, on a thread of their own), given the job's
+        future or a callable giving its result; its future's result is settled instead."""
         job = functools.partial(_closing, job, snap)
         with self._lock:
             self.submitted.add(step)
         if executor is None:
             try:
                 result = job()
+                if then is not None:
+                    result = then(step, lambda: result).result()
                 if result is not None:
                     self._after()(step, result)
             except BaseException as e:
@@ -644,6 +654,8 @@ class _Saves:
             return
         try:
             future = executor.submit(job)
+            if then is not None:
+                future = then(step, future)
         except RuntimeError as e:  # the executor was shut down by a concurrent close()
             snap.close()
             with self._lock:

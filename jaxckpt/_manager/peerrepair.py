@@ -64,6 +64,7 @@ def start(copies: Any, groups: _hosts.HostGroups, lease: Any, persistent: Any,
         repair(peers, None, sources)
     except CheckpointError as e:
         _log.warning("jaxckpt: %s", e)
+    peers.submit_missing(sources.listing.local)  # a replaced host gets back what it held for its partners
     return peers
 
 

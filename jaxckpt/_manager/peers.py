@@ -48,15 +48,18 @@ collective. Restoring a lost part from its copy: ``peerrepair``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import threading
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -66,6 +69,7 @@ from .._errors import CheckpointError
 from .._manifest import CHECKSUM_FIELD, MANIFEST
 from .._storage.location import Location
 from . import hosts as _hosts
+from . import peerlink as _link
 
 _log = logging.getLogger("jaxckpt")
 
@@ -297,8 +301,16 @@ def free_bytes(path: str) -> int:
 # --- a save's peer copies -------------------------------------------------------------------
 
 class PeerCopies:
-    """A manager's peer copies: sent after each save (``copy``), pruned to the listed
-    steps (``prune``), sent back to a host that lost its part (``repair``)."""
+    """A manager's peer copies: sent in the background after each save's commit
+    (``submit``, its outcome applied where the save is settled: ``settle``), pruned to
+    the listed steps (``prune``), sent back to a host that lost its part (``peerrepair``).
+
+    Every job runs on this object's one thread, in the order the jobs were submitted, and
+    every job is submitted at a point of the program that is the same in every process
+    (``save``, a manager's start, ``restore``), so every process runs the same copies in
+    the same order. A job's outcome is applied only where the call that settles it is
+    the same in every process: a save's at that save's settle, a standalone job's
+    (``submit_missing``) at the next settle after it (or ``drain``)."""
 
     def __init__(self, directory: Location, groups: _hosts.HostGroups, copies: int, timeout_s: float | None):
         self.dir, self.groups, self.copies, self.timeout_s = directory, groups, copies, timeout_s
@@ -307,49 +319,143 @@ class PeerCopies:
         # listed steps lacking some peer copy: the same set in every process (it changes on
         # shared verdicts and on what every process posted); replaced, never changed in place
         self.missing: frozenset[int] | set[int] = frozenset()
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-peer")
+        self._lock = threading.Lock()
+        self._live: set[str] = set()  # staging names of copies being received here (prune keeps them)
+        self._unsettled: set[int] = set()  # steps whose copy was submitted and not yet settled
+        self._jobs: list[tuple[concurrent.futures.Future, bool]] = []  # (job, standalone), submission order
+        self._staging: dict[int, tuple[Location, Location, str]] = {}  # the copy being received: per source
+        self._received = False  # whether this process posted "received" in the copy running
+        self._by_step: dict[int, concurrent.futures.Future] = {}  # each save's job, until settled
 
-    def copy(self, step: int) -> bool:
-        """Every process, at the same call, once ``step`` is committed in every host's
-        directory: each host's part to its partners. A copy that fails in any process
-        (the same verdict in every process) is logged and the step kept, marked as
-        lacking its peer copies (``missing``) until ``copy_missing`` sends them. Whether
-        every copy was made."""
+    # --- jobs ---------------------------------------------------------------------------
+
+    def submit(self, step: int, written: concurrent.futures.Future | Callable[[], Any]) -> concurrent.futures.Future:
+        """At ``save(step)`` (every process, in program order): a job that waits for the
+        save's commit (``written``: its future, or a callable giving its result), then
+        copies ``step`` and the listed steps lacking their copies. Its result:
+        ``(manifest, {step: error or None})``; the save's own failure is its exception."""
+        base = _distributed.next_id()
+        with self._lock:
+            self._unsettled.add(step)
+        retry = sorted(self.missing - {step})
+
+        def job() -> tuple[Any, dict[int, BaseException | None]]:
+            try:
+                manifest = written.result() if isinstance(written, concurrent.futures.Future) else written()
+            except BaseException:
+                with self._lock:
+                    self._unsettled.discard(step)
+                raise
+            outcome = {step: self._copy(step, f"peer{base}")}
+            outcome.update(self._copy_listed(retry, f"peer{base}r"))
+            return manifest, outcome
+
+        future = self._add(job, standalone=False)
+        with self._lock:
+            self._by_step[step] = future
+        return future
+
+    def submit_missing(self, listed: Iterable[int]) -> None:
+        """At a manager's start or a restore, after a repair (every process): send the
+        copies the listed steps lack now, in the background (a replaced host gets back
+        those it held for its partners). Applied at the next settle."""
+        retry = sorted(self.missing & set(listed))
+        if not retry:
+            return
+        base = _distributed.next_id()
+        self._add(lambda: (None, self._copy_listed(retry, f"peer{base}m")), standalone=True)
+
+    def _add(self, job: Callable[[], Any], standalone: bool) -> concurrent.futures.Future:
+        future = self._executor.submit(job)
+        with self._lock:
+            self._jobs.append((future, standalone))
+        return future
+
+    def settle(self, step: int | None, result: Any) -> Any:
+        """Where a save is settled (the same call in every process): apply the outcomes of
+        the standalone jobs submitted before its job (done: one thread runs them in order),
+        then its own ``result`` (``(manifest, outcome)``; ``None``: the standalone ones
+        only, every one submitted, waited for). Returns the save's manifest."""
+        with self._lock:
+            future = self._by_step.pop(step, None) if step is not None else None
+            jobs, self._jobs = list(self._jobs), []
+        keep = []
+        for i, (job, standalone) in enumerate(jobs):
+            if future is not None and job is future:
+                keep.extend(jobs[i + 1:])
+                break
+            if standalone:
+                self._apply(None, _outcome_of(job))
+            elif not (job.done() and job.exception() is not None):  # a failed save: reported where settled
+                keep.append((job, standalone))
+        with self._lock:
+            self._jobs = keep + self._jobs
+        if result is None:
+            return None
+        manifest, outcome = result
+        with self._lock:
+            self._unsettled.discard(step)
+        self._apply(step, outcome)
+        return manifest
+
+    def drain(self) -> None:
+        """Wait for every job submitted (``delete``, ``close``); standalone outcomes are applied."""
+        with self._lock:
+            jobs = list(self._jobs)
+        concurrent.futures.wait([j for j, _ in jobs])
+        with self._lock:
+            standalone = [(j, s) for j, s in self._jobs if s]
+            self._jobs = [(j, s) for j, s in self._jobs if not s]
+        for job, _ in standalone:
+            self._apply(None, _outcome_of(job))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    def _apply(self, saved: int | None, outcome: dict[int, BaseException | None]) -> None:
+        for step, error in sorted(outcome.items()):
+            if error is None:
+                self.missing = self.missing - {step}
+                continue
+            self.missing = self.missing | {step}
+            cause = error if isinstance(error, CheckpointError) else f"process {self.me}: {type(error).__name__}: {error}"
+            what = "the peer copy" if step == saved else "sending the missing peer copy"
+            _log.warning("jaxckpt: %s of step %d in '%s' failed: %s; the step is kept without its peer "
+                         "copies (sent again at the next save)", what, step, self.dir, cause)
+
+    # --- one copy ---------------------------------------------------------------------------
+
+    def _copy(self, step: int, name: str) -> BaseException | None:
+        """Every process, in the same job: each host's part of ``step`` to its partners. The
+        verdict, the same in every process: ``None`` when every copy was made."""
         final = self.dir.child(_commit.step_name(step))
-        with _distributed.Operation(f"peer{_distributed.next_id()}", str(final), self.timeout_s) as op:
+        with _distributed.Operation(name, str(final), self.timeout_s) as op:
+            self._received, self._staging = False, {}
             try:
                 error = self._send(op, step, final)
             except Exception as e:  # noqa: BLE001 - every process hears of it
                 error = e
-            error = _hosts.share_verdict(op, "copied", error)
-        if error is None:
-            self.missing = self.missing - {step}
-            return True
-        self.missing = self.missing | {step}
-        cause = error if isinstance(error, CheckpointError) else f"process {self.me}: {type(error).__name__}: {error}"
-        _log.warning("jaxckpt: the peer copy of step %d in '%s' failed: %s; the step is kept without its peer "
-                     "copies (sent again at the next save)", step, self.dir, cause)
-        return False
+                if not self._received:  # its host's first process waits for it there
+                    op.post("received", e)
+            finally:
+                with self._lock:  # committed, or dead: the next copy or prune may take it
+                    self._live.difference_update(os.path.basename(v[1].local) for v in self._staging.values())
+            return _hosts.share_verdict(op, "copied", error)
 
-    def copy_missing(self, listed: Iterable[int], saved: int) -> None:
-        """After the save of ``saved`` is listed (the thread that settles saves, every
-        process): send the peer copies of the other listed steps that lack theirs
-        (``missing``: a copy that failed at an earlier save, or found missing by
-        ``repair``). The steps are those every process lists; a step no process lists
-        any more is forgotten. A failure is logged (``copy``)."""
-        if not self.missing - {saved}:  # the same in every process: it changes on shared verdicts and posts
-            return
-        mine = sorted(self.missing & set(listed) - {saved})
+    def _copy_listed(self, steps: list[int], name: str) -> dict[int, BaseException | None]:
+        """Copy again the ``steps`` (this process's view of those lacking copies) that every
+        process lists; a step no process lists any more is forgotten (no outcome)."""
+        if not steps:  # the same in every process: ``missing`` is
+            return {}
         try:
-            with _distributed.Operation(f"peerretry{_distributed.next_id()}", str(self.dir), self.timeout_s) as op:
-                op.post("listed", json.dumps(mine).encode())
+            with _distributed.Operation(name, str(self.dir), self.timeout_s) as op:
+                op.post("listed", json.dumps(steps).encode())
                 views = [set(json.loads(d)) for d in op.wait_for("listed", _hosts.others()).values()]
         except CheckpointError as e:
-            _log.warning("jaxckpt: sending the missing peer copies of steps %s in '%s' failed: %s", mine, self.dir, e)
-            return
-        views.append(set(mine))
-        self.missing = {s for s in self.missing if s == saved or s in set.union(*views)}
-        for step in sorted(set.intersection(*views)):
-            self.copy(step)
+            return {s: e for s in steps}
+        views.append(set(steps))
+        return {s: self._copy(s, f"{name}.{s}") for s in sorted(set.intersection(*views))}
 
     def drop(self, step: int) -> None:
         """``delete(step)`` (every process, once every host deleted it): the first process
@@ -366,8 +472,12 @@ class PeerCopies:
                 except (OSError, CheckpointError) as e:
                     _log.warning("jaxckpt: dropping the peer copy of step %d in '%s' failed: %s", step, root, e)
 
-    def _send(self, op: _distributed.Operation, step: int, final: Location) -> None:
-        mine: dict[str, Any] = {}
+    def _send(self, op: _distributed.Operation, step: int, final: Location) -> BaseException | None:
+        """The copy of ``step``: every process sends the files of its host's part it wrote
+        (the first process of a host sends the rest) to its counterpart in each partner
+        host, which writes them into its host's staging attempt; each partner's first
+        process commits, manifest last. Returns this process's error (the bytes moved)."""
+        mine: dict[str, Any] = {"addr": _link.address()}
         man = b""
         if self.me in self.leads:
             try:
@@ -375,66 +485,96 @@ class PeerCopies:
             except Exception as e:
                 op.post("part", e)
                 raise
-            mine = {"files": files, "digest": dg}
+            mine.update(files=files, digest=dg)
         op.post("part", json.dumps(mine).encode())
         op.post("manifest", man)
         others = _hosts.others()
         parts = {p: json.loads(d) for p, d in op.wait_for("part", others).items()}
-        parts[self.me] = mine
+        parts[self.me] = json.loads(json.dumps(mine))
         mans = op.wait_for("manifest", others)
         mans[self.me] = man
-        files = {p: [tuple(f) for f in parts[p]["files"]] for p in self.leads}
-        rounds = [ring(self.leads, d) for d in range(1, self.copies + 1)]
-        incoming = [(s, r) for pairs in rounds for s, r in pairs if r == self.me]
-        staged = _ready(op, lambda: self._stage(step, incoming, files))
-        spent: dict[str, float] = {}
-        for pairs in rounds:
-            source = next((s for s, r in pairs if r == self.me), None)
-            error = move(pairs, files, final.local, staged[source][1].local if source is not None else None, spent)
-            if error is not None:
-                raise error
-        _log.debug("jaxckpt: peer copy of step %d: %d bytes out; %s", step, sum(n for _, n in files.get(self.me, [])),
-                   ", ".join(f"{k} {v:.3f} s" for k, v in spent.items()))
+        shares = {g[0]: owned([tuple(f) for f in parts[g[0]]["files"]], g) for g in self.groups.groups}
+        routes = copy_routes(self.groups.groups, self.copies)
+        out = [r for r in routes if r.sender == self.me]
+        into = [r for r in routes if r.receiver == self.me]
+        staged = _ready(op, lambda: self._stage(step, routes, shares), share=True)
+        paths = {int(k): v for p, d in staged.items() for k, v in d.items()}
+        error: BaseException | None = None
+        sending = _Sending(op, out, shares, final.local)
+        pulls = [_link.Pull(op, r.sender, parts[r.sender]["addr"], r.tag, sum(n for _, n in shares[r.source][r.sender]))
+                 for r in into]
+        for r, pull in zip(into, pulls):
+            try:
+                if error is None:
+                    sink = _Files(paths[r.source], shares[r.source][r.sender])
+                    pull.receive(sink)
+                    sink.close(check=True)
+            except Exception as e:  # noqa: BLE001 - reported with the verdict
+                error = e
+            if error is not None:  # the sender waits for this route's next acknowledgement
+                pull.abort(error)
+        error = sending.join() or error
+        op.post("received", error if error is not None else b"")
+        self._received = True
+        if error is not None:
+            return error
+        group = next(g for g in self.groups.groups if self.me in g)
+        op.wait_for("received", [p for p in group if p != self.me])
+        if self.me != group[0]:
+            return None
         # the identity of the step copied: the checksum of every host's manifest of it
         ids = {str(lead): identity(mans[lead]) for lead in self.leads}
-        for source, (where, staging, token) in staged.items():
+        for source, (where, staging, token) in self._staging.items():
             with open(os.path.join(staging.local, RECORD), "w") as f:
                 json.dump({"source": source, "step": step, "digest": parts[source]["digest"], "parts": ids}, f)
             _commit.commit(where, staging, mans[source], token)
+        return None
 
-    def _stage(self, step: int, incoming: list[tuple[int, int]],
-               files: dict[int, list[tuple[str, int]]]) -> dict[int, tuple[Location, Location, str]]:
-        """This receiver's staging attempts, after checking that the parts fit (an earlier
-        copy that failed first gives back its room)."""
-        for source, _ in incoming:
-            drop_attempts(peer_root(self.dir, source).local)
-        need = sum(n for s, _ in incoming for _, n in files[s])
-        if incoming:
+    def _stage(self, step: int, routes: list[Route], shares: dict[int, dict[int, list[tuple[str, int]]]]
+               ) -> bytes:
+        """A receiving host's first process: its staging attempts (after checking that the
+        parts fit; an earlier copy that failed first gives back its room). Posts where
+        each source's files go, for its host's other receivers."""
+        group = next(g for g in self.groups.groups if self.me in g)
+        if self.me != group[0]:
+            return b"{}"
+        sources = sorted({r.source for r in routes if r.receiver in group})
+        for source in sources:
+            drop_attempts(peer_root(self.dir, source).local, self._live)
+        need = sum(n for s in sources for share in shares[s].values() for _, n in share)
+        if sources:
             free = free_bytes(self.dir.local)
             if need > free:
                 raise CheckpointError(
                     f"no room for the peer copies of step {step} in '{self.dir}' (process {self.me}): they take "
                     f"{need} bytes, {free} are free; on a RAM disk (/dev/shm) each host holds max_to_keep steps "
                     f"of its own and of its {self.copies} partner(s), plus the step being saved")
-        out = {}
-        for source, _ in incoming:
+        for source in sources:
             where = peer_root(self.dir, source).child(_commit.step_name(step))
             os.makedirs(os.path.dirname(where.local), exist_ok=True)
             token = _commit.new_token()
-            out[source] = (where, _commit.make_staging(where, token), token)
-        return out
+            staging = _commit.make_staging(where, token)
+            with self._lock:
+                self._live.add(os.path.basename(staging.local))
+            self._staging[source] = (where, staging, token)
+        return json.dumps({str(s): v[1].local for s, v in self._staging.items()}).encode()
 
     # --- retention ----------------------------------------------------------------------
 
     def prune(self, keep: Iterable[int]) -> None:
         """The first process of each group: drop the peer copies (and their dead attempts)
-        of steps not in ``keep`` (the listed local steps, the same in every process)."""
+        of steps not in ``keep`` (the listed local steps, the same in every process) nor
+        being copied now."""
+        keep = set(keep)
+        self.missing = self.missing & keep  # a step no longer listed lacks nothing
         if self.me not in self.leads:
             return
-        keep = set(keep)
+        with self._lock:
+            keep = keep | self._unsettled
+            live = set(self._live)
         top = os.path.join(self.dir.local, PEERS_DIR)
         for name in sorted(os.listdir(top)) if os.path.isdir(top) else []:
-            drop_attempts(os.path.join(top, name))
+            drop_attempts(os.path.join(top, name), live)
             for step in _commit.discover_steps(self.dir.child(PEERS_DIR).child(name)):
                 if step not in keep:
                     try:
@@ -443,12 +583,90 @@ class PeerCopies:
                         _log.warning("jaxckpt: dropping the peer copy of step %d in '%s' failed: %s", step, top, e)
 
 
-def drop_attempts(root: str) -> None:
+class Route(NamedTuple):
+    """One sender's share of a source host's part, to one receiver of a partner host."""
+
+    source: int  # the first process of the source host
+    sender: int
+    receiver: int
+    distance: int
+
+    @property
+    def tag(self) -> str:
+        return f"d{self.distance}s{self.sender}"
+
+
+def copy_routes(groups: tuple[tuple[int, ...], ...] | list, copies: int) -> list[Route]:
+    """Every process of host ``i`` sends its share to the process at the same place in
+    host ``i + d`` (modulo that host's size), for ``d`` in ``1..copies``."""
+    groups = sorted((tuple(g) for g in groups), key=lambda g: g[0])
+    n = len(groups)
+    out = []
+    for d in range(1, copies + 1):
+        for i, g in enumerate(groups):
+            to = groups[(i + d) % n]
+            out.extend(Route(g[0], p, to[k % len(to)], d) for k, p in enumerate(g))
+    return out
+
+
+_STREAM_OBJECT = re.compile(r"^data/p(\d+)\.\d+$")
+
+
+def owned(files: list[tuple[str, int]], group: tuple[int, ...]) -> dict[int, list[tuple[str, int]]]:
+    """Which process of ``group`` sends which files of its host's part: a format-3 data
+    object ``data/p<k>.<n>`` its writer ``k``; every other file the host's first process."""
+    out: dict[int, list[tuple[str, int]]] = {p: [] for p in group}
+    for name, size in files:
+        m = _STREAM_OBJECT.match(name)
+        k = int(m.group(1)) if m else group[0]
+        out[k if k in out else group[0]].append((name, size))
+    return out
+
+
+class _Sending:
+    """This process's sends of a copy, on a thread of their own: a host that sends and
+    receives at once (every host of a ring) must do both, or the ring waits on itself."""
+
+    def __init__(self, op: _distributed.Operation, routes: list[Route],
+                 shares: dict[int, dict[int, list[tuple[str, int]]]], root: str):
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(op, routes, shares, root), daemon=True,
+                                       name="jaxckpt-peer-send")
+        self.thread.start()
+
+    def _run(self, op: Any, routes: list[Route], shares: Any, root: str) -> None:
+        offers = [_link.Offer(op, r.receiver, r.tag, sum(n for _, n in shares[r.source][r.sender])) for r in routes]
+        for r, offer in zip(routes, offers):
+            try:
+                if self.error is None:
+                    stream = _Files(root, shares[r.source][r.sender])
+                    try:
+                        offer.send(stream)
+                    finally:
+                        stream.close(check=False)
+            except Exception as e:  # noqa: BLE001 - reported with the verdict
+                self.error = e
+            if self.error is not None:  # the receiver waits for this route's next block
+                offer.abort(self.error)
+
+    def join(self) -> BaseException | None:
+        self.thread.join()  # bounded: every wait inside is the operation's
+        return self.error
+
+
+def _outcome_of(job: concurrent.futures.Future) -> dict[int, BaseException | None]:
+    try:
+        return job.result()[1]
+    except Exception:  # noqa: BLE001 - a save's own failure is reported where it is settled
+        return {}
+
+
+def drop_attempts(root: str, live: set[str] | frozenset[str] = frozenset()) -> None:
     """Remove the hidden attempts (and their claims) under a peer copies' directory:
-    copies that failed or were killed. Only the thread that settles saves copies, so none
-    is in progress when this runs."""
+    copies that failed or were killed, but not those being received now (``live``: their
+    names, and their claims')."""
     for entry in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        if not entry.startswith("."):
+        if not entry.startswith(".") or any(entry.startswith(name) for name in live):
             continue
         path = os.path.join(root, entry)
         try:
@@ -460,25 +678,34 @@ def drop_attempts(root: str) -> None:
             _log.warning("jaxckpt: removing '%s' failed: %s", path, e)
 
 
-def _ready(op: _distributed.Operation, prepare: Any) -> Any:
+def _ready(op: _distributed.Operation, prepare: Any, share: bool = False) -> Any:
     """``prepare()`` here, then two rounds before any collective: every process posts
     whether it is ready, then "go" once it saw every process ready. A process that gave
-    up on a late peer never posts "go", so no process enters the waves alone."""
+    up on a late peer never posts "go", so no process enters the waves alone. With
+    ``share``, ``prepare()`` returns bytes that every process posts with "ready", and the
+    result is every process's payload, decoded from JSON."""
     error: BaseException | None = None
     result = None
     try:
         result = prepare()
     except Exception as e:  # noqa: BLE001 - every process hears of it
         error = e
-    op.post("ready", error if error is not None else b"")
+    op.post("ready", error if error is not None else (result if share else b""))
     if error is not None:  # its own cause first; the others hear of it at "ready"
         op.post("go", error)
         raise error
     try:
-        op.wait_for("ready", _hosts.others())
+        posts = op.wait_for("ready", _hosts.others())
     except CheckpointError as e:
         op.post("go", e)
         raise
     op.post("go")
     op.wait_for("go", _hosts.others())
+    if share:
+        posts[op_index()] = result
+        return {p: json.loads(d or b"{}") for p, d in posts.items()}
     return result
+
+
+def op_index() -> int:
+    return _distributed.process_index()
