@@ -269,3 +269,57 @@ def test_verify_reports_orbax_metadata_that_cannot_be_read(tmp_path, capsys):
     assert cli.run(["verify", path]) == 1
     (tmp_path / "nothing").mkdir()
     assert cli.run(["verify", str(tmp_path / "nothing")]) == 2
+
+
+def test_an_import_rerun_refuses_a_step_orbax_saved_again(runs, tmp_path):
+    """orbax deleted step 5 and saved it again (other values, other metrics) after the
+    import: a rerun does not take the step it imported for the one orbax holds now (the
+    path is the same, orbax's commit time is not); it refuses, nothing written, and
+    ``overwrite=True`` imports the new step 5 as orbax restores it."""
+    run, out = _copy(runs, "plain", tmp_path), tmp_path / "out"
+    convert.from_orbax(run, out)
+    kept = (out / "5" / "manifest.json").read_bytes()
+    opts = ocp.CheckpointManagerOptions(best_fn=lambda m: m["loss"], best_mode="min")
+    with ocp.CheckpointManager(run, options=opts) as mgr:
+        mgr.delete(5)
+        mgr.save(5, args=ocp.args.Composite(state=ocp.args.StandardSave(_state(55)),
+                                            extra=ocp.args.JsonSave({"lr": 0.5, "step": 55})),
+                 metrics=_metrics(55), force=True)
+        mgr.wait_until_finished()
+    with pytest.raises(CheckpointError, match=r"^Step 5 of .* was imported from .*/5' as orbax committed it at "
+                                              r".* UTC, but orbax's step 5 there now was committed at .* \(saved "
+                                              r"again since\): nothing was imported\. Pass overwrite=True"):
+        convert.from_orbax(run, out)
+    assert (out / "5" / "manifest.json").read_bytes() == kept
+    assert convert.from_orbax(run, out, overwrite=True).steps == STEPS
+    theirs, metrics = _orbax_restore(run, 5)
+    with jaxckpt.CheckpointManager(out, read_only=True) as mgr:
+        assert_same(mgr.restore(5, target=_target()), theirs)
+        assert mgr.metrics(5) == metrics == _metrics(55)
+
+
+def test_a_step_orbax_is_still_writing_in_place_is_not_a_step(tmp_path):
+    """orbax's COMMIT_FILE mode (for file systems like GCSFuse that look local) writes a
+    step at its final name, ``_CHECKPOINT_METADATA`` first with a null commit time, and
+    ``commit_success.txt`` last. A save stopped in between (as a kill leaves it) is not
+    listed, not the latest, not imported: as orbax lists it."""
+    from orbax.checkpoint import options as ocp_options
+
+    run = tmp_path / "run"
+    opts = ocp.CheckpointManagerOptions(
+        atomicity_options=ocp_options.AtomicityOptions(mode=ocp_options.AtomicityMode.COMMIT_FILE))
+    with ocp.CheckpointManager(str(run), options=opts) as mgr:
+        for step in (0, 5):
+            mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_state(step))))
+        mgr.wait_until_finished()
+    assert sorted(os.listdir(run / "5")) == ["_CHECKPOINT_METADATA", "commit_success.txt", "state"]
+    # step 5 as a kill leaves it: the commit file not yet written, the metadata's commit time null
+    os.remove(run / "5" / "commit_success.txt")
+    meta = json.loads((run / "5" / "_CHECKPOINT_METADATA").read_text())
+    meta["commit_timestamp_nsecs"] = None
+    (run / "5" / "_CHECKPOINT_METADATA").write_text(json.dumps(meta))
+    with ocp.CheckpointManager(str(run), options=opts) as mgr:
+        assert mgr.all_steps() == [0]
+    with jaxckpt.CheckpointManager(run, read_only=True) as mgr:
+        assert mgr.all_steps() == [0] and mgr.latest_step() == 0
+    assert convert.from_orbax(run, tmp_path / "out").steps == (0,)

@@ -151,8 +151,22 @@ def _committed(loc: Location, name: str) -> bool:
     if step.local is not None:
         if os.path.islink(step.local) or not os.path.isdir(step.local):
             return False
-        return os.path.isfile(os.path.join(step.local, _orbax.CHECKPOINT_METADATA))
+        if not os.path.isfile(os.path.join(step.local, _orbax.CHECKPOINT_METADATA)):
+            return False
+        return os.path.isfile(os.path.join(step.local, COMMIT_FILE)) or not _unfinished(step)
     return all(_kvstore.read_blob(step, f) is not None for f in (COMMIT_FILE, _orbax.CHECKPOINT_METADATA))
+
+
+def _unfinished(step: Location) -> bool:
+    """A step orbax is still writing in place (its ``COMMIT_FILE`` mode, made for file
+    systems like GCSFuse that look local): ``_CHECKPOINT_METADATA`` comes first, with
+    ``commit_timestamp_nsecs`` null, and the commit file last. (Where orbax renames a
+    finished step into place, the metadata it renames carries its commit time.)"""
+    try:
+        ckpt = _orbax._read_json(step, _orbax.CHECKPOINT_METADATA, str(step))
+    except CheckpointError:
+        return False  # a bad metadata file: listed and skipped with its warning (``_step``)
+    return isinstance(ckpt, dict) and "commit_timestamp_nsecs" in ckpt and ckpt["commit_timestamp_nsecs"] is None
 
 
 def _step(loc: Location, step: int, name: str) -> OrbaxStep | None:

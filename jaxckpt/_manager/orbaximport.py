@@ -14,6 +14,7 @@ is written, unless ``overwrite``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -105,6 +106,13 @@ def _plan(src: Location, steps: dict[int, _orbaxrun.OrbaxStep], done: dict[int, 
         if man is None or overwrite:
             todo.append(s)
         elif isinstance(origin, dict) and origin.get("path") == str(src.child(o.name)):
+            then = man.info.get("commit_time")
+            if isinstance(then, (int, float)) and o.commit_time is not None and abs(then - o.commit_time) > 1e-3:
+                raise CheckpointError(
+                    f"Step {s} of '{dest}' was imported from '{origin['path']}' as orbax committed it at "
+                    f"{_when(then)}, but orbax's step {s} there now was committed at {_when(o.commit_time)} "
+                    "(saved again since): nothing was imported. Pass overwrite=True (--overwrite) to import "
+                    "the steps orbax saved again, or import into a new directory")
             skipped.append(s)
         else:
             what = f"imported from '{origin.get('path')}'" if isinstance(origin, dict) and origin.get("path") \
@@ -114,6 +122,10 @@ def _plan(src: Location, steps: dict[int, _orbaxrun.OrbaxStep], done: dict[int, 
                 "nothing was imported. Import into a new directory, or pass overwrite=True (--overwrite) to "
                 "replace the steps both have")
     return todo, skipped
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d} UTC"
 
 
 class _Meter:
