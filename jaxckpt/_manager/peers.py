@@ -14,13 +14,14 @@ and the identity of the step it copies: every host's manifest checksum of that s
 (``identity``). A restore uses a copy only when those are the identities of the step
 the hosts hold (``peerrepair``), so a copy of a deleted or re-saved step is never used.
 
-When the bytes move. A save's peer copy runs where the manager settles that save: at
-the ``save``/``wait_until_finished``/``restore``/``close`` call that waits for it (with
-``async_save=False``, inside ``save``). That call is the same in every process
-(``manager._Saves``), on the thread the training loop calls from, so the copy's
-collectives never run beside the loop's own (two threads issuing collectives in
-different orders across processes can deadlock; NCCL warns against it). A step is
-listed, counted for retention and sent to the persistent tier once its copy has run.
+When the bytes move. A save's peer copy runs in the background, after the local
+commit, on this object's own thread (``PeerCopies.submit``): the training loop does not
+wait for it, and the next ``save`` waits for it only where ``max_pending`` makes it wait
+for the save itself. Jobs are submitted at calls that are the same in every process (a
+``save``, a manager's start, a ``restore``) and run in that order on one thread, so
+every process runs the same copies in the same order; a copy's outcome (the same verdict
+in every process) is applied where its save is settled (``manager._Saves``), so a step
+is listed, counted for retention and sent to the persistent tier once its copy is done.
 
 A copy that fails in any process (a partner's disk full, a read or write error) fails
 in every process alike, but not the save: the step is committed, so it stays listed,
@@ -35,15 +36,19 @@ manager starts, and copied at its first save the same way. ``delete(step)`` drop
 step's copies on every host once every host deleted it; retention's deletes drop them
 after each save (``prune``).
 
-How the bytes move: over JAX's collectives, one device per process (as read-once does):
-a jitted ``ppermute`` from each sending process to its receiver, in waves of at most
-``BLOCK_BYTES`` per process (every byte crosses the network once; nothing goes through
-the bucket). The first process of each group sends its directory's part and receives its
-partner's. Before any collective every process posts what it will send and whether it
-can receive (the receiver checks its free space first: a full RAM disk fails the copy
-before a byte moves); during the waves a process whose read or write failed goes on
-joining them with zeros, and reports afterwards, so no process is left alone in a
-collective. Restoring a lost part from its copy: ``peerrepair``.
+How the bytes move (``peerlink``): over ``jax.experimental.transfer``, point to point
+between two processes and outside the stream of collectives, so a copy never runs beside
+the loop's own collectives in another order (two threads issuing collectives can
+deadlock). Every process of a host sends the files of its host's part that it wrote (a
+format-3 data object ``data/p<k>.<n>`` its writer ``k``, every other file the host's
+first process) to the process at the same place in each partner host (``copy_routes``),
+block by block with a bounded window; the partner's processes write into one staging
+attempt, and its first process commits it, manifest last, once all of them received.
+Before any byte moves every process posts what it will send and whether it can receive
+(the receiving host checks its free space first: a full RAM disk fails the copy before a
+byte moves). A failure on either side is posted where the other side waits next, so no
+process waits for bytes that will not come. Restoring a lost part from its copy:
+``peerrepair`` (at a restore, on the loop's thread: over the collectives, ``move``).
 """
 
 from __future__ import annotations
