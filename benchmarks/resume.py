@@ -18,9 +18,10 @@ is checked bit for bit against the saved values after its time is taken.
 
 Save cost: ``--saves`` saves of the same state with a pause between them (the training
 step, ``--gap`` s), ``peer_copies`` 0 and 1, with ``async_save=False`` (the save blocks
-until committed: its copy included) and ``async_save=True`` (the copy of step k runs
-where the manager settles it: the save of step k + 1, or ``wait_until_finished``); per
-save the time the loop spent inside ``save()`` (slowest process), medians.
+until committed: its copy included) and ``async_save=True`` (the copy of step k runs in
+the background after its commit; the save of step k + 1 waits for it only when it is not
+done, ``max_pending=1``); per save the time the loop spent inside ``save()`` (slowest
+process), medians.
 
     python benchmarks/resume.py [--procs 4] [--mib 512] [--reps 3] [--saves 4] [--gap 1]
                                 [--part all|resume|save] [--smoke]
