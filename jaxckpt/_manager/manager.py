@@ -386,8 +386,7 @@ class CheckpointManager:
             if not self._groups.per_host:
                 return _restore_here(self, step, read)
             if self._peers is not None:  # a part some host lost: back from its peer copy first
-                _peerrepair.repair(self._peers, step, self._sources())
-                self._peers.submit_missing(self._steps.local)  # what a replaced host held for its partners
+                _peerrepair.repair(self._peers, step, self._sources(), self._steps.local)
             return _hosts.restore_agreed(self._sources(), step, read)
 
     def _sources(self) -> _hosts.Sources:
@@ -453,8 +452,7 @@ class CheckpointManager:
             self._saves.settle_all()
         except CheckpointError as e:
             first = e
-        if self._peers is not None:  # the copies sent apart from any save (after a repair)
-            self._peers.drain()
+        self._peers is not None and self._peers.drain()  # copies sent apart from any save (after a repair)
         if self._persistent is not None:  # copies first: finishing one may queue local deletes
             failure = self._persistent.first_failure()
             first = first or failure

@@ -224,14 +224,21 @@ def _drop_stale(peers: _peers.PeerCopies, stale: list[tuple[int, int]]) -> None:
             _log.warning("jaxckpt: removing the peer copy of step %d in '%s' failed: %s", step, root, e)
 
 
-def repair(peers: _peers.PeerCopies, step: int | None, sources: _hosts.Sources) -> None:
+def repair(peers: _peers.PeerCopies, step: int | None, sources: _hosts.Sources, listed: Any = None) -> None:
     """Before a per-host restore: send the parts of the chosen step that some host lost
     back from their peer copies (see ``plan_repair``), committed into those hosts'
     directories, so that the restore reads every part locally. Every process calls it
     at the same point. The stale peer copies found are removed, and the steps lacking
     copies noted (``peers.PeerCopies.missing``: sent at the next save). A failure falls to
     the persistent tier when it holds the step (a warning) and is raised in every
-    process otherwise."""
+    process otherwise. With ``listed`` (a restore's listing), the copies those steps lack
+    are sent afterwards, in the background (what a replaced host held for its partners)."""
+    _repair(peers, step, sources)
+    if listed is not None:
+        peers.submit_missing(listed)
+
+
+def _repair(peers: _peers.PeerCopies, step: int | None, sources: _hosts.Sources) -> None:
     me = peers.me
     with _distributed.Operation(f"peerfix{_distributed.next_id()}", str(peers.dir), peers.timeout_s,
                                 lane="restore") as op:
