@@ -26,12 +26,12 @@ $(PKG_STAMP): $(STAMP)
 # The fast tier: every test not marked `slow` (a few minutes on 2 cores). It touches each
 # guarantee of docs/guarantees.md at least once; the full tier adds the rest.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n 2 -m "not slow" tests
 
 # Every test, as CI runs it: the long matrices, the fuzzing and the soak (JAXCKPT_SOAK_S
-# seconds, 30 unless set) included (about 14 minutes on 2 cores).
+# seconds, 30 unless set) included (about 14 minutes on 2 cores, in two workers).
 test-all: $(STAMP)
-	JAXCKPT_SOAK_S=$${JAXCKPT_SOAK_S:-30} $(PY) -m pytest -q tests
+	JAXCKPT_SOAK_S=$${JAXCKPT_SOAK_S:-30} $(PY) -m pytest -q -n 2 tests
 
 demo: $(STAMP)
 	$(PY) examples/flax_nnx.py

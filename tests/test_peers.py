@@ -355,3 +355,24 @@ def test_a_delete_one_host_refuses_is_done_on_none_and_the_listings_stay_one(tmp
     for p in (0, 1):
         assert res[p]["steps_at_start"] == [2, 3, 4]
         assert res[p]["ops"] == [{"steps": [2, 4]}, {"step": 4, "version": 1, "w": 1, "b": 1, "steps": [2, 4]}]
+
+
+def test_a_replaced_host_gets_back_the_copies_it_held_so_a_second_loss_is_survived(tmp_path):
+    """Three hosts in a ring (0 -> 1 -> 2 -> 0). Host 1's directory is wiped: it lost its
+    part and the copy of host 0's part it held. The next start sends its part back and,
+    in the background, host 0's copy to it again (settled by ``wait_until_finished``):
+    before issue 32 only the next save did. Then host 0's directory is wiped right away,
+    with no save in between: its part comes back from host 1's new copy, bit for bit."""
+    res = run_job({"path": str(tmp_path), "save": [1, 2]}, nproc=3)
+    assert [res[p]["peers"] for p in range(3)] == [{"p2": ["1", "2"]}, {"p0": ["1", "2"]}, {"p1": ["1", "2"]}]
+    shutil.rmtree(os.path.join(tmp_path, "host1"))
+    res = run_job({"path": str(tmp_path), "ops": [["wait"]]}, nproc=3)
+    for p in range(3):
+        assert res[p]["steps_at_start"] == [2]
+        assert res[p]["ops"] == [{"steps": [2], "tiers": {"2": ["local"]}}]
+    assert res[1]["peers"] == {"p0": ["2"]} and res[1]["peer_attempts"] == []
+    shutil.rmtree(os.path.join(tmp_path, "host0"))
+    res = run_job({"path": str(tmp_path), "restore": None}, nproc=3)
+    for p in range(3):
+        assert res[p]["restored"] == 2 and "error" not in res[p]
+        assert res[p]["steps"] == [2]

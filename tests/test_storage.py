@@ -167,3 +167,16 @@ def test_fault_hook_set_on_storage_reaches_the_io_layer(tmp_path, monkeypatch, l
         assert sorted(k for op, k in seen if op == "read") == ["p0@0", f"p0@{(1 << 20) + 64}"]
     monkeypatch.undo()
     assert _storage.fault_hook is None
+
+
+def test_a_long_storage_cause_keeps_its_end():
+    """A cause past 500 characters keeps its head and its tail: a digest mismatch named
+    after four long data object paths (a deep directory) still says what went wrong."""
+    from jaxckpt._storage.kvstore import storage_cause
+
+    where = " and ".join(f"/very/deep/run/dir/{'x' * 100}/2/data/p0.{i} bytes [0, 65536)" for i in range(4))
+    cause = storage_cause(f"DATA_LOSS: entry at offset 0 of stream p0 (data object {where}): digest mismatch, "
+                          "stored digest is 0x00000001 but computed digest is 0x00000002")
+    assert len(cause) <= 500 and cause.startswith("DATA_LOSS: entry at offset 0 of stream p0 (data object /very/")
+    assert cause.endswith("): digest mismatch, stored digest is 0x00000001 but computed digest is 0x00000002")
+    assert storage_cause("short") == "short"

@@ -296,7 +296,9 @@ def storage_cause(error: BaseException | str) -> str:
         if cause in head:  # tensorstore summarised the body itself
             return head
         return f"{head}: {cause}" if head else cause
-    return head[:500] or type(error).__name__
+    if len(head) > 500:  # long paths in the middle (several data objects): the cause is at the end
+        head = head[:240] + " … " + head[-240:]
+    return head or type(error).__name__
 
 
 def storage_error(root: Any, doing: str, key: str, error: BaseException | str) -> CheckpointError:
