@@ -40,6 +40,7 @@ bench-smoke: $(STAMP)
 	$(PY) benchmarks/run.py --smoke
 	$(PY) benchmarks/read_once.py --smoke
 	$(PY) benchmarks/peak_memory.py --smoke
+	$(PY) benchmarks/peer_transport.py --smoke
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check jaxckpt tests examples benchmarks tools

@@ -67,10 +67,11 @@ def worker(port: int, nproc: int, pid: int, args: dict) -> None:
     out: dict = {"pid": pid, "transfer": [], "ppermute": [], "copy": [], "quiet": [], "busy": []}
     nxt, prv = (pid + 1) % nproc, (pid - 1) % nproc
 
+    data = np.random.default_rng(pid).integers(0, 255, share, np.uint8)
+
     class Mem:  # a stream of ``share`` bytes from memory, a sink that drops them
         def __init__(self):
-            self.data = np.random.default_rng(pid).integers(0, 255, share, np.uint8)
-            self.at = 0
+            self.data, self.at = data, 0
 
         def read_into(self, buf):
             buf[:] = self.data[self.at:self.at + buf.size]
@@ -84,11 +85,12 @@ def worker(port: int, nproc: int, pid: int, args: dict) -> None:
             op.post("addr", peerlink.address().encode())
             addr = op.wait_for("addr", [prv])[prv].decode()
             multihost_utils.sync_global_devices(f"x{rep}")
+            offer, pull, source, sink = (peerlink.Offer(op, nxt, "b", share), peerlink.Pull(op, prv, addr, "b", share),
+                                         Mem(), Mem())
             t = time.perf_counter()
-            offer, pull = peerlink.Offer(op, nxt, "b", share), peerlink.Pull(op, prv, addr, "b", share)
-            sender = threading.Thread(target=offer.send, args=(Mem(),))
+            sender = threading.Thread(target=offer.send, args=(source,))
             sender.start()
-            pull.receive(Mem())
+            pull.receive(sink)
             sender.join()
             return time.perf_counter() - t
 
