@@ -140,12 +140,29 @@ class Warnings(logging.Handler):
         self.seen.append(record.getMessage())
 
 
+copied = []  # every copy this process took part in: (step, its operation's name)
+
+
+def count_copies():
+    from jaxckpt._manager import peers
+
+    real = peers.PeerCopies._copy
+
+    def copy(self, step, name):
+        copied.append([step, name])
+        return real(self, step, name)
+
+    peers.PeerCopies._copy = copy
+
+
 def main():
     out = {"pid": pid}
+    if args.get("count_copies"):
+        count_copies()
     seen = Warnings()
     logging.getLogger("jaxckpt").addHandler(seen)
     options = dict(max_to_keep=args.get("keep", 2), timeout_s=20, peer_copies=args.get("copies", 1),
-                   async_save=args.get("async", True))
+                   async_save=args.get("async", True), max_pending=args.get("max_pending", 1))
     if "durable" in args:
         options.update(persistent_directory=args["durable"], persistent_interval_steps=args.get("every", 2))
     with jaxckpt.CheckpointManager(local, **options) as mgr:
@@ -177,6 +194,7 @@ def main():
     out["peer_attempts"] = sorted(n for d in (os.listdir(top) if os.path.isdir(top) else [])
                                   for n in os.listdir(os.path.join(top, d)) if n.startswith("."))
     out["warnings"] = seen.seen
+    out["copied"] = copied
     print("RESULT " + json.dumps(out), flush=True)
 
 

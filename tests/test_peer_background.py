@@ -73,3 +73,33 @@ def test_a_host_killed_mid_copy_is_reported_at_the_next_call_in_every_process(tm
         assert "process 2 did not report within 10s" in res[p]["save"] and res[p]["save_s"] < 25
     # process 1 sends to process 2: it waited for the dead receiver's acknowledgement
     assert "process 2 stopped responding" in res[1]["warnings"][0]
+
+
+def test_offers_a_failed_copy_left_are_taken_back():
+    """A receiver that fails leaves the blocks it never pulled offered on the sender's
+    transfer server, held for the process's life (a breaker saw the sender grow by
+    192 MiB a failed copy). The sender pulls its own offers back: they arrive at once,
+    and are gone from the server after (pulling one again never arrives)."""
+    import time
+
+    import jax
+    import numpy as np
+
+    from jaxckpt._manager import peerlink
+
+    dev = peerlink.host_device()
+    blocks = [jax.device_put(np.full(1 << 20, i, np.uint8), dev) for i in range(2)]
+    held = {}
+    for i, arr in enumerate(blocks):
+        uid = 7_000_000 + i
+        peerlink.server().await_pull(uid, [arr])
+        held[i] = (uid, arr)
+    uids = [uid for uid, _ in held.values()]
+    started = time.monotonic()
+    peerlink._take_back(held)
+    assert held == {} and time.monotonic() - started < peerlink.TAKE_BACK_S
+    sharding = jax.sharding.SingleDeviceSharding(dev)
+    again = peerlink.server().connect(peerlink.address()).pull(
+        uids[0], [jax.ShapeDtypeStruct((1 << 20,), np.uint8, sharding=sharding)])[0]
+    time.sleep(0.5)
+    assert not again.is_ready()

@@ -376,3 +376,20 @@ def test_a_replaced_host_gets_back_the_copies_it_held_so_a_second_loss_is_surviv
     for p in range(3):
         assert res[p]["restored"] == 2 and "error" not in res[p]
         assert res[p]["steps"] == [2]
+
+
+def test_copies_a_restart_finds_missing_are_sent_once_and_never_for_a_deleted_step(tmp_path):
+    """Host 1 lost only the copies it held (its ``.jaxckpt-peers``). The next start sends
+    steps 1-3 again in the background; the saves after it (``max_pending=2``: each save's
+    job is submitted before the earlier outcomes are applied) do not send them again, and
+    step 1, which retention deletes meanwhile, is never copied after its deletion (a
+    breaker's case: every step was copied three times, and a deleted one warned)."""
+    run_job({"path": str(tmp_path), "save": [1, 2, 3], "keep": 3})
+    shutil.rmtree(os.path.join(tmp_path, "host1", ".jaxckpt-peers"))
+    res = run_job({"path": str(tmp_path), "keep": 3, "max_pending": 2, "count_copies": True,
+                   "ops": [["save", 4], ["save", 5], ["save", 6]]})
+    for p in (0, 1):
+        assert res[p]["warnings"] == []
+        assert sorted(step for step, _ in res[p]["copied"]) == [1, 2, 3, 4, 5, 6]
+        assert res[p]["ops"][-1] == {"steps": [4, 5, 6], "tiers": {"4": ["local"], "5": ["local"], "6": ["local"]}}
+        assert res[p]["peers"] == {f"p{1 - p}": ["4", "5", "6"]}

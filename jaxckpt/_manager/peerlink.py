@@ -39,6 +39,7 @@ BLOCK_BYTES = 64 << 20  # one offer: bounds a copy's host memory with WINDOW
 WINDOW = 2  # blocks offered per pair before the receiver's acknowledgement
 _POLL_S = 0.002  # between looks at a pulled block's readiness
 _ALIVE_EVERY_S = 0.5  # between liveness checks of the sender while a pull is on its way
+TAKE_BACK_S = 2.0  # a failed copy's wait for its own offers pulled back (one the receiver took never comes)
 
 _lock = threading.Lock()
 _server: Any = None
@@ -95,26 +96,33 @@ class Offer:
 
     def send(self, stream: Any) -> None:
         """Offer the bytes read from ``stream`` (``read_into(buf)``); raises what failed
-        here (then ``abort``) or what the receiver posted."""
+        here (then ``abort``) or what the receiver posted. Blocks offered and never
+        pulled (the receiver failed) are taken back, so nothing stays held."""
         import jax
 
         srv, dev = server(), host_device()
-        held: dict[int, Any] = {}
-        for b in range(self.blocks):
-            if b >= WINDOW:  # the receiver wrote block b - WINDOW: its buffer goes
-                self.op.wait_for(f"{self.tag}/ack{b - WINDOW}", [self.receiver])
-                held.pop(b - WINDOW, None)
-            buf = np.empty(min(BLOCK_BYTES, self.total - b * BLOCK_BYTES), np.uint8)
-            stream.read_into(buf)
-            _storage.count()
-            arr = jax.device_put(buf, dev)  # the server holds it until pulled
-            uid = next(_ids) + (_distributed.process_index() << 40)
-            srv.await_pull(uid, [arr])
-            held[b] = arr
-            self.next = b + 1
-            self.op.post(f"{self.tag}/blk{b}", str(uid).encode())
-        for b in range(max(0, self.blocks - WINDOW), self.blocks):
-            self.op.wait_for(f"{self.tag}/ack{b}", [self.receiver])
+        held: dict[int, tuple[int, Any]] = {}  # offered, not yet acknowledged: block -> (id, array)
+        try:
+            for b in range(self.blocks):
+                if b >= WINDOW:  # the receiver wrote block b - WINDOW: its buffer goes
+                    self.op.wait_for(f"{self.tag}/ack{b - WINDOW}", [self.receiver])
+                    held.pop(b - WINDOW, None)
+                buf = np.empty(min(BLOCK_BYTES, self.total - b * BLOCK_BYTES), np.uint8)
+                stream.read_into(buf)
+                _storage.count()
+                arr = jax.device_put(buf, dev)  # the server holds it until pulled
+                del buf
+                uid = next(_ids) + (_distributed.process_index() << 40)
+                srv.await_pull(uid, [arr])
+                held[b] = (uid, arr)
+                self.next = b + 1
+                self.op.post(f"{self.tag}/blk{b}", str(uid).encode())
+            for b in range(max(0, self.blocks - WINDOW), self.blocks):
+                self.op.wait_for(f"{self.tag}/ack{b}", [self.receiver])
+                held.pop(b, None)
+        except BaseException:
+            _take_back(held)
+            raise
 
     def abort(self, error: BaseException) -> None:
         if self.next < self.blocks:
@@ -168,3 +176,23 @@ class Pull:
         finally:
             self.op.done_waiting()
         arr.block_until_ready()  # raises the transfer's own error, if it failed
+
+
+def _take_back(held: dict[int, tuple[int, Any]]) -> None:
+    """Pull this process's own offers that the receiver never pulled, so that the
+    server lets their buffers go (a receiver that failed leaves them offered for the
+    process's life: 192 MiB more a failed copy, a breaker's case). An offer the receiver
+    did pull never arrives here again: it is given up after ``TAKE_BACK_S``."""
+    if not held:
+        return
+    import jax
+
+    sharding = jax.sharding.SingleDeviceSharding(host_device())
+    conn = server().connect(address())
+    pulls = [conn.pull(uid, [jax.ShapeDtypeStruct(arr.shape, arr.dtype, sharding=sharding)])[0]
+             for uid, arr in held.values()]
+    held.clear()
+    deadline = time.monotonic() + TAKE_BACK_S
+    while any(not p.is_ready() for p in pulls) and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+

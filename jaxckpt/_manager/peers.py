@@ -331,6 +331,8 @@ class PeerCopies:
         self._jobs: list[tuple[concurrent.futures.Future, bool]] = []  # (job, standalone), submission order
         self._staging: dict[int, tuple[Location, Location, str]] = {}  # the copy being received: per source
         self._received = False  # whether this process posted "received" in the copy running
+        self._sent: set[int] = set()  # steps whose last copy succeeded (the peer thread's own record)
+        self._drop_lock = threading.Lock()  # prune (the settling thread) and a copy's staging both drop attempts
         self._by_step: dict[int, concurrent.futures.Future] = {}  # each save's job, until settled
 
     # --- jobs ---------------------------------------------------------------------------
@@ -353,7 +355,7 @@ class PeerCopies:
                     self._unsettled.discard(step)
                 raise
             outcome = {step: self._copy(step, f"peer{base}")}
-            outcome.update(self._copy_listed(retry, f"peer{base}r"))
+            outcome.update(self._copy_listed(retry, f"peer{base}r", again=False))
             return manifest, outcome
 
         future = self._add(job, standalone=False)
@@ -369,7 +371,7 @@ class PeerCopies:
         if not retry:
             return
         base = _distributed.next_id()
-        self._add(lambda: (None, self._copy_listed(retry, f"peer{base}m")), standalone=True)
+        self._add(lambda: (None, self._copy_listed(retry, f"peer{base}m", again=True)), standalone=True)
 
     def _add(self, job: Callable[[], Any], standalone: bool) -> concurrent.futures.Future:
         future = self._executor.submit(job)
@@ -433,7 +435,13 @@ class PeerCopies:
 
     def _copy(self, step: int, name: str) -> BaseException | None:
         """Every process, in the same job: each host's part of ``step`` to its partners. The
-        verdict, the same in every process: ``None`` when every copy was made."""
+        verdict, the same in every process: ``None`` when every copy was made (noted in
+        ``_sent``, which only this thread touches: the same in every process)."""
+        error = self._copy_once(step, name)
+        (self._sent.discard if error is not None else self._sent.add)(step)
+        return error
+
+    def _copy_once(self, step: int, name: str) -> BaseException | None:
         final = self.dir.child(_commit.step_name(step))
         with _distributed.Operation(name, str(final), self.timeout_s) as op:
             self._received, self._staging = False, {}
@@ -448,11 +456,18 @@ class PeerCopies:
                     self._live.difference_update(os.path.basename(v[1].local) for v in self._staging.values())
             return _hosts.share_verdict(op, "copied", error)
 
-    def _copy_listed(self, steps: list[int], name: str) -> dict[int, BaseException | None]:
-        """Copy again the ``steps`` (this process's view of those lacking copies) that every
-        process lists; a step no process lists any more is forgotten (no outcome)."""
+    def _copy_listed(self, steps: list[int], name: str, again: bool) -> dict[int, BaseException | None]:
+        """Copy again the ``steps`` (this process's view, when the job was submitted, of
+        those lacking copies) that every process still holds; a step no process holds
+        any more is forgotten (no outcome). Unless ``again`` (after a repair found copies
+        lost), a step an earlier job copied since is copied once only (``_sent``: a
+        save's job is submitted before the earlier ones' outcomes are applied)."""
         if not steps:  # the same in every process: ``missing`` is
             return {}
+        held = [s for s in steps if (again or s not in self._sent)
+                and os.path.isfile(os.path.join(self.dir.child(_commit.step_name(s)).local, MANIFEST))]
+        done = {s: None for s in steps if not again and s in self._sent}  # copied by an earlier job
+        steps = held
         try:
             with _distributed.Operation(name, str(self.dir), self.timeout_s) as op:
                 op.post("listed", json.dumps(steps).encode())
@@ -460,7 +475,7 @@ class PeerCopies:
         except CheckpointError as e:
             return {s: e for s in steps}
         views.append(set(steps))
-        return {s: self._copy(s, f"{name}.{s}") for s in sorted(set.intersection(*views))}
+        return {**done, **{s: self._copy(s, f"{name}.{s}") for s in sorted(set.intersection(*views))}}
 
     def drop(self, step: int) -> None:
         """``delete(step)`` (every process, once every host deleted it): the first process
@@ -544,8 +559,9 @@ class PeerCopies:
         if self.me != group[0]:
             return b"{}"
         sources = sorted({r.source for r in routes if r.receiver in group})
-        for source in sources:
-            drop_attempts(peer_root(self.dir, source).local, self._live)
+        with self._drop_lock:
+            for source in sources:
+                drop_attempts(peer_root(self.dir, source).local, self._live)
         need = sum(n for s in sources for share in shares[s].values() for _, n in share)
         if sources:
             free = free_bytes(self.dir.local)
@@ -577,6 +593,10 @@ class PeerCopies:
         with self._lock:
             keep = keep | self._unsettled
             live = set(self._live)
+        with self._drop_lock:
+            self._prune(keep, live)
+
+    def _prune(self, keep: set[int], live: set[str]) -> None:
         top = os.path.join(self.dir.local, PEERS_DIR)
         for name in sorted(os.listdir(top)) if os.path.isdir(top) else []:
             drop_attempts(os.path.join(top, name), live)
