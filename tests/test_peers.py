@@ -138,15 +138,20 @@ def test_a_full_ram_disk_keeps_the_step_without_its_peer_copies(tmp_path):
 
 
 def test_the_ring_and_the_repair_plan():
-    from jaxckpt._manager import peerrepair, peers
+    from jaxckpt._manager import peerrepair, peers, peerwaves
 
     assert peers.ring([0, 2, 4], 1) == [(0, 2), (2, 4), (4, 0)]
     assert peers.partners([0, 2, 4], 2) == {0: [2, 4], 2: [4, 0], 4: [0, 2]}
-    assert peers.waves({0: 10, 2: 0}, 8192) == (1, 4096)
-    assert peers.waves({0: 10_000, 2: 3}, 8192) == (2, 8192)
+    assert peerwaves.waves({0: 10, 2: 0}, 8192) == (1, 4096)
+    assert peerwaves.waves({0: 10_000, 2: 3}, 8192) == (2, 8192)
     # 64 MiB + 100 bytes in rows of at most 32 MiB: three even rows (4 KiB multiples), not 32 + 32 + 100 bytes
-    assert peers.waves({0: (64 << 20) + 100}, 32 << 20) == (3, 5462 * 4096)
-    assert peers.waves({}, 8192) == (0, 0)
+    assert peerwaves.waves({0: (64 << 20) + 100}, 32 << 20) == (3, 5462 * 4096)
+    assert peerwaves.waves({}, 8192) == (0, 0)
+    # every process of a host sends to the process at its place in the partner host (modulo its size)
+    assert peers.copy_routes([(0, 1), (2,)], 1) == [peers.Route(0, 0, 2, 1), peers.Route(0, 1, 2, 1),
+                                                    peers.Route(2, 2, 0, 1)]
+    assert peers.owned([("data/p1.0", 5), ("data/p0.3", 6), ("data/p7.0", 7), ("x.json", 8)], (0, 1)) == {
+        0: [("data/p0.3", 6), ("data/p7.0", 7), ("x.json", 8)], 1: [("data/p1.0", 5)]}
     assert peerrepair.rounds_of({0: 2, 1: 2, 3: 0}) == [[(2, 0), (0, 3)], [(2, 1)]]
 
     def part(name, save="t1", digest=None):  # a group's own part of a step

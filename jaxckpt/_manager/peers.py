@@ -587,10 +587,7 @@ def _ready(op: _distributed.Operation, prepare: Any, share: bool = False) -> Any
     op.post("go")
     op.wait_for("go", _hosts.others())
     if share:
-        posts[op_index()] = result
+        posts[_distributed.process_index()] = result
         return {p: json.loads(d or b"{}") for p, d in posts.items()}
     return result
 
-
-def op_index() -> int:
-    return _distributed.process_index()
