@@ -153,6 +153,8 @@ def _save_as_coordinator(op: _distributed.Operation, final: Location, snap: Snap
         own = write_data(_commit.data_location(final, token), snap)
         write_seconds = time.perf_counter() - t0
         tables = op.wait_for("written", list(range(1, _distributed.process_count())))
+        if _per_host(snap) and own:
+            op.post("written", own)  # the other hosts' views locate some chunks in its entries
         done = place_compressed(snap, {**tables, 0: own})
         _check_streams(_commit.data_location(final, token), done)
         extra = {"write_seconds": round(write_seconds, 6), **(info() if info is not None else {})}
@@ -229,7 +231,7 @@ def _save_as_follower(op: _distributed.Operation, final: Location, snap: Snapsho
 
     data = op.follow_commit(str(final), "written", work, undo)
     if _per_host(snap) and snap.streams is not None and 0 not in snap.group:
-        data = _host_manifest(data, snap, str(final))
+        data = _host_manifest(data, _host_view(op, snap), str(final))
     if leader:
         _commit_host_copy(final, attempt["staging"], data, attempt["token"])
     return _manifest.parse(data, str(final))
@@ -241,13 +243,30 @@ def _per_host(snap: Snapshot) -> bool:
     return bool(snap.group) and len(snap.group) < _distributed.process_count()
 
 
+def _host_view(op: _distributed.Operation, snap: Snapshot) -> Snapshot:
+    """This host's snapshot with its compressed leaves placed (``place_compressed``), once
+    process 0 committed (every process's table is posted then): from its group's tables,
+    and from every other process's when a chunk it holds no copy of is compressed."""
+    if all(rec.codec_config is None for rec in snap.records):
+        return snap
+    group = sorted(snap.group)
+    tables = op.wait_for("written", group)
+    missing = any(not rec.runs for rec in place_compressed(snap, tables, partial=True).records
+                  if rec.codec_config is not None)
+    if missing:
+        others = [p for p in range(_distributed.process_count()) if p not in snap.group]
+        tables.update(op.wait_for("written", others))
+    return place_compressed(snap, tables)
+
+
 def _host_manifest(data: bytes, snap: Snapshot, where: str) -> bytes:
     """Format 3, per-host directories: process 0's manifest as this host's copy has it.
     Process 0's locates every chunk at the copy its host or the first other host holding
     it wrote (``_hoststreams``); this host's locates the chunks it holds in its own
-    streams, as its snapshot planned them. Everything else is process 0's."""
+    streams, as its snapshot planned them (compressed ones: ``_host_view``). Everything
+    else is process 0's."""
     man = _manifest.parse(data, where)
-    leaves = tuple(dataclasses.replace(rec, runs=mine.runs) if rec.store == "stream" else rec
+    leaves = tuple(dataclasses.replace(rec, runs=mine.runs, sizes=mine.sizes) if rec.store == "stream" else rec
                    for rec, mine in zip(man.leaves, snap.records))
     return dataclasses.replace(man, leaves=leaves, streams=dict(snap.streams)).to_bytes()
 

@@ -21,7 +21,9 @@ length up to the last entry it locates there (the object sizes it implies are wh
 copy of that view holds).
 
 A pure function of the global tree and the groups: every process of a group plans the
-same view. No I/O, no jax.
+same view. No I/O, no jax. Entries of a fixed size only (raw and quantized leaves);
+compressed leaves' entries follow them in each stream and are placed in each view once
+written (``_writer.place_compressed``).
 """
 
 from __future__ import annotations

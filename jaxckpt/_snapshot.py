@@ -68,6 +68,7 @@ class Snapshot:
     packed_buf: np.ndarray | None  # this process's packed bytes
     nbytes_local: int  # host bytes this snapshot holds (in waves: at most at once)
     group: tuple[int, ...] = ()  # the processes sharing this process's directory; () = all
+    groups: tuple[tuple[int, ...], ...] = ()  # with ``group``: every group of the job
     waves: Waves | None = None  # staged in waves: the writer takes them from here
     created_at: float = dataclasses.field(default_factory=time.perf_counter)
     # format 3: every writing process's stream length (``file_shards`` then holds this
@@ -147,19 +148,20 @@ def snapshot(tree: Any, *, copy_host_arrays: bool, group: tuple[int, ...] = (),
     the waves itself. Whoever runs the save calls ``close()`` when it is over.
 
     ``compression``: ``compression=`` as ``save`` takes it (``_codecs.parse``); the leaves
-    it selects are encoded by the writer (format 3 only; not with ``group``). In waves each
+    it selects are encoded by the writer (format 3 only). In waves each
     compressed chunk is staged twice: to be sized (``_Sizing``), then to be written.
     ``quantize``: ``quantize=`` (``_quantize.parse``): the leaves it selects are stored
-    lossy by the writer (format 3 only; not with ``group``); it wins over ``compression``.
+    lossy by the writer (format 3 only); it wins over ``compression``. With ``group``
+    each group encodes its own copies; their places are known once written
+    (``_writer.place_compressed``).
     """
     codecs = _Codecs(_codecs.parse(compression), _quantize.parse(quantize))
     codecs = None if codecs.lossless is None and codecs.lossy is None else codecs
     if codecs is not None and codecs.lossy is not None:
         codecs = codecs._replace(nnx_params=_nnx_params(tree))
     for what, given in (("compression", codecs and codecs.lossless), ("quantize", codecs and codecs.lossy)):
-        if given is not None and (group or not streams_wanted()):
-            why = "a directory per host" if group else f"{FORMAT_ENV}={LEGACY_FORMAT} ({what} needs format 3)"
-            raise CheckpointError(f"{what}= is not supported with {why}")
+        if given is not None and not streams_wanted():
+            raise CheckpointError(f"{what}= is not supported with {FORMAT_ENV}={LEGACY_FORMAT} ({what} needs format 3)")
     with _tree.gc_paused():
         if budget is None:
             snap = _snapshot(tree, copy_host_arrays, group, groups, codecs)
@@ -221,7 +223,7 @@ def _snapshot(tree: Any, copy_host_arrays: bool, group: tuple[int, ...],
             total += sum(map(operator.attrgetter("nbytes"), hosts))
         else:
             _copy_packed(rec, list(zip(chunks, hosts)), packed_buf)
-    return Snapshot(structure, records, file_shards, packed, packed_buf, total, group,
+    return Snapshot(structure, records, file_shards, packed, packed_buf, total, group, tuple(groups),
                     streams=streams, segment_bytes=SEGMENT_BYTES if streams is not None else 0)
 
 
@@ -474,7 +476,8 @@ def _lay_out_streams(arrays: list[_ArrayLeaf], group: tuple[int, ...] = (),
     writers are planned as their processes plan them where it needs them (``_hoststreams``).
     ``codecs``: a quantized leaf's entries hold its encoded chunks (a size fixed by the
     chunk shape); a compressed leaf is left out: its entries' sizes are known once its
-    writers have encoded them (``_writer``), so process 0 places them then."""
+    writers have encoded them (``_writer``), so process 0 places them then (and, with a
+    directory per host, each other host's processes in their view)."""
     payloads = [math.prod(a.fields["chunk_shape"]) * _dtypes.DTYPES[a.fields["storage_dtype"]].itemsize
                 for a in arrays]
     if codecs is not None and codecs.lossy is not None:  # before anything is written (issue 31)
@@ -487,7 +490,12 @@ def _lay_out_streams(arrays: list[_ArrayLeaf], group: tuple[int, ...] = (),
         planned = [i for i, (_, c) in enumerate(chosen) if c is None]
         sizes = [_quantize.encoded_nbytes(tuple(arrays[i].fields["chunk_shape"]), chosen[i][0])
                  if chosen[i][0] in _quantize.FORMS else payloads[i] for i in planned]
-        layout = _plan_streams(sizes, [arrays[i].writers for i in planned])
+        if group:  # each host's view of the fixed-size entries (raw and quantized); no cache
+            layout = _hoststreams.lay_out(
+                sizes, [arrays[i].chunks for i in planned], groups, group, [arrays[i].writers for i in planned],
+                lambda g: (lambda w: [w[i] for i in planned])(_group_writers(arrays, g)))
+        else:
+            layout = _plan_streams(sizes, [arrays[i].writers for i in planned])
         runs: list[Any] = [()] * len(arrays)
         for i, r, size in zip(planned, layout.runs, sizes):
             runs[i], payloads[i] = r, size
@@ -612,7 +620,7 @@ def _snapshot_in_waves(tree: Any, copy_host_arrays: bool, group: tuple[int, ...]
     waves = Waves(budget, planned, stage)
     waves.stage_first()
     most = min(sum(p.nbytes for p in planned), max(budget.max_bytes, max(p.nbytes for p in planned)))
-    return Snapshot(structure, records, {}, packed, None, most, group, waves, streams=streams,
+    return Snapshot(structure, records, {}, packed, None, most, group, tuple(groups), waves, streams=streams,
                     segment_bytes=SEGMENT_BYTES if streams is not None else 0, encodes=len(sizing))
 
 

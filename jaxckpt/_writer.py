@@ -326,22 +326,37 @@ class _Encoder:
         ENCODED.sub(sum(map(len, kept.values())))
 
 
-def place_compressed(snap: Snapshot, tables: dict[int, bytes]) -> Snapshot:
-    """Process 0, once every process has written: the compressed leaves' runs (one per
-    chunk) and sizes from every process's table (``_write_stream``'s), and each stream's
-    length with its compressed entries. The snapshot as is when it has none."""
+def place_compressed(snap: Snapshot, tables: dict[int, bytes], partial: bool = False) -> Snapshot:
+    """Once every process has written: the compressed leaves' runs (one per chunk) and
+    sizes from the processes' tables (``_write_stream``'s), and each stream's length with
+    its compressed entries. The snapshot as is when it has none.
+
+    One directory for the job (process 0, every table): each chunk's one entry. A
+    directory per host (``snap.group``; each group wrote a copy of each chunk it holds):
+    this host's view (``_hoststreams``), each chunk at its own group's copy, else at its
+    designated copy (the first group's, by lowest process, holding it); a stream of
+    another host is declared up to the end of the last entry the view locates there. The
+    tables needed: this group's, and those of the groups designated for the chunks it
+    holds no copy of (every one will do). ``partial``: a leaf these tables do not cover
+    is left unplaced (no runs) rather than refused."""
     if snap.streams is None or all(rec.codec_config is None for rec in snap.records):
         return snap
     streams = dict(snap.streams)
-    found: dict[int, dict[int, tuple[int, int, int]]] = {}  # slot -> flat -> (process, offset, entry bytes)
+    mine = set(snap.group) if snap.group and snap.groups else None
+    rank = {p: 0 if mine is not None and p in mine else 1 + min(g) for g in snap.groups for p in g}
+    found: dict[int, dict[int, tuple[int, int, int, int]]] = {}  # slot -> flat -> (rank, process, offset, size)
     for p, data in sorted(tables.items()):
         if not data:
             continue
         table = json.loads(data)
-        if table["length"]:
+        if table["length"] and (mine is None or p in mine):
             streams[p] = table["length"]
+        r = rank.get(p, 0)
         for slot, rows in table["leaves"].items():
-            found.setdefault(int(slot), {}).update((flat, (p, offset, size)) for flat, offset, size in rows)
+            got = found.setdefault(int(slot), {})
+            for flat, offset, size in rows:
+                if flat not in got or r < got[flat][0]:
+                    got[flat] = (r, p, offset, size)
     records = list(snap.records)
     for slot, rec in enumerate(records):
         if rec.codec_config is None:
@@ -349,9 +364,15 @@ def place_compressed(snap: Snapshot, tables: dict[int, bytes]) -> Snapshot:
         n = math.prod(_layout.chunk_grid_shape(rec.shape, rec.chunk_shape))
         got = found.get(slot, {})
         if sorted(got) != list(range(n)):
+            if partial:
+                continue
             raise CheckpointError(f"leaf '{rec.path}': its writers encoded {len(got)} of its {n} chunks")
-        runs = tuple((got[f][0], f, 1, got[f][1]) for f in range(n))
-        records[slot] = dataclasses.replace(rec, runs=runs, sizes=tuple(got[f][2] for f in range(n)))
+        runs = tuple((got[f][1], f, 1, got[f][2]) for f in range(n))
+        records[slot] = dataclasses.replace(rec, runs=runs, sizes=tuple(got[f][3] for f in range(n)))
+        if mine is not None:
+            for _, p, offset, size in got.values():
+                if p not in mine and size:
+                    streams[p] = max(streams.get(p, 0), offset + size)
     return dataclasses.replace(snap, records=records, streams=streams)
 
 

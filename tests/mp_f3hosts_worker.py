@@ -4,7 +4,7 @@ local directory per host, with a persistent tier (tests/test_format3_hosts.py).
 Usage: mp_f3hosts_worker.py PORT NPROC PID NDEV SCENARIO JSON_ARGS
 JSON_ARGS: ``hosts`` (each process's host name: processes of one host share its
 directory), ``runs`` (per run a ``local`` root and a ``durable`` persistent directory),
-``save`` (steps), ``segment_bytes``, ``hostcopy`` (a local root: replicated state saved, host a's directory
+``save`` (steps), ``options`` (more manager options), ``segment_bytes``, ``hostcopy`` (a local root: replicated state saved, host a's directory
 wiped, then restored). Prints one line `RESULT <json>`.
 """
 
@@ -62,7 +62,7 @@ def check(back, i):
 def run(local, durable):
     out = {}
     with jaxckpt.CheckpointManager(local, persistent_directory=durable, persistent_interval_steps=2,
-                                   timeout_s=30) as mgr:
+                                   timeout_s=30, **args.get("options", {})) as mgr:
         out["groups"] = [list(g) for g in mgr._groups.groups]
         for i in args["save"]:
             mgr.save(i, state(i))
@@ -80,48 +80,21 @@ def hostcopy(local):
     wiped): the restore copies host b's step to it first."""
     from jax.experimental import multihost_utils
 
-    with jaxckpt.CheckpointManager(local, timeout_s=30) as mgr:
+    with jaxckpt.CheckpointManager(local, timeout_s=30, **args.get("options", {})) as mgr:
         mgr.save(7, state(7, (None, None)))
     multihost_utils.sync_global_devices("saved")
     if pid == 0:
         shutil.rmtree(local)
     multihost_utils.sync_global_devices("wiped")
-    with jaxckpt.CheckpointManager(local, timeout_s=30) as mgr:
+    with jaxckpt.CheckpointManager(local, timeout_s=30, **args.get("options", {})) as mgr:
         out = {"steps_at_start": mgr.all_steps()}
         out["restored"] = check(mgr.restore(None, state(0, (None, None))), 7)
         out["steps"] = mgr.all_steps()
     return out
 
 
-def refused(local):
-    """Each of ``args["refuse"]`` (manager options) on a directory per host: made (then one
-    save tried) or refused; then a plain manager takes the directory (the lease released)."""
-    out = []
-    for kw in args["refuse"]:
-        try:
-            mgr = jaxckpt.CheckpointManager(local, timeout_s=30, async_save=False, **kw)
-        except jaxckpt.CheckpointError as e:
-            out.append({"made": False, "error": f"{type(e).__name__}: {e}"})
-            continue
-        try:
-            mgr.save(1, state(1))
-            out.append({"made": True, "error": None})
-        except jaxckpt.CheckpointError as e:
-            out.append({"made": True, "error": f"{type(e).__name__}: {e}"})
-        finally:
-            mgr.close()
-    with jaxckpt.CheckpointManager(local, timeout_s=30) as mgr:
-        mgr.save(3, state(3))
-        mgr.wait_until_finished()
-        after = check(mgr.restore(3, state(0)), 3)
-    return {"refused": out, "after": after}
-
-
 def main():
     host = args["hosts"][pid]
-    if args.get("refuse"):
-        print("RESULT " + json.dumps({"pid": pid, **refused(os.path.join(args["local"], host))}), flush=True)
-        return
     out = {"pid": pid, "runs": [run(os.path.join(r["local"], host), r["durable"]) for r in args["runs"]]}
     if args.get("hostcopy"):
         out["hostcopy"] = hostcopy(os.path.join(args["hostcopy"], host))

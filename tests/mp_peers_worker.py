@@ -38,19 +38,28 @@ from jaxckpt import _storage
 
 MESH = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
 ROWS = args.get("rows", 64)
+# "codecs": w and r compressed (zstd; r replicated, so each host writes its own copy), mu
+# (sharded) quantized to int8: restored w, r, b bit for bit, mu within its int8 bound
+CODECS = args.get("codecs", False)
 
 
 def values(i, version=1):
     """Sharded over the processes: each host's part exists only in its directory. A step
     saved again (``version`` 2, 3, ...) has other values."""
-    w = np.random.default_rng(i + 1000 * (version - 1)).standard_normal((ROWS * nproc, 256)).astype(np.float32)
-    return {"w": w, "b": np.arange(1000, dtype=np.int32) * i * version}
+    rng = np.random.default_rng(i + 1000 * (version - 1))
+    w = rng.standard_normal((ROWS * nproc, 256)).astype(np.float32)
+    out = {"w": w, "b": np.arange(1000, dtype=np.int32) * i * version}
+    if CODECS:  # a compressed replicated leaf (half its rows zero: chunks stored as nothing) and a moment
+        r = np.round(rng.standard_normal((ROWS * nproc, 64)), 1).astype(np.float32)
+        r[: ROWS * nproc // 2] = 0
+        out.update(r=r, mu=rng.standard_normal((ROWS * nproc, 128)).astype(np.float32) * (i + 1))
+    return out
 
 
 def state(i, version=1):
     out = {}
     for k, v in values(i, version).items():
-        spec = P("x", None) if k == "w" else P(None)
+        spec = P("x", None) if k in ("w", "mu") else P(None)
         out[k] = jax.make_array_from_callback(v.shape, NamedSharding(MESH, spec), lambda idx, v=v: v[idx])
     out["step"] = i
     out["version"] = version
@@ -61,8 +70,13 @@ def check(back):
     i = back["step"]
     for k, full in values(i, back["version"]).items():
         for shard in back[k].addressable_shards:
-            got = np.asarray(shard.data)
-            assert got.dtype == full.dtype and got.tobytes() == full[shard.index].tobytes(), (k, i)
+            got, want = np.asarray(shard.data), full[shard.index]
+            if k == "mu":  # int8 with a scale per block: within half a step of the largest block's
+                bound = np.abs(full).max() / 127 / 2 * 1.001
+                assert got.dtype == want.dtype and np.abs(got - want).max() <= bound, (k, i)
+                assert not np.array_equal(got, want), (k, i)  # it was quantized, not stored raw
+                continue
+            assert got.dtype == full.dtype and got.tobytes() == want.tobytes(), (k, i)
     return i
 
 
@@ -163,6 +177,8 @@ def main():
     logging.getLogger("jaxckpt").addHandler(seen)
     options = dict(max_to_keep=args.get("keep", 2), timeout_s=20, peer_copies=args.get("copies", 1),
                    async_save=args.get("async", True), max_pending=args.get("max_pending", 1))
+    if CODECS:
+        options.update(compression={"w": "zstd", "r": ("zstd", 1)}, quantize={"mu": "int8"})
     if "durable" in args:
         options.update(persistent_directory=args["durable"], persistent_interval_steps=args.get("every", 2))
     with jaxckpt.CheckpointManager(local, **options) as mgr:

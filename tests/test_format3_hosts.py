@@ -91,10 +91,10 @@ def test_a_view_plans_only_the_groups_it_needs():
 SEGMENT = 64 << 10  # so each host's streams span several data objects
 
 
-def run_hosts_job(tmp_path, durables):
+def run_hosts_job(tmp_path, durables, options=None):
     runs = [{"local": str(tmp_path / f"local{k}"), "durable": d} for k, d in enumerate(durables)]
     args = {"hosts": ["a", "a", "b"], "runs": runs, "save": [1, 2], "hostcopy": str(tmp_path / "copy"),
-            "segment_bytes": SEGMENT}
+            "segment_bytes": SEGMENT, "options": options or {}}
     return run_workers(os.path.join(ROOT, "tests", "mp_f3hosts_worker.py"), 3,
                        lambda i, port: [port, 3, i, 1, "job", json.dumps(args)], 150)
 
@@ -299,28 +299,35 @@ def test_a_repeated_save_per_host_reuses_its_groups_writers_and_layout(monkeypat
     assert [a.fields["runs"] for a in arrays] == runs
 
 
-def test_codecs_with_a_directory_per_host_are_refused_when_the_manager_is_made(tmp_path):
-    # Issue 30, defect 11: c1abc6a made these managers and then failed every save
-    # ("compression= is not supported with a directory per host"). Now the manager is
-    # refused when made, naming both options, in every process, its lease released
-    kws = [{"compression": "zstd"}, {"quantize": {"w": "int8"}}, {"peer_copies": 1, "compression": "zstd"},
-           {"peer_copies": 1, "quantize": {"w": "int8"}, "compression": {"r": "blosc"}}]
-    args = {"hosts": ["a", "b"], "local": str(tmp_path / "local"), "refuse": kws}
-    res = run_workers(os.path.join(ROOT, "tests", "mp_f3hosts_worker.py"), 2,
-                      lambda i, port: [port, 2, i, 1, "refuse", json.dumps(args)], 150)
-    tail = "'{d}' is each host's own (groups [[0], [1]]); compressed and " \
-           "quantized leaves need a directory every process shares"
-    for p in (0, 1):
-        d = tmp_path / "local" / "ab"[p]
-        assert res[p]["refused"] == [
-            {"made": False, "error": "CheckpointError: compression= cannot be used with a local directory per host: "
-                                     + tail.format(d=d)},
-            {"made": False, "error": "CheckpointError: quantize= cannot be used with a local directory per host: "
-                                     + tail.format(d=d)},
-            {"made": False, "error": "CheckpointError: compression= cannot be used with peer_copies=1 (a local "
-                                     "directory per host): " + tail.format(d=d)},
-            {"made": False, "error": "CheckpointError: compression= and quantize= cannot be used with "
-                                     "peer_copies=1 (a local directory per host): " + tail.format(d=d)},
-        ], (p, res[p]["refused"])
-        assert res[p]["after"] == 3
-        assert set(os.listdir(d)) - {"history.jsonl"} == {"3"}  # no other step, no attempt left
+def test_codecs_with_a_directory_per_host_persistent_tier_and_a_replaced_host(tmp_path):
+    """Issue 32, item 5 (refused before: c1abc6a's managers failed every save, then the
+    constructor refused them). The first test's job with w in zstd and r in blosc: hosts
+    a (0, 1) and b (2) each encode their own copies; host b's view locates w's rows only
+    host a holds at a's entries, whose sizes it learns from a's processes. Restored from
+    the hosts' directories and onto columns (from the persistent copy, which holds each
+    stream up to its last designated entry), bit for bit; replicated state with host a
+    replaced, the same. Each view's streams end where its last entry does."""
+    durable = str(tmp_path / "durable")
+    res = run_hosts_job(tmp_path, [durable], {"compression": {"w": "zstd", "r": "blosc"}})
+    for p in (0, 1, 2):
+        assert "crash" not in res[p], res[p]
+        out, = res[p]["runs"]
+        assert out["tiers"] == {"1": ["local"], "2": ["local", "persistent"]}
+        assert out["restored"] == 2 and out["restored_columns"] == 2
+        assert res[p]["hostcopy"] == {"steps_at_start": [], "restored": 7, "steps": [7]}
+    views = {h: json.loads((tmp_path / "local0" / h / "2" / "manifest.json").read_text()) for h in "ab"}
+    persistent = json.loads((tmp_path / "durable" / "2" / "manifest.json").read_text())
+    for view in (*views.values(), persistent):
+        leaves = {leaf["path"]: leaf for leaf in view["leaves"]}
+        assert leaves["w"]["codec"] == "zstd" and leaves["r"]["codec"] == "blosc"
+        ends = {}
+        for leaf in leaves.values():
+            for run, size in zip(leaf.get("runs", []), leaf.get("sizes", [])):
+                if size:
+                    ends[run[0]] = max(ends.get(run[0], 0), run[3] + size)
+        for p, end in ends.items():
+            assert view["streams"][str(p)] >= end
+    assert {r[0] for r in {leaf["path"]: leaf for leaf in views["b"]["leaves"]}["r"]["runs"]} == {2}
+    assert {r[0] for r in {leaf["path"]: leaf for leaf in views["a"]["leaves"]}["r"]["runs"]} <= {0, 1}
+    assert persistent["streams"] == views["a"]["streams"]  # host a (process 0's) is the persistent view
+    assert jaxckpt.verify(str(tmp_path / "durable" / "2")).ok

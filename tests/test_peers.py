@@ -398,3 +398,43 @@ def test_copies_a_restart_finds_missing_are_sent_once_and_never_for_a_deleted_st
         assert sorted(step for step, _ in res[p]["copied"]) == [1, 2, 3, 4, 5, 6]
         assert res[p]["ops"][-1] == {"steps": [4, 5, 6], "tiers": {"4": ["local"], "5": ["local"], "6": ["local"]}}
         assert res[p]["peers"] == {f"p{1 - p}": ["4", "5", "6"]}
+
+
+def test_codecs_with_a_directory_per_host_survive_a_lost_host_and_two(tmp_path):
+    """Issue 32, item 5: compression and quantize with a directory per host (refused
+    before). Three hosts in a ring, a persistent tier every 2nd step; ``w`` (sharded) and
+    ``r`` (replicated: each host encodes its own copy) in zstd,
+    the moment ``mu`` in int8. Each host's manifest locates its compressed chunks in its
+    own data objects and the others at the designated copy. Host 1 lost: restored from
+    its peer, bit for bit (``mu`` within its int8 bound); hosts 1 and 2 lost: from the
+    persistent tier, the same."""
+    durable = str(tmp_path / "durable")
+    base = {"path": str(tmp_path), "durable": durable, "keep": 3, "codecs": True}
+    res = run_job({**base, "save": [1, 2, 3]}, nproc=3)
+    for p in range(3):
+        assert "crash" not in res[p] and not res[p].get("save_errors"), res[p]
+        assert res[p]["steps"] == [1, 2, 3] and res[p]["peers"] == {f"p{(p - 1) % 3}": ["1", "2", "3"]}
+    assert res[0]["durable_on_disk"] == ["2"]
+    for host in range(3):
+        man = json.loads((tmp_path / f"host{host}" / "3" / "manifest.json").read_text())
+        leaves = {leaf["path"]: leaf for leaf in man["leaves"]}
+        assert [leaves[k]["codec"] for k in ("w", "r", "mu", "b")] == ["zstd", "zstd", "int8", "raw"], host
+        # r: every host's own copy; w: its own third here, the others' at their (only) copy
+        assert {run[0] for run in leaves["r"]["runs"]} == {host}
+        assert sorted({run[0] for run in leaves["w"]["runs"]}) == [0, 1, 2]
+        assert sum(leaves["r"]["sizes"]) < 192 * 64 * 4 / 2  # half zero, one decimal: compressed
+    shutil.rmtree(tmp_path / "host1")
+
+    res = run_job({**base, "restore": None}, nproc=3)
+    for p in range(3):
+        assert "crash" not in res[p] and "error" not in res[p], res[p]
+        assert res[p]["steps_at_start"] == [2, 3] and res[p]["restored"] == 3  # check(): the values
+        assert res[p]["tiers_after_restore"]["3"][0] == "local"
+    shutil.rmtree(tmp_path / "host1")
+    shutil.rmtree(tmp_path / "host2")
+
+    res = run_job({**base, "restore": None}, nproc=3)
+    for p in range(3):
+        assert "crash" not in res[p] and "error" not in res[p], res[p]
+        assert res[p]["steps_at_start"] == [2] and res[p]["restored"] == 2
+        assert res[p]["tiers_after_restore"] == {"2": ["persistent"]}

@@ -15,9 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _codecs, _commit, _quantize, _streams
-from .._errors import CheckpointError
 from .._manifest import Manifest
-from . import cleanup as _cleanup
 
 log = logging.getLogger("jaxckpt")
 
@@ -29,23 +27,6 @@ class Codecs:
         self.compression = _codecs.parse(compression)
         self.quantize = _quantize.parse(quantize)
         self.lossy_resumes = 0
-
-    def check_groups(self, groups: Any, peer_copies: Any, directory: Any, lease: Any, persistent: Any) -> None:
-        """Refuse codecs with a local directory per host (so with ``peer_copies``), when
-        the manager is made (its leases released) rather than at every save: each host's
-        streams hold its copies of fixed-size raw entries there (``_hoststreams``), which a
-        compressed or quantized leaf's entries are not. The same facts (``groups``, a
-        ``hosts.HostGroups``), the same answer, in every process."""
-        given = [name for name, value in (("compression", self.compression), ("quantize", self.quantize))
-                 if value is not None]
-        if not given or not groups.per_host:
-            return
-        _cleanup.release_leases(lease, persistent)
-        why = f"peer_copies={peer_copies} (a local directory per host)" if peer_copies else "a local directory per host"
-        raise CheckpointError(
-            f"{' and '.join(f'{n}=' for n in given)} cannot be used with {why}: "
-            f"'{directory}' is each host's own (groups {[list(g) for g in groups.groups]}); compressed and quantized "
-            "leaves need a directory every process shares")
 
     def save_options(self) -> dict[str, Any]:
         """``snapshot``'s ``compression`` and ``quantize`` for the next save (no

@@ -146,7 +146,6 @@ class CheckpointManager:
         else:
             self._groups, self._lease, local = _cleanup.start_writer(
                 self._dir, self._persistent, timeout_s, self._partial, owner=self)
-            self._codecs.check_groups(self._groups, peer_copies, self._dir, self._lease, self._persistent)
         self._steps = _tiers.Listing(self._lock, self._dir, local, self._persistent)
         self._peers = _peerrepair.start(peer_copies, self._groups, self._lease, self._persistent, self._sources())
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
