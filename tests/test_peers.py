@@ -48,15 +48,17 @@ def test_a_lost_host_is_restored_from_its_peer_bit_for_bit(ram_dir):
 
     res = run_job({"path": str(ram_dir), "restore": None, "save": [4]})
     for p in (0, 1):
-        assert res[p]["steps_at_start"] == [3] and res[p]["latest_at_start"] == 3
+        # both steps host 1 listed come back (the newest first), not the newest only
+        assert res[p]["steps_at_start"] == [2, 3] and res[p]["latest_at_start"] == 3
         assert res[p]["restored"] == 3
-        assert res[p]["on_disk_after_restore"] == (["2", "3"] if p == 0 else ["3"])
+        assert res[p]["on_disk_after_restore"] == ["2", "3"]
         assert res[p]["steps"] == [3, 4]
-        assert res[p]["on_disk"] == ["3", "4"]  # host 0's step 2, which host 1 lacked: gone with step 4
-    # host 0 keeps host 1's part of steps 3 and 4; host 1's copy of host 0's step 3 was lost with its
-    # disk (a repair sends back a host's own part only): step 3 was listed as lacking it until the save
-    # of step 4 sent it again
-    assert res[0]["tiers_after_restore"] == res[1]["tiers_after_restore"] == {"3": ["local", "peer-copies-missing"]}
+        assert res[p]["on_disk"] == ["3", "4"]
+    # host 0 keeps host 1's part of steps 3 and 4; host 1's copies of host 0's parts were lost with
+    # its disk (a repair sends back a host's own part only): listed as lacking them until the copies
+    # sent in the background after the start are applied (at the save of step 4)
+    missing = ["local", "peer-copies-missing"]
+    assert res[0]["tiers_after_restore"] == res[1]["tiers_after_restore"] == {"2": missing, "3": missing}
     assert res[0]["peers"] == {"p1": ["3", "4"]} and res[1]["peers"] == {"p0": ["3", "4"]}
 
 
@@ -161,12 +163,19 @@ def test_the_ring_and_the_repair_plan():
         return {"now": now or f"d-{name}", "recorded": f"d-{name}", "id": name, "parts": parts}
 
     v5 = {0: "a5", 1: "b5"}  # step 5's identity: each host's manifest checksum
-    plan = peerrepair.plan_repair
+    def plan(*args):  # the plan less its older steps (asserted on their own below)
+        return tuple(peerrepair.plan_repair(*args))[:4]
+
     # host 1 lost step 5 (empty directory); host 0 holds a usable copy of it. Step 5 then lacks
     # host 1's copy of host 0's part (lost with host 1's disk)
     held = {0: {4: part("a4"), 5: part("a5")}, 1: {}}
     copies = {0: {1: {5: copy("b5", v5)}}, 1: {}}
     assert plan(held, copies, set(), None) == (5, {1: 0}, {}, {5})
+    assert peerrepair.plan_repair(held, copies, set(), None).older == ()  # step 4: no copy of host 1's part
+    # with a copy of host 1's part of step 4 too, step 4 is an older step to send back (after 5)
+    more = {0: {1: {4: copy("b4", {0: "a4", 1: "b4"}), 5: copy("b5", v5)}}, 1: {}}
+    assert peerrepair.plan_repair(held, more, set(), None) == ((5, {1: 0}, {}, {5}, (4,)))
+    assert peerrepair.plan_repair(held, more, set(), 4).older == ()  # a step asked for: that one only
     assert plan(held, copies, set(), 4) == (None, {}, {}, set())  # host 1's step 4: nowhere
     assert plan(held, copies, {4}, 4) == (4, {}, {}, set())  # the bucket's
     assert plan(held, copies, {6}, None) == (6, {}, {}, set())  # a newer bucket step wins
@@ -264,11 +273,11 @@ def test_a_step_saved_again_is_never_replaced_or_mixed_with_its_old_peer_copy(tm
     shutil.rmtree(wiped / "host1")
     res = run_job({"path": str(wiped), "keep": 3, "ops": [["restore", 3], ["restore", None]]})
     for p in (0, 1):
-        assert res[p]["steps_at_start"] == [2]
+        assert res[p]["steps_at_start"] == [1, 2]  # both sent back to host 1 at the start
         assert res[p]["ops"][0]["error"].startswith(
             f"CheckpointError: Cannot restore step 3 from '{wiped / f'host{p}'}': step 3 is missing on process 1 on "
             "host "), res[p]["ops"]
-        assert res[p]["ops"][1] == {"step": 2, "version": 1, "w": 1, "b": 1, "steps": [2]}
+        assert res[p]["ops"][1] == {"step": 2, "version": 1, "w": 1, "b": 1, "steps": [1, 2]}
     assert res[0]["peers"] == {"p1": ["1", "2"]}  # version 1's copy of step 3: removed
 
     res = run_job({"path": str(run), "keep": 3, "ops": [["restore", 3], ["tiers"], ["save", 4]]})
@@ -281,7 +290,7 @@ def test_a_step_saved_again_is_never_replaced_or_mixed_with_its_old_peer_copy(tm
     shutil.rmtree(run / "host1")
     res = run_job({"path": str(run), "keep": 3, "ops": [["restore", 3]]})
     for p in (0, 1):
-        assert res[p]["ops"] == [{"step": 3, "version": 2, "w": 2, "b": 2, "steps": [3, 4]}]
+        assert res[p]["ops"] == [{"step": 3, "version": 2, "w": 2, "b": 2, "steps": [2, 3, 4]}]
 
 
 def test_a_failed_peer_copy_keeps_the_step_and_copies_it_at_the_next_save(tmp_path):
@@ -312,8 +321,8 @@ def test_a_failed_peer_copy_keeps_the_step_and_copies_it_at_the_next_save(tmp_pa
 
 
 def test_deleting_a_step_only_the_persistent_tier_lists_leaves_nothing_to_rebuild_it_from(tmp_path):
-    """Host 1 lost its directory: step 1 is listed from the persistent tier only, while
-    host 0 still holds its own part of it and its peer copy of host 1's. ``delete(1)``
+    """Host 1 lost its directory: step 1 is in the persistent tier, host 0 still holds its
+    own part of it and its peer copy of host 1's (which the start sends back). ``delete(1)``
     takes all of them (the breaker's case against c1abc6a's successor: the restore after
     the delete rebuilt step 1 from those parts, bit for bit version 1, and listed it
     again)."""
@@ -324,7 +333,8 @@ def test_deleting_a_step_only_the_persistent_tier_lists_leaves_nothing_to_rebuil
                    "ops": [["tiers"], ["delete", 1], ["restore", 1], ["tiers"]]})
     for p in (0, 1):
         ops = res[p]["ops"]
-        assert ops[0]["tiers"]["1"] == ["persistent"], ops[0]
+        # since the start sends back every step it can (not the newest only), step 1 is local again
+        assert ops[0]["tiers"]["1"] == ["local", "persistent", "peer-copies-missing"], ops[0]
         assert ops[1] == {"steps": [2]}, ops[1]
         assert ops[2]["error"].startswith("CheckpointNotFoundError: No committed step 1 "), ops[2]
         assert ops[3]["steps"] == [2], ops[3]
@@ -373,14 +383,14 @@ def test_a_replaced_host_gets_back_the_copies_it_held_so_a_second_loss_is_surviv
     shutil.rmtree(os.path.join(tmp_path, "host1"))
     res = run_job({"path": str(tmp_path), "ops": [["wait"]]}, nproc=3)
     for p in range(3):
-        assert res[p]["steps_at_start"] == [2]
-        assert res[p]["ops"] == [{"steps": [2], "tiers": {"2": ["local"]}}]
-    assert res[1]["peers"] == {"p0": ["2"]} and res[1]["peer_attempts"] == []
+        assert res[p]["steps_at_start"] == [1, 2]
+        assert res[p]["ops"] == [{"steps": [1, 2], "tiers": {"1": ["local"], "2": ["local"]}}]
+    assert res[1]["peers"] == {"p0": ["1", "2"]} and res[1]["peer_attempts"] == []
     shutil.rmtree(os.path.join(tmp_path, "host0"))
     res = run_job({"path": str(tmp_path), "restore": None}, nproc=3)
     for p in range(3):
         assert res[p]["restored"] == 2 and "error" not in res[p]
-        assert res[p]["steps"] == [2]
+        assert res[p]["steps"] == [1, 2]
 
 
 def test_copies_a_restart_finds_missing_are_sent_once_and_never_for_a_deleted_step(tmp_path):
@@ -398,6 +408,35 @@ def test_copies_a_restart_finds_missing_are_sent_once_and_never_for_a_deleted_st
         assert sorted(step for step, _ in res[p]["copied"]) == [1, 2, 3, 4, 5, 6]
         assert res[p]["ops"][-1] == {"steps": [4, 5, 6], "tiers": {"4": ["local"], "5": ["local"], "6": ["local"]}}
         assert res[p]["peers"] == {f"p{1 - p}": ["4", "5", "6"]}
+
+
+def test_copies_a_restart_finds_missing_are_sent_once_though_a_restore_repairs_again(tmp_path):
+    """A breaker's case: host 1 lost the copies it held; the start queues steps 1-3 to be
+    sent and the restore right after it (its own repair, before that job ran, finds them
+    still missing) queued them again: each sent twice. Now once."""
+    run_job({"path": str(tmp_path), "save": [1, 2, 3], "keep": 3})
+    shutil.rmtree(os.path.join(tmp_path, "host1", ".jaxckpt-peers"))
+    res = run_job({"path": str(tmp_path), "keep": 3, "count_copies": True,
+                   "ops": [["restore", None], ["save", 4], ["wait"]]})
+    for p in (0, 1):
+        assert res[p]["warnings"] == [] and res[p]["ops"][0]["step"] == 3
+        assert sorted(step for step, _ in res[p]["copied"]) == [1, 2, 3, 4], res[p]["copied"]
+        assert res[p]["peers"] == {f"p{1 - p}": ["2", "3", "4"]}
+
+
+def test_a_wiped_host_gets_back_every_step_it_listed_not_only_the_newest(tmp_path):
+    """A breaker's case: host 1 wiped after steps 1-3 (max_to_keep=3). The start sent back
+    the newest step only; steps 1 and 2, which host 0 held and host 0's copies could
+    rebuild, were never listed and the next save deleted them. Now every such step is
+    sent back at the start, newest first, and listed; retention then keeps 2-4."""
+    run_job({"path": str(tmp_path), "save": [1, 2, 3], "keep": 3})
+    shutil.rmtree(os.path.join(tmp_path, "host1"))
+    res = run_job({"path": str(tmp_path), "keep": 3, "ops": [["tiers"], ["save", 4], ["restore", 2]]})
+    for p in (0, 1):
+        assert res[p]["steps_at_start"] == [1, 2, 3], res[p]
+        assert res[p]["ops"][1]["steps"] == [2, 3, 4]
+        assert res[p]["ops"][2] == {"step": 2, "version": 1, "w": 1, "b": 1, "steps": [2, 3, 4]}
+        assert res[p]["on_disk"] == ["2", "3", "4"]
 
 
 def test_codecs_with_a_directory_per_host_survive_a_lost_host_and_two(tmp_path):
@@ -428,7 +467,7 @@ def test_codecs_with_a_directory_per_host_survive_a_lost_host_and_two(tmp_path):
     res = run_job({**base, "restore": None}, nproc=3)
     for p in range(3):
         assert "crash" not in res[p] and "error" not in res[p], res[p]
-        assert res[p]["steps_at_start"] == [2, 3] and res[p]["restored"] == 3  # check(): the values
+        assert res[p]["steps_at_start"] == [1, 2, 3] and res[p]["restored"] == 3  # check(): the values
         assert res[p]["tiers_after_restore"]["3"][0] == "local"
     shutil.rmtree(tmp_path / "host1")
     shutil.rmtree(tmp_path / "host2")

@@ -60,8 +60,9 @@ def start(copies: Any, groups: _hosts.HostGroups, lease: Any, persistent: Any,
     if not copies or sources.read_only:
         return None
     peers = _peers.PeerCopies(sources.directory, groups, copies, sources.timeout_s)
-    try:
-        repair(peers, None, sources)
+    try:  # the newest step first, then the older ones a lost host can get back (newest first)
+        for step in repair(peers, None, sources):
+            repair(peers, step, sources)
     except CheckpointError as e:
         _log.warning("jaxckpt: %s", e)
     peers.submit_missing(sources.listing.local)  # a replaced host gets back what it held for its partners
@@ -72,12 +73,14 @@ class Plan(NamedTuple):
     """What ``repair`` does (``plan_repair``): the step to restore (``None``: none), for
     each group lacking its part of it the group whose peer copy sends it back, the peer
     copies each group removes (``(source, step)``: they copy no step any host holds),
-    and the steps every host holds whose peer copies are not all there."""
+    the steps every host holds whose peer copies are not all there, and (no step asked
+    for) the older steps some host lacks that copies can rebuild, newest first."""
 
     step: int | None
     fixes: dict[int, int]
     stale: dict[int, list[tuple[int, int]]]
     missing: set[int]
+    older: tuple[int, ...] = ()
 
 
 Held = dict[int, dict[int, dict[str, str]]]  # group -> step -> its own part's facts
@@ -130,7 +133,10 @@ def plan_repair(held: Held, copies: Copies, durable: set[int], step: int | None,
     ring_of = _peers.partners(leads, copies_each)
     missing = {s for s in everywhere if one_save(held, s)
                and any(p not in use.get((g, s), {}) for g in leads for p in ring_of[g])}
-    return Plan(*chosen, {h: sorted(v) for h, v in stale.items()}, missing)
+    older = tuple(s for s in sorted(known, reverse=True)
+                  if step is None and chosen[0] is not None and s < chosen[0] and one_save(held, s)
+                  and not all(intact(g, s) for g in leads) and all(intact(g, s) or (g, s) in use for g in leads))
+    return Plan(*chosen, {h: sorted(v) for h, v in stale.items()}, missing, older)
 
 
 def one_save(held: Held, step: int) -> bool:
@@ -224,7 +230,8 @@ def _drop_stale(peers: _peers.PeerCopies, stale: list[tuple[int, int]]) -> None:
             _log.warning("jaxckpt: removing the peer copy of step %d in '%s' failed: %s", step, root, e)
 
 
-def repair(peers: _peers.PeerCopies, step: int | None, sources: _hosts.Sources, listed: Any = None) -> None:
+def repair(peers: _peers.PeerCopies, step: int | None, sources: _hosts.Sources,
+           listed: Any = None) -> tuple[int, ...]:
     """Before a per-host restore: send the parts of the chosen step that some host lost
     back from their peer copies (see ``plan_repair``), committed into those hosts'
     directories, so that the restore reads every part locally. Every process calls it
@@ -232,13 +239,15 @@ def repair(peers: _peers.PeerCopies, step: int | None, sources: _hosts.Sources, 
     copies noted (``peers.PeerCopies.missing``: sent at the next save). A failure falls to
     the persistent tier when it holds the step (a warning) and is raised in every
     process otherwise. With ``listed`` (a restore's listing), the copies those steps lack
-    are sent afterwards, in the background (what a replaced host held for its partners)."""
-    _repair(peers, step, sources)
+    are sent afterwards, in the background (what a replaced host held for its partners).
+    Returns the plan's ``older`` steps (``step`` None: those a lost host can get back)."""
+    older = _repair(peers, step, sources)
     if listed is not None:
         peers.submit_missing(listed)
+    return older
 
 
-def _repair(peers: _peers.PeerCopies, step: int | None, sources: _hosts.Sources) -> None:
+def _repair(peers: _peers.PeerCopies, step: int | None, sources: _hosts.Sources) -> tuple[int, ...]:
     me = peers.me
     with _distributed.Operation(f"peerfix{_distributed.next_id()}", str(peers.dir), peers.timeout_s,
                                 lane="restore") as op:
@@ -264,7 +273,7 @@ def _repair(peers: _peers.PeerCopies, step: int | None, sources: _hosts.Sources)
             _drop_stale(peers, plan.stale[me])
         chosen, fixes = plan.step, plan.fixes
         if not fixes or sources.read_only:
-            return
+            return plan.older
         _log.warning("jaxckpt: step %d of '%s': the part(s) of process(es) %s are lost; sending them back from "
                      "their peer copies (on process(es) %s) over the job's collectives", chosen, peers.dir,
                      sorted(fixes), [fixes[g] for g in sorted(fixes)])
@@ -278,11 +287,11 @@ def _repair(peers: _peers.PeerCopies, step: int | None, sources: _hosts.Sources)
         man = _commit.read_manifest(peers.dir.child(_commit.step_name(chosen)))
         sources.listing.add(chosen, man)
         sources.partial.adopt(chosen)
-        return
+        return plan.older
     if chosen in durable:
         _log.warning("jaxckpt: sending step %d back from its peer copies failed (%s); every process reads the "
                      "persistent tier", chosen, error)
-        return
+        return ()
     raise CheckpointError(f"Cannot restore step {chosen} from '{peers.dir}': sending the lost part(s) back from "
                           f"their peer copies failed: {error}") from error
 

@@ -194,6 +194,9 @@ class PeerCopies:
         self._sent: set[int] = set()  # steps whose last copy succeeded (the peer thread's own record)
         self._drop_lock = threading.Lock()  # prune (the settling thread) and a copy's staging both drop attempts
         self._by_step: dict[int, concurrent.futures.Future] = {}  # each save's job, until settled
+        # each standalone job's steps until its outcome is applied (program order, as
+        # ``missing``): a second repair before then queues none of them again
+        self._queued: dict[concurrent.futures.Future, frozenset[int]] = {}
 
     # --- jobs ---------------------------------------------------------------------------
 
@@ -227,11 +230,12 @@ class PeerCopies:
         """At a manager's start or a restore, after a repair (every process): send the
         copies the listed steps lack now, in the background (a replaced host gets back
         those it held for its partners). Applied at the next settle."""
-        retry = sorted(self.missing & set(listed))
+        retry = sorted(self.missing & set(listed) - set().union(*self._queued.values()))
         if not retry:
             return
         base = _distributed.next_id()
-        self._add(lambda: (None, self._copy_listed(retry, f"peer{base}m", again=True)), standalone=True)
+        job = self._add(lambda: (None, self._copy_listed(retry, f"peer{base}m", again=True)), standalone=True)
+        self._queued[job] = frozenset(retry)
 
     def _add(self, job: Callable[[], Any], standalone: bool) -> concurrent.futures.Future:
         future = self._executor.submit(job)
@@ -254,6 +258,7 @@ class PeerCopies:
                 break
             if standalone:
                 self._apply(None, _outcome_of(job))
+                self._queued.pop(job, None)
             elif not (job.done() and job.exception() is not None):  # a failed save: reported where settled
                 keep.append((job, standalone))
         with self._lock:
@@ -276,6 +281,7 @@ class PeerCopies:
             self._jobs = [(j, s) for j, s in self._jobs if not s]
         for job, _ in standalone:
             self._apply(None, _outcome_of(job))
+            self._queued.pop(job, None)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
