@@ -163,6 +163,7 @@ def test_the_ring_and_the_repair_plan():
         return {"now": now or f"d-{name}", "recorded": f"d-{name}", "id": name, "parts": parts}
 
     v5 = {0: "a5", 1: "b5"}  # step 5's identity: each host's manifest checksum
+
     def plan(*args):  # the plan less its older steps (asserted on their own below)
         return tuple(peerrepair.plan_repair(*args))[:4]
 
