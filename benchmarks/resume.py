@@ -10,10 +10,12 @@ and restores the latest step; time from spawning the processes to the last one r
 * (a) all local: every host's directory intact;
 * (b) from the peer: the last host's directory emptied (a replacement machine), the
   manager with ``peer_copies=1``: its part is sent back from its partner's copy;
+* (b') the same, with the start sending back the newest step only (as before it sent
+  back every retained step it can: ``max_to_keep=2`` here, so (b) sends two);
 * (c) from the bucket: the same host emptied, ``peer_copies=0``: every process reads the
   persistent tier (the status quo before peer copies).
 
-The three are interleaved repetition by repetition (a, b, c, a, b, c, ...). Each restore
+The four are interleaved repetition by repetition (a, b, b', c, a, ...). Each restore
 is checked bit for bit against the saved values after its time is taken.
 
 Save cost: ``--saves`` saves of the same state with a pause between them (the training
@@ -85,6 +87,11 @@ def worker(port: int, nproc: int, pid: int, args: dict) -> None:
                   for k in range(8)}
         return {"params": leaves, "step": i}
 
+    if args.get("newest_only"):  # case (b'): the start sends back the newest step only (before eb7a684)
+        from jaxckpt._manager import peerrepair
+
+        plan = peerrepair.plan_repair
+        peerrepair.plan_repair = lambda *a, **k: plan(*a, **k)._replace(older=())
     local = os.path.join(args["path"], f"host{pid}")
     options = dict(max_to_keep=2, timeout_s=120, peer_copies=args["peers"], async_save=args.get("async", True))
     if args.get("durable"):
@@ -177,11 +184,11 @@ def resume(opts: argparse.Namespace, env: dict, scratch: str, durable: dict) -> 
     shutil.copytree(lost, lost + ".kept")  # (a) needs the host's directory as the save left it
     out: dict[str, list[tuple[float, float]]] = {}
     for _ in range(opts.reps):
-        for case, peers, wipe in (("a", 1, False), ("b", 1, True), ("c", 0, True)):
+        for case, peers, wipe in (("a", 1, False), ("b", 1, True), ("n", 1, True), ("c", 0, True)):
             shutil.rmtree(lost, ignore_errors=True)
             if not wipe:
                 shutil.copytree(lost + ".kept", lost)
-            start, res = run_job(opts.procs, dict(base, mode="resume", peers=peers), env)
+            start, res = run_job(opts.procs, dict(base, mode="resume", peers=peers, newest_only=case == "n"), env)
             assert all(r["step"] == 2 for r in res.values()), res
             out.setdefault(case, []).append((max(r["done_at"] for r in res.values()) - start,
                                              max(r["restore_s"] for r in res.values())))
@@ -225,7 +232,8 @@ def main() -> None:
 
 
 def report_resume(times: dict[str, list[tuple[float, float]]]) -> None:
-    names = {"a": "(a) all local", "b": "(b) one host from its peer", "c": "(c) one host lost, from the bucket"}
+    names = {"a": "(a) all local", "b": "(b) one host from its peer (both retained steps sent back)",
+             "n": "(b') the same, the newest step only sent back", "c": "(c) one host lost, from the bucket"}
     print("| resume | spawn to restored [s] | manager start + restore [s] | each run (spawn to restored) |")
     print("|---|---:|---:|---|")
     for case, runs in times.items():
