@@ -6,6 +6,7 @@ commits.
 """
 
 from . import convert as convert
+from . import policies as policies
 from ._checkpoint import CheckpointInfo as CheckpointInfo
 from ._checkpoint import LeafInfo as LeafInfo
 from ._checkpoint import metadata as metadata
@@ -57,6 +58,7 @@ __all__ = [
     "VerifyReport",
     "__version__",
     "convert",
+    "policies",
     "diff",
     "history",
     "metadata",

@@ -104,7 +104,7 @@ def test_the_wings_exist_and_the_flat_list_is_the_core():
         "_checkpoint", "_restore", "_snapshot", "_writer", "_reader", "_exchange", "_commit",
         "_claims", "_manifest", "_tree", "_layout", "_dtypes", "_distributed", "_tasks",
         "_verify", "_diff", "_html", "_plot", "_untrusted", "_owner", "_streams", "_hoststreams", "_waves", "_chunking",
-        "_quantize", "_codecs", "_placement"])
+        "_quantize", "_codecs", "_placement", "policies"])
 
 
 def _function_lengths(path):

@@ -41,8 +41,9 @@ MAX_LINE_BYTES = 64 << 10
 MAX_BLOBS = 100_000  # object stores: the newest this many step records are read
 _MAX_METRICS = 1000
 _MAX_TEXT = 1000
-_FIELDS = ("commit_time", "created", "metrics", "bytes", "blocking_seconds", "total_seconds", "write_seconds")
-_SECONDS = ("commit_time", "blocking_seconds", "total_seconds", "write_seconds")
+_FIELDS = ("commit_time", "created", "metrics", "bytes", "blocking_seconds", "total_seconds", "write_seconds",
+           "started")
+_SECONDS = ("commit_time", "blocking_seconds", "total_seconds", "write_seconds", "started")
 _log = logging.getLogger("jaxckpt")
 
 
@@ -59,6 +60,8 @@ class HistoryRecord(NamedTuple):
       total_seconds: from ``save`` to the commit (the durability window).
       write_seconds: how long the data writes took.
       exists: the step is still committed (``False``: deleted since, e.g. by retention).
+      started: when the manager that saved it was made (its clock): one value per start
+        of the run, so the run's restarts (``policies.goodput`` counts them).
 
     Example:
       >>> rec = mgr.history()[-1]
@@ -75,6 +78,7 @@ class HistoryRecord(NamedTuple):
     total_seconds: float | None = None
     write_seconds: float | None = None
     exists: bool = False
+    started: float | None = None
 
 
 class History(Sequence):

@@ -30,6 +30,7 @@ from .._storage import location as _location
 from . import arguments as _arguments
 from . import cadence as _cadence
 from . import cleanup as _cleanup
+from . import decisions as _decisions
 from . import history as _history
 from . import hosts as _hosts
 from . import lossy as _lossy
@@ -60,7 +61,10 @@ class CheckpointManager:
       best_metric: the key of ``metrics`` that ranks steps (``best_step()``, ``keep_best``).
       best_mode: ``"min"`` or ``"max"``: which direction is better.
       keep_best: keep the best N steps by ``best_metric``.
-      save_interval_steps: ``save`` skips steps not divisible by this (unless ``force``).
+      save_interval_steps: ``save`` skips steps not divisible by this (unless ``force``):
+        ``save_policy=jaxckpt.policies.every_steps(N)``.
+      save_policy: when ``save`` saves (``jaxckpt.policies``: by steps, time, continuous,
+        preemption, goodput; the same steps in every process, docs/training.md).
       async_save: write in the background (``False``: ``save`` blocks until committed).
       max_pending: saves in flight at once; a further ``save`` waits for the oldest.
       timeout_s: multi-process: how long processes wait for a peer that has not
@@ -87,7 +91,6 @@ class CheckpointManager:
         on this many partner hosts (a ring), to restore a lost host from (docs/storage.md).
       compression: as ``jaxckpt.save`` takes it; encoded in the background part of a save.
       quantize: as ``jaxckpt.save``; past ``Quantize.max_lossy_resumes`` lossy resumes: exact.
-        Neither with a local directory per host (nor ``peer_copies``): refused when made.
       read_only: list, restore and inspect only: never write, delete or clean. Any
         number of read-only managers (notebooks, evaluators) may watch a directory that
         a training run is writing.
@@ -120,13 +123,14 @@ class CheckpointManager:
                  persistent_directory: Any = None, persistent_interval_steps: int | None = None,
                  persistent_max_to_keep: int | None = None, verify_before_delete: bool = False,
                  max_staging_bytes: int | None = None, peer_copies: int = 0, compression: Any = None,
-                 quantize: Any = None):
+                 quantize: Any = None, save_policy: Any = None):
         policy = _retention.RetentionPolicy.make(
             max_to_keep=max_to_keep, keep_period=keep_period, keep_time_interval=keep_time_interval,
             best_metric=best_metric, best_mode=best_mode, keep_best=keep_best)
         _arguments.check_positive(save_interval_steps=save_interval_steps, max_pending=max_pending)
         self._dir = _location.resolve(directory)
-        self._interval, self._async, self._verify = save_interval_steps, async_save, bool(verify_before_delete)
+        self._policy = _decisions.make(save_policy, save_interval_steps)
+        self._async, self._verify = async_save, bool(verify_before_delete)
         self._staging = _snapshot.staging_budget(max_staging_bytes)
         self._codecs = _lossy.Codecs(compression, quantize)
         self._timeout, self._clock, self._read_only = timeout_s, clock, read_only
@@ -136,6 +140,8 @@ class CheckpointManager:
         self._partial = _hosts.PartialSteps(self._dir)  # per-host: committed here, lacking on some host
         self._closed, self._advice = False, None  # the last advise_interval()
         self._preemption = _preemption.PreemptionWatch()  # installs nothing until used
+        self._record = _decisions.Record(clock, self.history, self._saves.all_done)  # the policy's facts
+        self._decider = _decisions.Decider(self._policy, self._record.facts, self._preemption.reached, timeout_s)
         # the processes sharing each directory; the writer lease (the first process of a group)
         self._groups, self._lease = _hosts.HostGroups.everyone(), None
         _cleanup.check_directory(self._dir)
@@ -213,11 +219,12 @@ class CheckpointManager:
         return self._preemption.reached(step)
 
     def should_save(self, step: int) -> bool:
-        """True when ``save(step, ...)`` would save (the interval fits, not yet saved)."""
+        """True when ``save(step, ...)`` would save (``save_policy``, not yet saved): the
+        same answer in every process."""
         with self._lock:
             if step in self._steps.local or self._saves.in_flight(step):
                 return False
-        return step % self._interval == 0
+        return self._decider.due(step)
 
     @property
     def staging_bytes(self) -> int:
@@ -234,10 +241,8 @@ class CheckpointManager:
     def history(self) -> _history.History:
         """One record per step committed in this directory, steps deleted since included.
 
-        Reads the run's log (``history.jsonl``, written by the writing manager after
-        each commit) and merges it with the manifests of the steps still committed, so
-        steps saved before the log existed are listed too. A read-only manager rescans
-        the directory first (its writer is another process).
+        The run's log (``history.jsonl``, written after each commit) merged with the
+        manifests of the steps still committed; a read-only manager rescans first.
 
         Example:
           >>> hist = mgr.history()
@@ -249,19 +254,13 @@ class CheckpointManager:
         return _history.load(self._dir, self._steps.infos())
 
     def advise_interval(self, mtbf_s: float, *, window: int = _cadence.WINDOW) -> _cadence.CadenceAdvice:
-        """How often to save, from this run's measured save cost and ``mtbf_s``.
+        """How often to save, from this run's measured save cost and ``mtbf_s`` (seconds).
 
-        Young–Daly: the interval ``sqrt(2·C·M)`` where ``C`` is the median blocking
-        seconds of the last ``window`` saves and ``M`` the mean time between failures;
-        see ``jaxckpt._manager.cadence`` for the model of the time lost. The result is also
-        shown by the manager's notebook view.
-
-        Args:
-          mtbf_s: the job's mean time between failures, in seconds.
-          window: how many of the most recent saves to measure (default 10).
-
-        Raises:
-          CheckpointError: fewer than 2 saves with timings in the history.
+        Young–Daly: the interval ``sqrt(2·C·M)``, ``C`` the median blocking seconds of the
+        last ``window`` saves, ``M`` the mean time between failures (the model of the time
+        lost: ``jaxckpt._manager.cadence``; shown by the notebook view). To act on it:
+        ``save_policy=jaxckpt.policies.goodput()``. Raises ``CheckpointError`` with fewer
+        than 2 saves with timings in the history.
 
         Example:
           >>> advice = mgr.advise_interval(mtbf_s=6 * 3600)
@@ -295,8 +294,9 @@ class CheckpointManager:
         t_start = time.perf_counter()
         _arguments.refuse_tracers(step, state, metrics, self._dir)  # (under jax.jit: before anything starts)
         step = _check_step(self, step, force)
-        if not force and step % self._interval != 0:
+        if not force and not self._decider.due(step):
             return False
+        self._record.saved(step)
         metrics = _arguments.check_metrics(metrics)
         self._saves.wait_for_slot()
         op_id = _distributed.next_id()  # in program order, the same in every process
@@ -325,6 +325,7 @@ class CheckpointManager:
                 "staging_bytes": snap.nbytes_local,
                 "total_seconds": round(time.perf_counter() - t_start, 6),
                 "commit_time": self._clock(),
+                "started": self._record.started,
             }
 
         manifest = _checkpoint.save_snapshot(final, snap, info=info, check=check,
@@ -343,6 +344,7 @@ class CheckpointManager:
     def _listed(self, step: int, manifest: Any) -> None:
         final = self._dir.child(_commit.step_name(step))
         self._steps.add(step, manifest)
+        self._record.committed(manifest.info)
         if _distributed.process_index() == 0:
             _history.record(self._dir, step, manifest.info)
         if self._groups.per_host:
@@ -582,6 +584,7 @@ def _shut(mgr: CheckpointManager, failure: BaseException | None) -> None:
     mgr._closed = True
     atexit.unregister(mgr._atexit)
     mgr._preemption.close()  # gives the SIGTERM handler back
+    mgr._decider.close()
     mgr._executor.shutdown(wait=True)
     if mgr._peers is not None:
         mgr._peers.close()
@@ -621,6 +624,11 @@ class _Saves:
     def in_flight(self, step: int) -> bool:
         with self._lock:
             return any(p.step == step for p in self._pending)
+
+    def all_done(self) -> bool:
+        """Whether every save submitted is done (committed, or failed)."""
+        with self._lock:
+            return all(p.future.done() for p in self._pending)
 
     def staging_bytes(self) -> int:
         with self._lock:

@@ -1,0 +1,270 @@
+"""A manager's save decisions (``save_policy``), the same in every process, with no
+collective and no key-value round trip on the training loop's thread.
+
+Local policies (``jaxckpt.policies``: a function of the step) are asked by every process
+at every call. The others (time, measurements) are asked by process 0 only, ahead:
+
+* Steps fall in *decision points* every ``CHUNK`` steps (``j * CHUNK``). Process 0, at a
+  call in point ``c``'s range, decides every point up to ``c + AHEAD`` not yet decided
+  (usually one), asking the policy with its own facts (``Facts``: its clock, its saves)
+  for ``step = j * CHUNK``, and publishes the batch: one key ``<prefix>/<first point>``
+  holding the last point of the batch and the points that save. A background thread
+  writes it (``key_value_set``), so the loop never waits on the store; it deletes the
+  batch ``KEEP`` batches older.
+* The other processes read the batches in order on a background thread of their own
+  (a blocking get of the next batch's key, 1 s at a time). A call at step ``s`` needs the
+  points up to ``s // CHUNK``: known already in the steady state (process 0 decided them
+  ``AHEAD`` points before), else it waits for them, at most ``max(timeout_s, the stall
+  bound)`` (rule 8: ``CheckpointError`` naming process 0 and the step).
+* A point that saves saves at the first call at or after it (``prev < j * CHUNK <= s``,
+  ``prev`` the step of the previous call): the same call in every process, whatever
+  steps the loop skips. Process 0's clock alone times a save: skewed clocks elsewhere
+  cannot split a decision.
+
+One process: no store, the policy is asked at the call itself (no lead). ``due(step)`` is
+asked by ``should_save`` and ``save``; asking twice for one step gives one answer.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .. import _distributed
+from .. import policies as _policies
+from .._errors import CheckpointError
+
+_log = logging.getLogger("jaxckpt")
+
+CHUNK = 8  # steps between decision points of a policy that is not local
+AHEAD = 2  # points process 0 decides ahead of its own
+KEEP = 1024  # batches process 0 keeps in the store (a process further behind fails, named)
+_POLL_MS = 1000
+
+
+def make(save_policy: Any, save_interval_steps: int) -> _policies.SavePolicy:
+    """The policy a manager saves by: ``save_policy``, or ``every_steps(save_interval_steps)``;
+    both at once is refused."""
+    if save_policy is None:
+        return _policies.every_steps(save_interval_steps)
+    if save_interval_steps != 1:
+        raise CheckpointError(f"save_policy={save_policy!r} and save_interval_steps={save_interval_steps} "
+                              "both say when to save: give one (save_interval_steps=N is every_steps(N))")
+    if not isinstance(save_policy, _policies.SavePolicy):
+        raise CheckpointError(f"save_policy must be a jaxckpt.policies.SavePolicy, got {save_policy!r}")
+    return save_policy
+
+
+WINDOW = 10  # the recent saves whose costs a policy sees
+
+
+class Record:
+    """What a manager knows for its policy's facts (``Facts``), kept as it saves: cheap
+    to read at every decision. ``history()`` (the run's history) is read once, when a
+    policy first needs the run's restarts."""
+
+    def __init__(self, clock: Callable[[], float], history: Callable[[], Any], committed: Callable[[], bool]):
+        self.clock, self._history, self._committed = clock, history, committed
+        self.started = clock()
+        self.last: tuple[int | None, float] = (None, self.started)
+        self._blocking: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self._total: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self._costs: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
+        self._run: tuple[float, int] | None = None  # the run's first start and its restarts
+
+    def saved(self, step: int) -> None:
+        """A save of ``step`` starts (``save`` returned True)."""
+        self.last = (step, self.clock())
+
+    def committed(self, info: dict[str, Any]) -> None:
+        """A save committed, with its manifest info (its measured seconds)."""
+        blocking, total = info.get("blocking_seconds"), info.get("total_seconds")
+        if isinstance(blocking, (int, float)) and isinstance(total, (int, float)):
+            self._blocking.append(float(blocking))
+            self._total.append(float(total))
+            self._costs = (tuple(self._blocking), tuple(self._total))
+
+    def facts(self, step: int) -> _policies.Facts:
+        now = self.clock()
+        if self._run is None:
+            self._run = self._restarts()
+        return _policies.Facts(step, now, self.started, self.last[0], self.last[1], self._committed(), *self._costs,
+                               now - self._run[0], self._run[1])
+
+    def _restarts(self) -> tuple[float, int]:
+        """The run's first start and how many times it started again before this manager
+        (the distinct ``started`` of its history's records; none: this one only)."""
+        try:
+            starts = {r.started for r in self._history() if r.started is not None and r.started != self.started}
+        except Exception as e:  # noqa: BLE001 - a history that cannot be read: this run only
+            _log.warning("jaxckpt: reading the run's history for its restarts failed: %s", e)
+            starts = set()
+        return min(starts | {self.started}), len(starts)
+
+
+class Decider:
+    """One manager's decisions (see the module docstring). ``facts(step)`` gives process
+    0's facts for a decision point (``Record.facts``); ``preempted(step)`` the job's
+    preemption agreement (``reached_preemption``)."""
+
+    def __init__(self, policy: _policies.SavePolicy, facts: Callable[[int], _policies.Facts],
+                 preempted: Callable[[int], bool], timeout_s: float | None):
+        members = policy.members()
+        self.policy = policy
+        self._local = [p for p in members if p.local]
+        self._planned = [p for p in members if not p.local]
+        self._facts, self._preempted = facts, preempted
+        self._watch_preemption = any(isinstance(p, _policies.on_preemption) for p in self._local)
+        self._bound = max(timeout_s or 0.0, _distributed.stall_s())
+        self._multi = bool(self._planned) and _distributed.process_count() > 1
+        # the manager's own keys: an id taken in program order, the same in every process
+        self._prefix = f"jaxckpt/policy/{_distributed.next_id()}" if self._multi else ""
+        self._planner = _distributed.process_index() == 0
+        self._prev: int | None = None  # the previous call's step, and its answer
+        self._answer = False
+        self._cond = threading.Condition()
+        self._saving: set[int] = set()  # decided points that save
+        self._known = -1  # every point up to this one is decided (here, or read from process 0)
+        self._first: int | None = None  # the first batch's first point (the first call's)
+        self._out: list[tuple[str, str | None]] = []  # process 0: keys to write (None: delete)
+        self._batches: list[int] = []  # process 0: the batches' first points, for deletion
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.next_point: int | None = None  # the next decided point that saves (the notebook view)
+
+    # --- the loop's side ----------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` saves (the same answer in every process)."""
+        if step == self._prev:
+            return self._answer
+        local = any(p.should_save(_policies.Facts(step, preempted=self._preempted(step) if self._watch_preemption
+                                                  else False)) for p in self._local)
+        planned = False
+        if self._planned and not self._multi:
+            planned = any(p.should_save(self._facts(step)) for p in self._planned)
+        elif self._planned:
+            planned = self._due_planned(step)
+        self._prev, self._answer = step, local or planned
+        return self._answer
+
+    def _due_planned(self, step: int) -> bool:
+        point = step // CHUNK
+        if self._first is None:
+            self._first = point
+            self._known = point - 1
+            self._start_thread()
+        if self._planner:
+            self._plan_until(point + AHEAD)
+        else:
+            self._wait_for(point, step)
+        low = (self._prev // CHUNK + 1) if self._prev is not None else self._first
+        with self._cond:
+            hit = [j for j in self._saving if low <= j <= point]
+            self._saving.difference_update(j for j in list(self._saving) if j <= point)
+            later = sorted(self._saving)
+        self.next_point = later[0] * CHUNK if later else None
+        return bool(hit)
+
+    def _plan_until(self, last: int) -> None:
+        """Process 0: decide every point up to ``last``, in batches that end at a save (the
+        points after one are decided with it counted as made, now, not committed)."""
+        while self._known < last:
+            first, saves = self._known + 1, []
+            for j in range(first, last + 1):
+                facts = self._facts(j * CHUNK)
+                pending = max(self._saving, default=None)
+                if pending is not None and (facts.last_save_step is None or facts.last_save_step < pending * CHUNK):
+                    facts = facts._replace(last_save_step=pending * CHUNK, last_save_time=facts.now, committed=False)
+                if any(p.should_save(facts) for p in self._planned):
+                    saves.append(j)
+                    break
+            end = saves[0] if saves else last
+            with self._cond:
+                self._saving.update(saves)
+                self._known = end
+                self._out.append((f"{self._prefix}/{first}", json.dumps({"to": end, "save": saves})))
+                self._batches.append(first)
+                if len(self._batches) > KEEP:
+                    self._out.append((f"{self._prefix}/{self._batches.pop(0)}", None))
+                self._cond.notify_all()
+
+    def _wait_for(self, point: int, step: int) -> None:
+        deadline = None
+        with self._cond:
+            while self._known < point:
+                if self._error is not None:
+                    raise CheckpointError(f"the save decision for step {step} from process 0: {self._error}")
+                now = time.monotonic()
+                deadline = deadline or now + self._bound
+                if now >= deadline:
+                    raise CheckpointError(
+                        f"process 0's save decision for step {step} (save_policy={self.policy!r}) did not arrive "
+                        f"within {self._bound:g}s: is process 0 alive, and calling save()/should_save() at the "
+                        f"same steps? (a process more than {KEEP} decisions behind it cannot catch up)")
+                self._cond.wait(min(1.0, deadline - now))
+
+    # --- the background thread ------------------------------------------------------
+
+    def _start_thread(self) -> None:
+        target = self._publish if self._planner else self._read
+        self._thread = threading.Thread(target=target, name="jaxckpt-decisions", daemon=True)
+        self._thread.start()
+
+    def _publish(self) -> None:
+        client = _distributed._client()
+        while True:
+            with self._cond:
+                while not self._out and not self._closed:
+                    self._cond.wait()
+                if not self._out:
+                    return
+                key, value = self._out.pop(0)
+            try:
+                if value is None:
+                    client.key_value_delete(key)
+                else:
+                    client.key_value_set(key, value)
+            except Exception as e:  # noqa: BLE001 - the others' wait names it; the runtime may be going down
+                _log.warning("jaxckpt: publishing a save decision (%s) failed: %s", key, e)
+
+    def _read(self) -> None:
+        client = _distributed._client()
+        start = self._first
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+            try:
+                batch = json.loads(client.blocking_key_value_get(f"{self._prefix}/{start}", _POLL_MS))
+                last, saves = int(batch["to"]), [int(j) for j in batch["save"]]
+            except (ValueError, KeyError, TypeError) as e:
+                with self._cond:
+                    self._error = e
+                    self._cond.notify_all()
+                return
+            except Exception:  # noqa: BLE001 - not published yet (a timeout): ask again
+                continue
+            with self._cond:
+                self._saving.update(saves)
+                self._known = last
+                self._cond.notify_all()
+            start = last + 1
+
+    def close(self) -> None:
+        """Stop the thread. Process 0 writes what it decided first, then deletes its keys
+        (the others are done with them: they close at the same point of the program)."""
+        with self._cond:
+            if self._planner:
+                self._out.extend((f"{self._prefix}/{first}", None) for first in self._batches)
+                self._batches = []
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None and self._planner:
+            self._thread.join(10)
