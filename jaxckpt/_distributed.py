@@ -293,6 +293,10 @@ class Operation:
         self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         self.multi = process_count() > 1
         self._prefix = f"{_ROOT}/op/{name}/"
+        # a phase every process posts its verdict at (e.g. a peer copy's "copied"): a wait
+        # for another phase ends, failed, as soon as a peer it waits for posted an error
+        # there (it gave up on the operation) instead of waiting out the stall bound
+        self.fail_on: str | None = None
 
     def __enter__(self) -> Operation:
         if self.multi:
@@ -398,6 +402,14 @@ class Operation:
                      start: float, stall: float) -> None:
         now = time.monotonic()
         peers_progress = 0
+        if self.fail_on is not None and phase != self.fail_on:
+            for p in missing:
+                data = _try_get(client, f"{self._prefix}{self.fail_on}/{p}")
+                if data is not None and data[:1] == b"E":
+                    error = CheckpointError(f"{self._label(phase)}: process {p} gave up on it "
+                                            f"({data[1:].decode(errors='replace')})")
+                    error.posted = True
+                    raise error
         for p in missing:
             value = _read_heartbeat(client, p)
             peer = seen[p]

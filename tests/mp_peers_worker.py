@@ -12,6 +12,7 @@ import logging
 import os
 import shlex
 import sys
+import time
 import traceback
 
 port, nproc, pid, scenario = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -109,6 +110,34 @@ def tiers(mgr):
     return {str(k): list(v) for k, v in mgr.step_tiers().items()}
 
 
+def arm_faults(step):
+    """The explicit fault points of ``args``: "fail_read": [pid, step, block] (this process's
+    read of that block of its part fails, mid-copy), "late": [pid, step, seconds] (this
+    process starts that step's copy so late)."""
+    from jaxckpt._manager import peers, peerwaves
+
+    fail, late = args.get("fail_read"), args.get("late")
+    if fail and fail[:2] == [pid, step]:
+        real, calls = peerwaves.Files.read_into, []
+
+        def read_into(self, buf):
+            calls.append(1)
+            if len(calls) == fail[2] + 1:
+                raise OSError(5, "injected read error")
+            return real(self, buf)
+
+        peerwaves.Files.read_into = read_into
+    if late and late[:2] == [pid, step]:
+        real_copy = peers.PeerCopies._copy_once
+
+        def copy_once(self, s, name):
+            if s == step and late:
+                time.sleep(late.pop())  # once: its copy again at the next save is on time
+            return real_copy(self, s, name)
+
+        peers.PeerCopies._copy_once = copy_once
+
+
 def run_op(mgr, op):
     """One of "ops": ["save", step, version], ["delete", step], ["restore", step or None],
     ["no_room", pid, step] (this process's partner finds no room for the peer copies of
@@ -121,12 +150,15 @@ def run_op(mgr, op):
             room = peers.free_bytes
             if args.get("no_room") in ([pid, op[1]], [pid, op[1], op[2] if len(op) > 2 else 1]):
                 peers.free_bytes = lambda path: 0
+            arm_faults(op[1])
             try:
+                t = time.monotonic()
                 mgr.save(op[1], state(op[1], op[2] if len(op) > 2 else 1))
                 mgr.wait_until_finished()
             finally:
                 peers.free_bytes = room
-            return {"steps": mgr.all_steps(), "tiers": tiers(mgr)}
+            timed = {"seconds": time.monotonic() - t} if args.get("time_ops") else {}
+            return {"steps": mgr.all_steps(), "tiers": tiers(mgr), **timed}
         if kind == "delete":
             mgr.delete(op[1])
             return {"steps": mgr.all_steps()}
@@ -171,6 +203,10 @@ def count_copies():
 
 def main():
     out = {"pid": pid}
+    if args.get("block_bytes"):  # smaller blocks: a part of several
+        from jaxckpt._manager import peerlink
+
+        peerlink.BLOCK_BYTES = args["block_bytes"]
     if args.get("count_copies"):
         count_copies()
     seen = Warnings()

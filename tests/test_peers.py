@@ -440,6 +440,29 @@ def test_a_wiped_host_gets_back_every_step_it_listed_not_only_the_newest(tmp_pat
         assert res[p]["on_disk"] == ["2", "3", "4"]
 
 
+def test_a_copy_one_process_gave_up_on_fails_at_once_in_every_process(tmp_path):
+    """A breaker's cases, each a wait that ran out the stall bound (40 s here, 10 min by
+    default) before the failure was heard: (1) host 0's read of its part fails after
+    block 0 was offered (and taken back): host 1 waited for block 0 to arrive; (2) host 1
+    starts step 3's copy 25 s late, past the manager's timeout_s (20 s), at which host 0
+    gave up on it: each waited for the other. Now a process that gave up posts it at
+    the copy's verdict and every wait of the copy ends there: the step is kept, marked
+    lacking its copies, and step 4's save sends it again."""
+    for fault in ({"fail_read": [0, 3, 1]}, {"late": [1, 3, 25]}):
+        path = tmp_path / next(iter(fault))
+        res = run_workers(WORKER, 2, lambda i, port: [port, 2, i, "job", json.dumps(
+            {"path": str(path), "keep": 3, "block_bytes": 16384, "time_ops": True, **fault,
+             "ops": [["save", 1], ["save", 2], ["save", 3], ["save", 4]]})], 150, env={"JAXCKPT_STALL_S": "40"})
+        for p in (0, 1):
+            ops = res[p]["ops"]
+            assert "crash" not in res[p], res[p]
+            late = fault.get("late", [0, 0, 0])[2]
+            assert ops[2]["seconds"] < late + 12, (fault, p, ops[2])  # not the stall bound's 40 s
+            assert ops[2]["tiers"]["3"] == ["local", "peer-copies-missing"], (fault, ops[2])
+            assert ops[3]["tiers"] == {"2": ["local"], "3": ["local"], "4": ["local"]}, (fault, ops[3])
+            assert any("the peer copy of step 3" in w for w in res[p]["warnings"]), res[p]["warnings"]
+
+
 def test_codecs_with_a_directory_per_host_survive_a_lost_host_and_two(tmp_path):
     """Issue 32, item 5: compression and quantize with a directory per host (refused
     before). Three hosts in a ring, a persistent tier every 2nd step; ``w`` (sharded) and

@@ -310,6 +310,7 @@ class PeerCopies:
     def _copy_once(self, step: int, name: str) -> BaseException | None:
         final = self.dir.child(_commit.step_name(step))
         with _distributed.Operation(name, str(final), self.timeout_s) as op:
+            op.fail_on = "copied"  # a process that gave up posts it there: nobody waits it out
             self._received, self._staging = False, {}
             try:
                 error = self._send(op, step, final)
@@ -440,9 +441,10 @@ class PeerCopies:
             where = peer_root(self.dir, source).child(_commit.step_name(step))
             os.makedirs(os.path.dirname(where.local), exist_ok=True)
             token = _commit.new_token()
-            staging = _commit.make_staging(where, token)
-            with self._lock:
-                self._live.add(os.path.basename(staging.local))
+            with self._drop_lock:  # a prune sees it live, or does not see it at all
+                staging = _commit.make_staging(where, token)
+                with self._lock:
+                    self._live.add(os.path.basename(staging.local))
             self._staging[source] = (where, staging, token)
         return json.dumps({str(s): v[1].local for s, v in self._staging.items()}).encode()
 
@@ -456,10 +458,10 @@ class PeerCopies:
         self.missing = self.missing & keep  # a step no longer listed lacks nothing
         if self.me not in self.leads:
             return
-        with self._lock:
-            keep = keep | self._unsettled
-            live = set(self._live)
-        with self._drop_lock:
+        with self._drop_lock:  # the live copies read under it: none is being staged meanwhile
+            with self._lock:
+                keep = keep | self._unsettled
+                live = set(self._live)
             self._prune(keep, live)
 
     def _prune(self, keep: set[int], live: set[str]) -> None:
