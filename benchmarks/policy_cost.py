@@ -38,11 +38,22 @@ def make(name):
             "any_of": policies.any_of(policies.every_steps(10**9), policies.every_seconds(1e9))}[name]
 
 
-def measure(calls: int, reps: int, path: str) -> dict[str, float]:
-    """Nanoseconds a call, medians, this process: ours per policy, and orbax's."""
+def measure(calls: int, reps: int, path: str, lag: float = 0.0) -> dict[str, float]:
+    """Nanoseconds a call, medians, this process: ours per policy, and orbax's. In a job,
+    every timed run starts at a barrier; ``lag``: this process starts it that much later
+    (process 1 runs behind process 0, as a process in a loop with collectives is never
+    far ahead: it finds the decisions published; ahead of process 0 it would wait)."""
     import numpy as np
 
     import jaxckpt
+
+    def start(tag: str) -> None:
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(tag)
+            time.sleep(lag)
+
+    import jax
+    from jax.experimental import multihost_utils
 
     state = {"x": np.zeros(4)}
     out: dict[str, float] = {}
@@ -51,9 +62,11 @@ def measure(calls: int, reps: int, path: str) -> dict[str, float]:
         with jaxckpt.CheckpointManager(os.path.join(path, name), **kw) as mgr:
             mgr.save(0, state, force=True)
             mgr.wait_until_finished()
+            step = 1
             for call in ("should_save", "save"):
-                runs, step = [], 1
-                for _ in range(reps):
+                runs = []
+                for rep in range(reps):
+                    start(f"{name}{call}{rep}")
                     t = time.perf_counter()
                     if call == "should_save":
                         for s in range(step, step + calls):
@@ -69,7 +82,8 @@ def measure(calls: int, reps: int, path: str) -> dict[str, float]:
     options = ocp.CheckpointManagerOptions(save_interval_steps=10**9)
     with ocp.CheckpointManager(os.path.join(path, "orbax"), options=options) as mgr:
         runs, step = [], 1
-        for _ in range(reps):
+        for rep in range(reps):
+            start(f"orbax{rep}")
             t = time.perf_counter()
             for s in range(step, step + calls):
                 mgr.should_save(s)
@@ -85,7 +99,7 @@ def worker(port: int, nproc: int, pid: int, args: dict) -> None:
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid, initialization_timeout=60)
-    out = measure(args["calls"], args["reps"], os.path.join(args["path"], f"p{pid}"))
+    out = measure(args["calls"], args["reps"], os.path.join(args["path"], f"p{pid}"), lag=0.5 * pid)
     print("RESULT " + json.dumps(out), flush=True)
     jax.distributed.shutdown()
 

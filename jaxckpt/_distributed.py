@@ -146,6 +146,12 @@ def progress() -> int:
     return _storage.progress() + _posts
 
 
+def kv_client() -> Any:
+    """The job's key-value store client (the coordination service), for the callers that
+    keep keys of their own beside the operations' (``_manager.decisions``)."""
+    return _client()
+
+
 def _client():
     from jax._src import distributed
 

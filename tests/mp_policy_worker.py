@@ -3,7 +3,7 @@ its own (tests/test_policies.py): each process's clock runs at its own rate from
 offset (skewed hosts), and each process steps at its own pace; every save is recorded.
 
 Usage: mp_policy_worker.py PORT NPROC PID JSON_ARGS
-JSON_ARGS: ``path``, ``policies`` (name -> [kind, args...]), ``steps``, ``sigterm``
+JSON_ARGS: ``path``, ``policies`` (name -> [kind, args...]), ``steps``, ``batch_s``, ``sigterm``
 (``[pid, step]``: that process gets SIGTERM before that step). Prints `RESULT <json>`.
 """
 
@@ -28,6 +28,11 @@ from jax.experimental import multihost_utils
 
 import jaxckpt
 from jaxckpt import policies
+from jaxckpt._manager import decisions
+
+# a batch of decisions covers this many seconds of steps (0.5 s by default): the test's
+# second-long loops need a finer one to see several time-based saves
+decisions.BATCH_S = args.get("batch_s", decisions.BATCH_S)
 
 RATE, OFFSET = 1.0 + 0.25 * pid, 3600.0 * pid - 1e5 * (pid % 2)  # skewed: rate and offset per host
 T0 = time.time()

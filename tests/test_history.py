@@ -53,7 +53,7 @@ def test_one_line_per_commit_and_discovery_ignores_the_log(tmp_path):
     lines = (tmp_path / "history.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [3, 7]
     assert set(json.loads(lines[0])) == {"step", "commit_time", "created", "metrics", "bytes",
-                                         "blocking_seconds", "total_seconds", "write_seconds"}
+                                         "blocking_seconds", "total_seconds", "write_seconds", "started"}
     found, skipped = _commit.discover(_location.resolve(tmp_path))
     assert sorted(found) == [3, 7] and skipped == {}
     assert _commit.stale_attempts(_location.resolve(tmp_path)) == []
@@ -155,7 +155,7 @@ def test_to_json_and_to_pandas(tmp_path, monkeypatch):
     assert [d["exists"] for d in doc] == [False, False, True]
     df = hist.to_pandas()
     assert list(df.columns) == ["step", "commit_time", "created", "bytes", "blocking_seconds", "total_seconds",
-                                "write_seconds", "exists", "metric/loss", "metric/tag"]
+                                "write_seconds", "exists", "started", "metric/loss", "metric/tag"]
     assert df["step"].tolist() == [0, 1, 2]
     assert df["metric/loss"].tolist() == [1.0, 0.5, 1 / 3]
     assert df["metric/tag"].tolist() == ["s0", "s1", "s2"]

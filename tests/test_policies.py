@@ -133,7 +133,7 @@ def test_every_process_saves_the_same_steps_with_skewed_clocks(tmp_path):
         "mixed": ["any_of", ["at_steps", [5, 50]], ["every_seconds", 0.2]],
         "preemption": ["any_of", ["on_preemption"], ["every_steps", 50]],
     }
-    args = {"path": str(tmp_path), "policies": specs, "steps": 120, "sigterm": [2, 60]}
+    args = {"path": str(tmp_path), "policies": specs, "steps": 120, "sigterm": [2, 60], "batch_s": 0.02}
     res = run_workers(os.path.join(ROOT, "tests", "mp_policy_worker.py"), 4,
                       lambda i, port: [port, 4, i, json.dumps(args)], 300)
     for p in range(4):

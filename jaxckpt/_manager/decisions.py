@@ -5,9 +5,11 @@ Local policies (``jaxckpt.policies``: a function of the step) are asked by every
 at every call. The others (time, measurements) are asked by process 0 only, ahead:
 
 * Steps fall in *decision points* every ``CHUNK`` steps (``j * CHUNK``). Process 0, at a
-  call in point ``c``'s range, decides every point up to ``c + AHEAD`` not yet decided
-  (usually one), asking the policy with its own facts (``Facts``: its clock, its saves)
-  for ``step = j * CHUNK``, and publishes the batch: one key ``<prefix>/<first point>``
+  call in point ``c``'s range, once fewer than ``AHEAD`` points are decided ahead of it,
+  decides a batch of points: up to ``c + AHEAD`` and about ``BATCH_S`` seconds of the
+  loop's steps more (at the rate since the last batch), asking the policy with its own
+  facts (``Facts``: its clock, its saves) for ``step = j * CHUNK``; a batch ends at its
+  first point that saves. It publishes the batch: one key ``<prefix>/<first point>``
   holding the last point of the batch and the points that save. A background thread
   writes it (``key_value_set``), so the loop never waits on the store; it deletes the
   batch ``KEEP`` batches older.
@@ -32,6 +34,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +47,8 @@ _log = logging.getLogger("jaxckpt")
 CHUNK = 8  # steps between decision points of a policy that is not local
 AHEAD = 2  # points process 0 decides ahead of its own
 KEEP = 1024  # batches process 0 keeps in the store (a process further behind fails, named)
+BATCH_S = 0.5  # a batch decides about this many seconds of the loop's steps at once
+MAX_BATCH_POINTS = 4096
 _POLL_MS = 1000
 
 
@@ -69,6 +74,9 @@ class Record:
     policy first needs the run's restarts."""
 
     def __init__(self, clock: Callable[[], float], history: Callable[[], Any], committed: Callable[[], bool]):
+        # weak: the manager holds this record; a strong bound method would keep an unclosed
+        # manager alive until the cyclic collector ran
+        history = weakref.WeakMethod(history) if hasattr(history, "__self__") else (lambda h=history: h)
         self.clock, self._history, self._committed = clock, history, committed
         self.started = clock()
         self.last: tuple[int | None, float] = (None, self.started)
@@ -100,7 +108,9 @@ class Record:
         """The run's first start and how many times it started again before this manager
         (the distinct ``started`` of its history's records; none: this one only)."""
         try:
-            starts = {r.started for r in self._history() if r.started is not None and r.started != self.started}
+            history = self._history()
+            records = history() if history is not None else []
+            starts = {r.started for r in records if r.started is not None and r.started != self.started}
         except Exception as e:  # noqa: BLE001 - a history that cannot be read: this run only
             _log.warning("jaxckpt: reading the run's history for its restarts failed: %s", e)
             starts = set()
@@ -137,6 +147,7 @@ class Decider:
         self._closed = False
         self._thread: threading.Thread | None = None
         self.next_point: int | None = None  # the next decided point that saves (the notebook view)
+        self._rate: tuple[float | None, int] = (None, 0)  # process 0: when it last decided, at which point
 
     # --- the loop's side ----------------------------------------------------------------
 
@@ -161,7 +172,8 @@ class Decider:
             self._known = point - 1
             self._start_thread()
         if self._planner:
-            self._plan_until(point + AHEAD)
+            if point + AHEAD > self._known:
+                self._plan_until(point + AHEAD + self._batch_points(point))
         else:
             self._wait_for(point, step)
         low = (self._prev // CHUNK + 1) if self._prev is not None else self._first
@@ -171,6 +183,17 @@ class Decider:
             later = sorted(self._saving)
         self.next_point = later[0] * CHUNK if later else None
         return bool(hit)
+
+    def _batch_points(self, point: int) -> int:
+        """How many more points a batch decides: about ``BATCH_S`` of the loop's steps at
+        the rate since the last batch (so the store sees a few keys a second, whatever
+        the step time), at least none more, at most ``MAX_BATCH_POINTS``."""
+        now = time.monotonic()
+        last_t, last_point = self._rate
+        self._rate = (now, point)
+        if last_t is None or now <= last_t or point <= last_point:
+            return 0
+        return min(MAX_BATCH_POINTS, int((point - last_point) / (now - last_t) * BATCH_S))
 
     def _plan_until(self, last: int) -> None:
         """Process 0: decide every point up to ``last``, in batches that end at a save (the
@@ -218,7 +241,7 @@ class Decider:
         self._thread.start()
 
     def _publish(self) -> None:
-        client = _distributed._client()
+        client = _distributed.kv_client()
         while True:
             with self._cond:
                 while not self._out and not self._closed:
@@ -235,7 +258,7 @@ class Decider:
                 _log.warning("jaxckpt: publishing a save decision (%s) failed: %s", key, e)
 
     def _read(self) -> None:
-        client = _distributed._client()
+        client = _distributed.kv_client()
         start = self._first
         while True:
             with self._cond:
@@ -249,13 +272,29 @@ class Decider:
                     self._error = e
                     self._cond.notify_all()
                 return
-            except Exception:  # noqa: BLE001 - not published yet (a timeout): ask again
+            except Exception:  # noqa: BLE001 - not published yet (a timeout): ask again, unless it is gone
+                if self._passed(client, start):
+                    with self._cond:
+                        self._error = CheckpointError(
+                            f"its decision for the steps from {start * CHUNK} was deleted: this process fell more "
+                            f"than {KEEP} decisions behind process 0")
+                        self._cond.notify_all()
+                    return
                 continue
             with self._cond:
                 self._saving.update(saves)
                 self._known = last
                 self._cond.notify_all()
             start = last + 1
+
+    def _passed(self, client: Any, start: int) -> bool:
+        """Whether process 0 published a batch after the one starting at ``start`` while
+        that one is not there (deleted: batches are published in order)."""
+        try:
+            firsts = [int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get(self._prefix + "/")]
+        except Exception:  # noqa: BLE001 - the store is not answering: the wait's bound decides
+            return False
+        return bool(firsts) and start not in firsts and max(firsts) > start
 
     def close(self) -> None:
         """Stop the thread. Process 0 writes what it decided first, then deletes its keys
