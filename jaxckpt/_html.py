@@ -322,11 +322,12 @@ _TH = "padding:1px 8px;border-bottom:1px solid var(--jp-border-color1, #999)"
 
 
 def render_manager(directory: str, mode: str, infos: Mapping[int, Mapping[str, Any]], now: float,
-                   advice: Any, best: tuple[int, str, str] | None = None) -> str:
+                   advice: Any, best: tuple[int, str, str] | None = None, policy: str | None = None) -> str:
     """The manager as HTML that reads in light and dark JupyterLab themes (no fixed colours):
     its committed steps (``infos``: step -> manifest info, with ``stored_bytes`` and
     ``codecs`` for compressed steps), totals, the best step (``best``: ``(step, metric,
-    mode)``) marked, and the last ``CadenceAdvice`` (``None``: how to get one)."""
+    mode)``) marked, the save policy with its next save (``policy``), and the last
+    ``CadenceAdvice`` (``None``: how to get one)."""
     esc = escape
     steps = sorted(infos, reverse=True)
     shown = steps[:_MANAGER_ROWS]
@@ -354,7 +355,9 @@ def render_manager(directory: str, mode: str, infos: Mapping[int, Mapping[str, A
     return (
         "<div style='font-family:var(--jp-ui-font-family, inherit);color:var(--jp-ui-font-color1, inherit)'>"
         f"<div><b>CheckpointManager</b> <code>{esc(directory)}</code> ({esc(mode)})</div>"
-        f"<div>{esc(summary)}</div>{table}<div style='margin-top:4px'>{_html_advice(advice)}</div></div>"
+        f"<div>{esc(summary)}</div>{table}"
+        + (f"<div style='margin-top:4px'>{esc(policy)}</div>" if policy else "")
+        + f"<div style='margin-top:4px'>{_html_advice(advice)}</div></div>"
     )
 
 

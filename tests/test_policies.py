@@ -151,3 +151,17 @@ def test_every_process_saves_the_same_steps_with_skewed_clocks(tmp_path):
     assert {5, 50} <= set(res[0]["mixed"]["saved"]) and len(res[0]["mixed"]["saved"]) >= 4
     extra = [s for s in res[0]["preemption"]["saved"] if s % 50]
     assert res[0]["preemption"]["saved"][:2] == [0, 50] and len(extra) == 1 and 60 < extra[0] < 120, res[0]
+
+
+def test_the_notebook_view_shows_the_policy_and_its_next_save(tmp_path):
+    clock = Clock()
+    cases = [(None, "save_policy=every_steps(n=1); next save: step 2"),
+             (policies.any_of(policies.at_steps([10, 20]), policies.on_preemption()),
+              "save_policy=any_of(at_steps([10, 20]), on_preemption()); next save: step 10"),
+             (policies.every_seconds(60), "save_policy=every_seconds(s=60); next save: in about 59 s")]
+    for k, (policy, text) in enumerate(cases):
+        with jaxckpt.CheckpointManager(tmp_path / str(k), save_policy=policy, clock=clock, async_save=False) as mgr:
+            mgr.save(0, {"x": np.zeros(3)}, force=True)
+            clock.t += 1
+            mgr.save(1, {"x": np.zeros(3)})
+            assert text in mgr._repr_html_(), (text, mgr._repr_html_())

@@ -233,6 +233,37 @@ class Decider:
                         f"same steps? (a process more than {KEEP} decisions behind it cannot catch up)")
                 self._cond.wait(min(1.0, deadline - now))
 
+    def describe(self) -> str:
+        """The policy and its next save, as the notebook view shows them."""
+        if self.next_point is not None:
+            upcoming = f"step {self.next_point} (decided by process 0)"
+        else:
+            upcoming = self._next_local() or self._next_planned()
+        return f"save_policy={self.policy!r}; next save: {upcoming}"
+
+    def _next_local(self) -> str:
+        start = 0 if self._prev is None else self._prev + 1
+        for step in range(start, start + 100_000):  # a bounded look ahead
+            if any(p.should_save(_policies.Facts(step)) for p in self._local
+                   if not isinstance(p, _policies.on_preemption)):
+                return f"step {step}"
+        return ""
+
+    def _next_planned(self) -> str:
+        if not self._planned:
+            return "none within 100000 steps"
+        facts = self._facts(0 if self._prev is None else self._prev)
+        waits = []
+        for p in self._planned:
+            every = getattr(p, "s", None) or getattr(p, "min_interval_s", None)
+            if isinstance(p, _policies.goodput):
+                every = p.interval_s(facts)
+                if every is None:
+                    return "the first (goodput measures its cost)"
+            if every is not None:
+                waits.append(max(0.0, every - facts.since_last_s()))
+        return f"in about {min(waits):.3g} s" if waits else "when the policy says"
+
     # --- the background thread ------------------------------------------------------
 
     def _start_thread(self) -> None:

@@ -492,7 +492,7 @@ class CheckpointManager:
         """The notebook view: directory, mode, steps (stored sizes, the best marked), totals, advice."""
         mode = "read-only" if self._read_only else "writer"
         return _html.render_manager(str(self._dir), mode, _step_infos(self), self._clock(), self._advice,
-                                    _best(self))
+                                    _best(self), None if self._read_only else self._decider.describe())
 
 
 def _step_info(man: Any) -> dict[str, Any]:
