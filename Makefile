@@ -41,6 +41,8 @@ bench-smoke: $(STAMP)
 	$(PY) benchmarks/read_once.py --smoke
 	$(PY) benchmarks/peak_memory.py --smoke
 	$(PY) benchmarks/peer_transport.py --smoke
+	$(PY) benchmarks/policy_cost.py --smoke
+	$(PY) benchmarks/goodput_sim.py --smoke
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check jaxckpt tests examples benchmarks tools

@@ -47,6 +47,9 @@ def test_notebook_executes_in_a_kernel_and_shows_its_results(tmp_path):
     assert "12 records, 3 still committed" in text("history")
     assert any("image/png" in o.get("data", {}) for o in outputs["plot"])
     assert "jaxckpt-view" in outputs["open"][0]["data"]["text/html"]
+    policy_view = "".join(o.get("data", {}).get("text/html", "") for o in outputs["policy"])
+    assert "save_policy=any_of(goodput(mtbf_s=60, max_overhead=None), on_preemption()); next save: " in policy_view
+    assert "saved " in text("policy") and "saved 1 of" not in text("policy")  # goodput saved again, measured
     assert "verify ok: True" in text("verify")
     assert "restored: P('data', None) over {'data': 4, 'model': 1}, 4 devices" in text("restore")
     assert "restored state equals the trained state bit for bit: True" in text("restore")

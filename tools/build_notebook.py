@@ -189,6 +189,40 @@ print(f"save every {advice.interval_steps} steps (~{advice.interval_s:.0f} s) in
       f"instead of {advice.lost_fraction_now:.2%}")
 """)
 
+md("policy-md", r"""
+### Let the manager choose: `save_policy`
+
+`save_policy=jaxckpt.policies.goodput()` acts on that advice: it saves at the Young–Daly
+interval from the run's own measured costs, re-evaluated as they change, with the mean
+time between failures learned from the run's restarts (one day until there are some).
+Combined with `on_preemption()`, a SIGTERM still saves at the step the job agrees on.
+Call `save` every step; the view shows the policy and its next save. In a simulation over
+failure traces with the save costs measured on a 2-core machine
+(`benchmarks/goodput_sim.py`, docs/training.md), `goodput` loses less time than every fixed
+choice at every MTBF:
+
+![time lost by policy and MTBF](../docs/images/goodput_sim.png)
+""")
+
+code("policy", r"""
+import time
+
+from jaxckpt import policies
+
+policy_dir = tempfile.mkdtemp(prefix="jaxckpt-policy-")
+policy = policies.any_of(policies.goodput(mtbf_s=60), policies.on_preemption())  # a failure a minute
+with jaxckpt.CheckpointManager(policy_dir, save_policy=policy) as pm:
+    saved = []
+    for step in range(300):
+        time.sleep(0.01)  # the training step
+        if pm.save(step, {"w": np.full(1_000_000, step, np.float32)}):
+            saved.append(step)
+    pm.wait_until_finished()
+    print(f"saved {len(saved)} of 300 steps: {saved}")
+    display(pm)
+shutil.rmtree(policy_dir)
+""")
+
 md("open-md", r"""
 ## 4. Open a step read-only
 

@@ -259,7 +259,8 @@ class Decider:
             if isinstance(p, _policies.goodput):
                 every = p.interval_s(facts)
                 if every is None:
-                    return "the first (goodput measures its cost)"
+                    return ("at the first call (goodput measures its cost)" if facts.last_save_step is None
+                            else f"once step {facts.last_save_step}'s save commits and its cost is measured")
             if every is not None:
                 waits.append(max(0.0, every - facts.since_last_s()))
         return f"in about {min(waits):.3g} s" if waits else "when the policy says"
