@@ -8,19 +8,23 @@ attribute, ``local``:
   own policy at every call and gets the same answer: ``every_steps``, ``at_steps``,
   ``on_preemption``.
 * ``local = False``: the answer depends on time or on measurements, which differ
-  between processes. Only process 0 asks, ahead of time, for a decision point a few
-  steps ahead; it publishes the answer through the job's key-value store and every
-  process reads it there (``jaxckpt._manager.decisions``): ``every_seconds``,
-  ``continuous``, ``goodput``. Such a save happens at the first call at or after its
-  decision point, the same call in every process; its timing is process 0's clock only.
+  between processes. Only process 0 asks, a few steps ahead of its own, and publishes
+  the answers through the job's key-value store; every process reads them there
+  (``jaxckpt._manager.decisions``): ``every_seconds``, ``continuous``, ``goodput``. Such a
+  save happens at the first call at or after the step decided, the same call in every
+  process; its timing is process 0's clock only. With several processes such a policy is
+  asked at *some* steps (at most 64 for each half second of steps), with ``facts.now`` the
+  time that step is expected at: a condition on the step belongs in a local policy.
 
 ``any_of(*policies)`` saves when any of them does (its local members are asked by
 every process, the others by process 0). Write your own by subclassing ``SavePolicy``::
 
-    class EveryHourAndTheLastStep(jaxckpt.policies.SavePolicy):
-        local = False
+    class HourlyOnceWarm(jaxckpt.policies.SavePolicy):
+        local = False  # depends on the clock
         def should_save(self, facts):
-            return facts.since_last_s() >= 3600 or facts.step == TOTAL_STEPS - 1
+            return facts.now - facts.started >= 600 and facts.since_last_s() >= 3600
+
+    save_policy = jaxckpt.policies.any_of(HourlyOnceWarm(), jaxckpt.policies.at_steps([TOTAL_STEPS - 1]))
 
 ``Facts`` is what a policy is asked with. docs/training.md says which policy to pick.
 """
@@ -43,8 +47,9 @@ class Facts(NamedTuple):
     """What a policy decides from.
 
     Attributes:
-      step: the step (or, for a policy that is not ``local``, the decision point) asked about.
-      now: process 0's clock (the manager's ``clock``), seconds.
+      step: the step asked about.
+      now: process 0's clock (the manager's ``clock``), seconds; asked ahead, the time
+        that step is expected at.
       started: when this manager was made, on the same clock.
       last_save_step: the last step this manager saved (``None``: none yet).
       last_save_time: when that save started (``started`` when there is none).

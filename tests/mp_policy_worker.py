@@ -38,7 +38,12 @@ RATE, OFFSET = 1.0 + 0.25 * pid, 3600.0 * pid - 1e5 * (pid % 2)  # skewed: rate 
 T0 = time.time()
 
 
+TICK = [0]  # the steps the loop has taken: with "fake_step_s" the clock is that many of them
+
+
 def clock():
+    if args.get("fake_step_s"):
+        return OFFSET + TICK[0] * args["fake_step_s"]
     return OFFSET + T0 + (time.time() - T0) * RATE
 
 
@@ -55,29 +60,53 @@ def make(spec):
     return getattr(policies, kind)(*rest)
 
 
-def run(name, spec):
+class Counted(policies.SavePolicy):
+    """every_seconds(s) counting how often it is asked (on process 0)."""
+
+    def __init__(self, s):
+        self.inner, self.asks = policies.every_seconds(s), 0
+
+    def should_save(self, facts):
+        self.asks += 1
+        return self.inner.should_save(facts)
+
+
+def run(name, spec, path=None):
     saved, asked = [], []
-    path = os.path.join(args["path"], name)
-    with jaxckpt.CheckpointManager(path, save_policy=make(spec), clock=clock, timeout_s=60) as mgr:
-        for step in range(args["steps"]):
-            time.sleep(0.004 + 0.002 * pid)  # each process at its own pace
+    path = path or os.path.join(args["path"], name)
+    policy = Counted(spec[1]) if spec[0] == "counted" else make(spec)
+    steps = args.get("step_list") or range(args["steps"])
+    with jaxckpt.CheckpointManager(path, save_policy=policy, clock=clock, timeout_s=60) as mgr:
+        if args.get("lag") and pid == 1:
+            time.sleep(args["lag"])  # behind process 0 from the start: it may close first
+        for i, step in enumerate(steps):
+            TICK[0] = i + 1
+            step = np.int64(step) if args.get("numpy_steps") else step
+            if not args.get("fake_step_s"):
+                time.sleep(0.004 + 0.002 * pid)  # each process at its own pace
             if args.get("sigterm") == [pid, step] and name == "preemption":
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(1.5)  # JAX's listener notices within 1 s
-            if step % 3 == 0:
+            if i % 3 == 0:
                 asked.append(mgr.should_save(step))
-            if mgr.save(step, {"x": np.full(1000, step, np.int32), "step": step}):
-                saved.append(step)
-            if step % 10 == 9:  # the loop's own collective now and then, as training has
-                multihost_utils.sync_global_devices(f"{name}{step}")
+            if mgr.save(step, {"x": np.full(1000, i, np.int32), "step": int(step)}):
+                saved.append(int(step))
+            if i % 10 == 9 and not args.get("no_barriers"):  # the loop's own collective now and then
+                multihost_utils.sync_global_devices(f"{name}{i}")
         mgr.wait_until_finished()
-        steps = mgr.all_steps()
-    return {"saved": saved, "asked": asked, "steps": steps}
+        listed = mgr.all_steps()
+    return {"saved": saved, "asked": asked, "steps": listed, "asks": getattr(policy, "asks", None)}
 
 
 def main():
     out = {"pid": pid}
     for name, spec in args["policies"].items():
+        if args.get("managers"):  # that many managers one after the other, a barrier before each
+            out[name] = []
+            for m in range(args["managers"]):
+                multihost_utils.sync_global_devices(f"m{m}")
+                out[name].append(run(name, spec, os.path.join(args["path"], f"{name}{m}")))
+            continue
         out[name] = run(name, spec)
     print("RESULT " + json.dumps(out), flush=True)
 

@@ -4,24 +4,24 @@ collective and no key-value round trip on the training loop's thread.
 Local policies (``jaxckpt.policies``: a function of the step) are asked by every process
 at every call. The others (time, measurements) are asked by process 0 only, ahead:
 
-* Steps fall in *decision points* every ``CHUNK`` steps (``j * CHUNK``). Process 0, at a
-  call in point ``c``'s range, once fewer than ``AHEAD`` points are decided ahead of it,
-  decides a batch of points: up to ``c + AHEAD`` and about ``BATCH_S`` seconds of the
-  loop's steps more (at the rate since the last batch), asking the policy with its own
-  facts (``Facts``: its clock, its saves) for ``step = j * CHUNK``; a batch ends at its
-  first point that saves. It publishes the batch: one key ``<prefix>/<first point>``
-  holding the last point of the batch and the points that save. A background thread
-  writes it (``key_value_set``), so the loop never waits on the store; it deletes the
-  batch ``KEEP`` batches older.
+* Process 0, at a call of step ``s`` (its clock measures the loop's seconds a step),
+  once fewer than ``MIN_LEAD`` steps (or ``LEAD_S`` of them) are decided ahead of it,
+  decides a batch: the steps up to ``s`` and about ``BATCH_S`` seconds of steps more.
+  Steps the loop skipped are one decision, at ``s``; ahead, the policy is asked at most
+  ``MAX_ASKS`` times a batch, each with process 0's facts (``Facts``: its clock, its
+  saves) and the time that step is expected at. A batch ends at its save. It is
+  published as one key ``<prefix>/<first step>`` holding the batch's last step and the
+  step that saves. A background thread writes it (``key_value_set``), so the loop never
+  waits on the store; it deletes the batch ``KEEP`` batches older.
 * The other processes read the batches in order on a background thread of their own
   (a blocking get of the next batch's key, 1 s at a time). A call at step ``s`` needs the
-  points up to ``s // CHUNK``: known already in the steady state (process 0 decided them
-  ``AHEAD`` points before), else it waits for them, at most ``max(timeout_s, the stall
-  bound)`` (rule 8: ``CheckpointError`` naming process 0 and the step).
-* A point that saves saves at the first call at or after it (``prev < j * CHUNK <= s``,
-  ``prev`` the step of the previous call): the same call in every process, whatever
-  steps the loop skips. Process 0's clock alone times a save: skewed clocks elsewhere
-  cannot split a decision.
+  steps up to ``s`` decided: known already in the steady state, else it waits for them,
+  at most ``max(timeout_s, the stall bound)`` (rule 8: ``CheckpointError`` naming process
+  0 and the step).
+* A step that saves saves at the first call at or after it (``prev < k <= s``, ``prev``
+  the step of the previous call): the same call in every process, whatever steps the
+  loop skips. Process 0's clock alone times a save: skewed clocks elsewhere cannot split
+  a decision. The last process to close the manager deletes its keys.
 
 One process: no store, the policy is asked at the call itself (no lead). ``due(step)`` is
 asked by ``should_save`` and ``save``; asking twice for one step gives one answer.
@@ -44,11 +44,12 @@ from .._errors import CheckpointError
 
 _log = logging.getLogger("jaxckpt")
 
-CHUNK = 8  # steps between decision points of a policy that is not local
-AHEAD = 2  # points process 0 decides ahead of its own
-KEEP = 1024  # batches process 0 keeps in the store (a process further behind fails, named)
+MIN_LEAD = 2  # steps process 0 decides ahead of its own, at least
+LEAD_S = 0.1  # ... and about this many seconds of the loop's steps
 BATCH_S = 0.5  # a batch decides about this many seconds of the loop's steps at once
-MAX_BATCH_POINTS = 4096
+MAX_BATCH = 1 << 20  # steps in a batch, at most
+MAX_ASKS = 64  # times process 0 asks the policy for a batch, at most
+KEEP = 1024  # batches process 0 keeps in the store (a process further behind fails, named)
 _POLL_MS = 1000
 
 
@@ -138,16 +139,19 @@ class Decider:
         self._prev: int | None = None  # the previous call's step, and its answer
         self._answer = False
         self._cond = threading.Condition()
-        self._saving: set[int] = set()  # decided points that save
-        self._known = -1  # every point up to this one is decided (here, or read from process 0)
-        self._first: int | None = None  # the first batch's first point (the first call's)
+        self._saving: set[int] = set()  # decided steps that save
+        self._known = -1  # every step up to this one is decided (here, or read from process 0)
+        self._first: int | None = None  # the first batch's first step (the first call's)
         self._out: list[tuple[str, str | None]] = []  # process 0: keys to write (None: delete)
-        self._batches: list[int] = []  # process 0: the batches' first points, for deletion
+        self._batches: list[int] = []  # process 0: the batches' first steps, for deletion
         self._error: BaseException | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
-        self.next_point: int | None = None  # the next decided point that saves (the notebook view)
-        self._rate: tuple[float | None, int] = (None, 0)  # process 0: when it last decided, at which point
+        self.next_step: int | None = None  # the next decided step that saves (the notebook view)
+        # process 0: the rate (when it was last measured, at which step), the seconds a step,
+        # and from them how many steps it decides ahead and in a batch
+        self._rate: tuple[float | None, int] = (None, 0)
+        self._step_s, self._lead, self._batch = 0.0, MIN_LEAD, 0
 
     # --- the loop's side ----------------------------------------------------------------
 
@@ -166,47 +170,56 @@ class Decider:
         return self._answer
 
     def _due_planned(self, step: int) -> bool:
-        point = step // CHUNK
         if self._first is None:
-            self._first = point
-            self._known = point - 1
+            self._first = step
+            self._known = step - 1
             self._start_thread()
         if self._planner:
-            if point + AHEAD > self._known:
-                self._plan_until(point + AHEAD + self._batch_points(point))
+            self._rated(step)
+            if step + self._lead > self._known:
+                self._plan_until(step, step + self._lead + self._batch)
         else:
-            self._wait_for(point, step)
-        low = (self._prev // CHUNK + 1) if self._prev is not None else self._first
+            self._wait_for(step)
+        low = self._prev + 1 if self._prev is not None else self._first
         with self._cond:
-            hit = [j for j in self._saving if low <= j <= point]
-            self._saving.difference_update(j for j in list(self._saving) if j <= point)
+            hit = [k for k in self._saving if low <= k <= step]
+            self._saving.difference_update(k for k in list(self._saving) if k <= step)
             later = sorted(self._saving)
-        self.next_point = later[0] * CHUNK if later else None
+        self.next_step = later[0] if later else None
         return bool(hit)
 
-    def _batch_points(self, point: int) -> int:
-        """How many more points a batch decides: about ``BATCH_S`` of the loop's steps at
-        the rate since the last batch (so the store sees a few keys a second, whatever
-        the step time), at least none more, at most ``MAX_BATCH_POINTS``."""
-        now = time.monotonic()
-        last_t, last_point = self._rate
-        self._rate = (now, point)
-        if last_t is None or now <= last_t or point <= last_point:
-            return 0
-        return min(MAX_BATCH_POINTS, int((point - last_point) / (now - last_t) * BATCH_S))
+    def _rated(self, step: int) -> None:
+        """Process 0: the loop's seconds a step (``_step_s``) on the manager's clock (the
+        one the policies read), measured over at least ``BATCH_S``, and from it the lead
+        and the batch in steps."""
+        now = self._facts(step).now
+        last_t, last_step = self._rate
+        if last_t is None:
+            self._rate = (now, step)
+        elif now - last_t >= BATCH_S and step > last_step:
+            self._step_s = (now - last_t) / (step - last_step)
+            self._rate = (now, step)
+            self._lead = max(MIN_LEAD, int(LEAD_S / self._step_s))
+            self._batch = min(MAX_BATCH, int(BATCH_S / self._step_s))
 
-    def _plan_until(self, last: int) -> None:
-        """Process 0: decide every point up to ``last``, in batches that end at a save (the
-        points after one are decided with it counted as made, now, not committed)."""
+    def _plan_until(self, step: int, last: int) -> None:
+        """Process 0, at the call of ``step``: decide every step up to ``last``, in batches
+        that end at a save. Steps the loop already passed (it skipped them) are one
+        decision, at ``step``; ahead, the policy is asked at most ``MAX_ASKS`` times a
+        batch, each with the time that step is expected at (the rate so far), and a save
+        decided but not made counted as made then."""
+        now = self._facts(step).now
         while self._known < last:
             first, saves = self._known + 1, []
-            for j in range(first, last + 1):
-                facts = self._facts(j * CHUNK)
+            ahead = range(max(first, step), last + 1, max(1, (last + 1 - max(first, step)) // MAX_ASKS))
+            for k in ahead:
+                facts = self._facts(k)._replace(now=now + (k - step) * self._step_s)
                 pending = max(self._saving, default=None)
-                if pending is not None and (facts.last_save_step is None or facts.last_save_step < pending * CHUNK):
-                    facts = facts._replace(last_save_step=pending * CHUNK, last_save_time=facts.now, committed=False)
+                if pending is not None and (facts.last_save_step is None or facts.last_save_step < pending):
+                    facts = facts._replace(last_save_step=pending, committed=False,
+                                           last_save_time=now + (pending - step) * self._step_s)
                 if any(p.should_save(facts) for p in self._planned):
-                    saves.append(j)
+                    saves.append(k)
                     break
             end = saves[0] if saves else last
             with self._cond:
@@ -218,10 +231,10 @@ class Decider:
                     self._out.append((f"{self._prefix}/{self._batches.pop(0)}", None))
                 self._cond.notify_all()
 
-    def _wait_for(self, point: int, step: int) -> None:
+    def _wait_for(self, step: int) -> None:
         deadline = None
         with self._cond:
-            while self._known < point:
+            while self._known < step:
                 if self._error is not None:
                     raise CheckpointError(f"the save decision for step {step} from process 0: {self._error}")
                 now = time.monotonic()
@@ -235,8 +248,8 @@ class Decider:
 
     def describe(self) -> str:
         """The policy and its next save, as the notebook view shows them."""
-        if self.next_point is not None:
-            upcoming = f"step {self.next_point} (decided by process 0)"
+        if self.next_step is not None:
+            upcoming = f"step {self.next_step} (decided by process 0)"
         else:
             upcoming = self._next_local() or self._next_planned()
         return f"save_policy={self.policy!r}; next save: {upcoming}"
@@ -296,6 +309,7 @@ class Decider:
             with self._cond:
                 if self._closed:
                     return
+            asked = time.monotonic()
             try:
                 batch = json.loads(client.blocking_key_value_get(f"{self._prefix}/{start}", _POLL_MS))
                 last, saves = int(batch["to"]), [int(j) for j in batch["save"]]
@@ -305,10 +319,12 @@ class Decider:
                     self._cond.notify_all()
                 return
             except Exception:  # noqa: BLE001 - not published yet (a timeout): ask again, unless it is gone
+                if time.monotonic() - asked < 0.05:  # failed at once (the store refusing): no busy loop
+                    time.sleep(0.2)
                 if self._passed(client, start):
                     with self._cond:
                         self._error = CheckpointError(
-                            f"its decision for the steps from {start * CHUNK} was deleted: this process fell more "
+                            f"its decision for the steps from {start} was deleted: this process fell more "
                             f"than {KEEP} decisions behind process 0")
                         self._cond.notify_all()
                     return
@@ -329,13 +345,19 @@ class Decider:
         return bool(firsts) and start not in firsts and max(firsts) > start
 
     def close(self) -> None:
-        """Stop the thread. Process 0 writes what it decided first, then deletes its keys
-        (the others are done with them: they close at the same point of the program)."""
+        """Stop the thread (process 0 writes what it decided first). The last process of
+        the job to close deletes the manager's keys: before, another may still read them."""
         with self._cond:
-            if self._planner:
-                self._out.extend((f"{self._prefix}/{first}", None) for first in self._batches)
-                self._batches = []
             self._closed = True
             self._cond.notify_all()
         if self._thread is not None and self._planner:
             self._thread.join(10)
+        if not self._multi or self._first is None:
+            return
+        try:
+            client = _distributed.kv_client()
+            if client.key_value_increment(f"{self._prefix}-closed", 1) == _distributed.process_count():
+                client.key_value_delete(f"{self._prefix}/")
+                client.key_value_delete(f"{self._prefix}-closed")
+        except Exception as e:  # noqa: BLE001 - the runtime going down: the keys go with it
+            _log.debug("jaxckpt: deleting the save decisions' keys failed: %s", e)

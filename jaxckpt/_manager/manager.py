@@ -16,6 +16,7 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import operator
 import sys
 import threading
 import time
@@ -221,10 +222,10 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """True when ``save(step, ...)`` would save (``save_policy``, not yet saved): the
         same answer in every process."""
+        step = operator.index(step)  # numpy and jax ints too
         with self._lock:
-            if step in self._steps.local or self._saves.in_flight(step):
-                return False
-        return self._decider.due(step)
+            busy = step in self._steps.local or self._saves.in_flight(step)
+        return not busy and self._decider.due(step)
 
     @property
     def staging_bytes(self) -> int:
