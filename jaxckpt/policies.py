@@ -91,6 +91,11 @@ class SavePolicy:
         """The policies this one combines (``any_of``); itself otherwise."""
         return (self,)
 
+    def last_at_or_before(self, step: int) -> int | None:
+        """A local policy: the last step at or before ``step`` it saves at (``None``: none,
+        or not known). Process 0 counts it as a save when it decides the others ahead."""
+        return None
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({fields})"
@@ -115,6 +120,10 @@ class every_steps(SavePolicy):  # noqa: N801 - a policy reads as a function call
         """See the class."""
         return facts.step % self.n == 0
 
+    def last_at_or_before(self, step: int) -> int | None:
+        """See ``SavePolicy``."""
+        return step - step % self.n if step >= 0 else None
+
 
 class at_steps(SavePolicy):  # noqa: N801
     """Save at exactly these steps."""
@@ -130,6 +139,10 @@ class at_steps(SavePolicy):  # noqa: N801
     def should_save(self, facts: Facts) -> bool:
         """See the class."""
         return facts.step in self.steps
+
+    def last_at_or_before(self, step: int) -> int | None:
+        """See ``SavePolicy``."""
+        return max((s for s in self.steps if s <= step), default=None)
 
     def __repr__(self) -> str:
         return f"at_steps({sorted(self.steps)!r})"

@@ -7,6 +7,7 @@ JSON_ARGS: ``path``, ``policies`` (name -> [kind, args...]), ``steps``, ``batch_
 (``[pid, step]``: that process gets SIGTERM before that step). Prints `RESULT <json>`.
 """
 
+import gc
 import json
 import os
 import signal
@@ -43,7 +44,9 @@ TICK = [0]  # the steps the loop has taken: with "fake_step_s" the clock is that
 
 def clock():
     if args.get("fake_step_s"):
-        return OFFSET + TICK[0] * args["fake_step_s"]
+        jump = args.get("clock_jump")  # [tick, seconds]: process 0's clock set back (NTP) at that tick
+        back = jump[1] if jump and pid == 0 and TICK[0] >= jump[0] else 0.0
+        return OFFSET + TICK[0] * args["fake_step_s"] - back
     return OFFSET + T0 + (time.time() - T0) * RATE
 
 
@@ -76,13 +79,23 @@ def run(name, spec, path=None):
     path = path or os.path.join(args["path"], name)
     policy = Counted(spec[1]) if spec[0] == "counted" else make(spec)
     steps = args.get("step_list") or range(args["steps"])
+    if args.get("unclosed"):  # made, used and dropped without close(): its keys must still go
+        mgr = jaxckpt.CheckpointManager(path, save_policy=policy, clock=clock, timeout_s=60)
+        for step in steps:
+            mgr.should_save(step)
+        del mgr
+        gc.collect()
+        multihost_utils.sync_global_devices(f"{name}dropped")
+        time.sleep(0.5)
+        keys = jax._src.distributed.global_state.client.key_value_dir_get("jaxckpt/policy/")
+        return {"keys_left": len(keys)}
     with jaxckpt.CheckpointManager(path, save_policy=policy, clock=clock, timeout_s=60) as mgr:
         if args.get("lag") and pid == 1:
             time.sleep(args["lag"])  # behind process 0 from the start: it may close first
         for i, step in enumerate(steps):
             TICK[0] = i + 1
             step = np.int64(step) if args.get("numpy_steps") else step
-            if not args.get("fake_step_s"):
+            if not args.get("fake_step_s") and not args.get("fast"):
                 time.sleep(0.004 + 0.002 * pid)  # each process at its own pace
             if args.get("sigterm") == [pid, step] and name == "preemption":
                 os.kill(os.getpid(), signal.SIGTERM)
@@ -95,7 +108,9 @@ def run(name, spec, path=None):
                 multihost_utils.sync_global_devices(f"{name}{i}")
         mgr.wait_until_finished()
         listed = mgr.all_steps()
-    return {"saved": saved, "asked": asked, "steps": listed, "asks": getattr(policy, "asks", None)}
+        batches = len(mgr._decider._batches)
+    return {"saved": saved, "asked": asked, "steps": listed, "asks": getattr(policy, "asks", None),
+            "batches": batches}
 
 
 def main():

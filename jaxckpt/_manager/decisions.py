@@ -44,7 +44,9 @@ from .._errors import CheckpointError
 
 _log = logging.getLogger("jaxckpt")
 
-MIN_LEAD = 2  # steps process 0 decides ahead of its own, at least
+MIN_LEAD = 4  # steps process 0 decides ahead of its own, at least
+RATE_STEPS = 256  # the loop's rate is measured over BATCH_S, or over this many steps if sooner
+MIN_BATCH = 16  # steps a batch decides, at least (before the rate is known: these)
 LEAD_S = 0.1  # ... and about this many seconds of the loop's steps
 BATCH_S = 0.5  # a batch decides about this many seconds of the loop's steps at once
 MAX_BATCH = 1 << 20  # steps in a batch, at most
@@ -120,11 +122,11 @@ class Record:
 
 class Decider:
     """One manager's decisions (see the module docstring). ``facts(step)`` gives process
-    0's facts for a decision point (``Record.facts``); ``preempted(step)`` the job's
-    preemption agreement (``reached_preemption``)."""
+    0's facts for a step (``Record.facts``); ``preempted(step)`` the job's preemption
+    agreement (``reached_preemption``); ``owner`` the manager (closed with it)."""
 
     def __init__(self, policy: _policies.SavePolicy, facts: Callable[[int], _policies.Facts],
-                 preempted: Callable[[int], bool], timeout_s: float | None):
+                 preempted: Callable[[int], bool], timeout_s: float | None, owner: Any = None):
         members = policy.members()
         self.policy = policy
         self._local = [p for p in members if p.local]
@@ -152,6 +154,8 @@ class Decider:
         # and from them how many steps it decides ahead and in a batch
         self._rate: tuple[float | None, int] = (None, 0)
         self._step_s, self._lead, self._batch = 0.0, MIN_LEAD, 0
+        if owner is not None:  # its manager dropped unclosed: the thread stops and the keys go
+            weakref.finalize(owner, self.close)
 
     # --- the loop's side ----------------------------------------------------------------
 
@@ -176,8 +180,8 @@ class Decider:
             self._start_thread()
         if self._planner:
             self._rated(step)
-            if step + self._lead > self._known:
-                self._plan_until(step, step + self._lead + self._batch)
+            if step + self._lead > self._known:  # (the first call: the lead only, its rate unknown)
+                self._plan_until(step, step + self._lead + (0 if step == self._first else max(MIN_BATCH, self._batch)))
         else:
             self._wait_for(step)
         low = self._prev + 1 if self._prev is not None else self._first
@@ -194,9 +198,9 @@ class Decider:
         and the batch in steps."""
         now = self._facts(step).now
         last_t, last_step = self._rate
-        if last_t is None:
+        if last_t is None or now < last_t:  # the first call, or the clock went back (NTP): measure anew
             self._rate = (now, step)
-        elif now - last_t >= BATCH_S and step > last_step:
+        elif (now - last_t >= BATCH_S or step - last_step >= RATE_STEPS) and step > last_step and now > last_t:
             self._step_s = (now - last_t) / (step - last_step)
             self._rate = (now, step)
             self._lead = max(MIN_LEAD, int(LEAD_S / self._step_s))
@@ -207,14 +211,15 @@ class Decider:
         that end at a save. Steps the loop already passed (it skipped them) are one
         decision, at ``step``; ahead, the policy is asked at most ``MAX_ASKS`` times a
         batch, each with the time that step is expected at (the rate so far), and a save
-        decided but not made counted as made then."""
+        decided but not made, or a local member's save before it, counted as made then."""
         now = self._facts(step).now
         while self._known < last:
             first, saves = self._known + 1, []
             ahead = range(max(first, step), last + 1, max(1, (last + 1 - max(first, step)) // MAX_ASKS))
             for k in ahead:
                 facts = self._facts(k)._replace(now=now + (k - step) * self._step_s)
-                pending = max(self._saving, default=None)
+                local = max((j for p in self._local if (j := p.last_at_or_before(k)) is not None), default=None)
+                pending = max([j for j in (max(self._saving, default=None), local) if j is not None], default=None)
                 if pending is not None and (facts.last_save_step is None or facts.last_save_step < pending):
                     facts = facts._replace(last_save_step=pending, committed=False,
                                            last_save_time=now + (pending - step) * self._step_s)
@@ -348,6 +353,8 @@ class Decider:
         """Stop the thread (process 0 writes what it decided first). The last process of
         the job to close deletes the manager's keys: before, another may still read them."""
         with self._cond:
+            if self._closed:  # once (close, then the finalizer)
+                return
             self._closed = True
             self._cond.notify_all()
         if self._thread is not None and self._planner:

@@ -142,7 +142,7 @@ class CheckpointManager:
         self._closed, self._advice = False, None  # the last advise_interval()
         self._preemption = _preemption.PreemptionWatch()  # installs nothing until used
         self._record = _decisions.Record(clock, self.history, self._saves.all_done)  # the policy's facts
-        self._decider = _decisions.Decider(self._policy, self._record.facts, self._preemption.reached, timeout_s)
+        self._decider = _decisions.Decider(self._policy, self._record.facts, self._preemption.reached, timeout_s, self)
         # the processes sharing each directory; the writer lease (the first process of a group)
         self._groups, self._lease = _hosts.HostGroups.everyone(), None
         _cleanup.check_directory(self._dir)
