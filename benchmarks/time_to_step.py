@@ -32,6 +32,7 @@ ROOT = os.path.dirname(HERE)
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 PHASES = ("import", "manager start", "restore", "placement", "first step")
+LIBS = ("jaxckpt", "jaxckpt+prefetch", "orbax")
 
 
 def state_spec(kind: str, smoke: bool) -> list[tuple[str, int]]:
@@ -63,13 +64,16 @@ def make(lib: str, kind: str, path: str, smoke: bool) -> None:
 
 
 def resume(lib: str, kind: str, path: str, smoke: bool, t0: float) -> dict[str, float]:
-    """One resume, phase by phase (seconds); ``t0``: when the process was spawned."""
+    """One resume, phase by phase (seconds); ``t0``: when the process was spawned.
+    ``jaxckpt+prefetch``: ``mgr.prefetch()`` right after the start, the step compiled
+    from the target's shapes while it reads (its "first step" row: that compile, then the
+    run), then the restore."""
     out = {}
     t = time.time()
     import jax
     import numpy as np
 
-    if lib == "jaxckpt":
+    if lib.startswith("jaxckpt"):
         import jaxckpt
     else:
         import orbax.checkpoint as ocp
@@ -78,13 +82,20 @@ def resume(lib: str, kind: str, path: str, smoke: bool, t0: float) -> dict[str, 
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = {name: jax.ShapeDtypeStruct((n,), np.float32, sharding=sharding) for name, n in spec}
     t = time.perf_counter()
-    if lib == "jaxckpt":
+    if lib.startswith("jaxckpt"):
         mgr = jaxckpt.CheckpointManager(path, read_only=True)
     else:
         mgr = ocp.CheckpointManager(path)
     out["manager start"] = time.perf_counter() - t
+    step = jax.jit(lambda s: jax.tree.map(lambda x: x * 0.5 + 1, s))
+    compiled = None
+    if lib == "jaxckpt+prefetch":
+        t = time.perf_counter()
+        prefetched = mgr.prefetch(1)
+        compiled = step.lower(target).compile()
+        out["first step"] = time.perf_counter() - t
     t = time.perf_counter()
-    if lib == "jaxckpt":
+    if lib.startswith("jaxckpt"):
         back = mgr.restore(1, target)
     else:
         back = mgr.restore(1, args=ocp.args.StandardRestore(target))
@@ -93,11 +104,12 @@ def resume(lib: str, kind: str, path: str, smoke: bool, t0: float) -> dict[str, 
     jax.block_until_ready(back)
     out["placement"] = time.perf_counter() - t
     t = time.perf_counter()
-    step = jax.jit(lambda s: jax.tree.map(lambda x: x * 0.5 + 1, s))
-    jax.block_until_ready(step(back))
-    out["first step"] = time.perf_counter() - t
+    jax.block_until_ready((compiled or step)(back))
+    out["first step"] = out.get("first step", 0.0) + time.perf_counter() - t
     for k, (name, n) in enumerate(spec[:3]):  # checked after the clock stopped
         assert np.array_equal(np.asarray(back[name])[:1000], np.arange(min(n, 1000), dtype=np.float32) + k), name
+    if compiled is not None:
+        assert prefetched.result(timeout=600) > 0
     mgr.close()
     return out
 
@@ -138,8 +150,156 @@ def read_limit(path: str, readers: int) -> float:
     return time.perf_counter() - t
 
 
+# --- the manager's start against the number of steps (issue 34, item 2) -------------
+
+STEP_COUNTS = (1, 100, 10000)
+
+
+def make_steps(lib: str, path: str, n: int, s3: dict | None) -> None:
+    """A run directory of ``n`` committed steps of a one-leaf state (4 KiB), with the
+    history of ``n`` commits: step 1 saved, the others its copies (each jaxckpt manifest
+    rewritten to record its own step, with its own checksum), on local disk or uploaded
+    to the local S3 server."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    state = {"w": jax.numpy.arange(1024, dtype=jax.numpy.float32)}
+    if lib == "jaxckpt":
+        import jaxckpt
+        from jaxckpt import _manifest
+
+        with jaxckpt.CheckpointManager(path, async_save=False) as mgr:
+            mgr.save(1, state)
+        with open(os.path.join(path, "1", "manifest.json"), "rb") as f:
+            man = _manifest.parse(f.read(), path)
+        with open(os.path.join(path, "history.jsonl")) as f:
+            line = json.loads(f.readline())
+        with open(os.path.join(path, "history.jsonl"), "w") as f:
+            for s in range(1, n + 1):
+                f.write(json.dumps(dict(line, step=s)) + "\n")
+        for s in range(2, n + 1):
+            shutil.copytree(os.path.join(path, "1", "data"), os.path.join(path, str(s), "data"))
+            with open(os.path.join(path, str(s), "manifest.json"), "wb") as f:
+                f.write(dataclasses.replace(man, info=dict(man.info, step=s)).to_bytes())
+    else:
+        import orbax.checkpoint as ocp
+
+        with ocp.CheckpointManager(path) as mgr:
+            mgr.save(1, args=ocp.args.StandardSave(state))
+            mgr.wait_until_finished()
+        for s in range(2, n + 1):
+            shutil.copytree(os.path.join(path, "1"), os.path.join(path, str(s)))
+    if s3 is not None:
+        upload(path, s3)
+    del np
+
+
+def upload(path: str, s3: dict) -> None:
+    """Every file under ``path`` to the bucket's ``s3["path"]`` prefix, 16 at a time."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3["endpoint"], region_name="us-east-1")
+    files = [os.path.join(r, n) for r, _, ns in os.walk(path) for n in ns]
+
+    def put(name: str) -> None:
+        with open(name, "rb") as f:
+            client.put_object(Bucket=s3["bucket"], Key=s3["path"] + "/" + os.path.relpath(name, path), Body=f.read())
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(put, files))
+
+
+def start_only(lib: str, how: str, path: str, s3: dict | None) -> dict[str, float]:
+    """One fresh process: the manager's start, ``latest_step()``, the restore of it."""
+    import jax
+    import numpy as np
+
+    where = f"s3://{s3['bucket']}/{s3['path']}" if s3 is not None else path
+    t = time.perf_counter()
+    if lib == "jaxckpt":
+        import jaxckpt
+
+        mgr = jaxckpt.CheckpointManager(where, read_only=how == "read-only")
+    else:
+        import orbax.checkpoint as ocp
+
+        mgr = ocp.CheckpointManager(path)
+    started = time.perf_counter() - t
+    latest = mgr.latest_step()
+    listed = time.perf_counter() - t
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {"w": jax.ShapeDtypeStruct((1024,), np.float32, sharding=sharding)}
+    back = mgr.restore(latest, target) if lib == "jaxckpt" else mgr.restore(
+        latest, args=ocp.args.StandardRestore(target))
+    restored = time.perf_counter() - t
+    assert np.array_equal(np.asarray(back["w"]), np.arange(1024, dtype=np.float32))
+    mgr.close()
+    return {"manager start": started, "latest_step": listed, "restored": restored, "latest": latest}
+
+
+def steps_main(opts: argparse.Namespace, scratch: str) -> None:
+    """The manager's start over 1, 100, 10,000 steps: local disk (jaxckpt's writer and
+    read-only managers, orbax's) and the local S3 server (jaxckpt's), fresh processes."""
+    server, endpoint = start_moto() if not opts.no_s3 else (None, None)
+    rows: dict[tuple, list[dict[str, float]]] = {}
+    try:
+        for n in (STEP_COUNTS if not opts.smoke else (1, 20)):
+            cases = [("jaxckpt", "writer", None), ("jaxckpt", "read-only", None), ("orbax", "writer", None)]
+            if server is not None:
+                s3 = {"bucket": "steps", "path": f"run{n}", "endpoint": endpoint}
+                cases += [("jaxckpt", "writer", s3), ("jaxckpt", "read-only", s3)]
+            made: dict[tuple, str] = {}
+            for lib, how, s3 in cases:
+                key = (lib, s3 is not None)
+                if key not in made:
+                    made[key] = os.path.join(scratch, f"{lib}-{n}-{'s3' if s3 else 'disk'}")
+                    spawn("make-steps", lib, json.dumps([n, s3]), made[key], opts.smoke)
+            for _ in range(opts.reps):
+                for lib, how, s3 in cases:
+                    r = spawn("start", lib, json.dumps([how, s3]), made[lib, s3 is not None], opts.smoke)
+                    rows.setdefault((n, lib, how, "S3" if s3 else "disk"), []).append(r)
+    finally:
+        if server is not None:
+            server.terminate()
+    print(f"medians of {opts.reps}; a fresh process each; seconds from the manager's construction")
+    print("| steps | store | manager | start [s] | + latest_step() [s] | + restore of it [s] | latest |")
+    print("|---:|---|---|---:|---:|---:|---:|")
+    for (n, lib, how, store), runs in rows.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in ("manager start", "latest_step", "restored")}
+        print(f"| {n:,} | {store} | {lib} {how} | {med['manager start']:.3f} | {med['latest_step']:.3f} | "
+              f"{med['restored']:.3f} | {runs[0]['latest']} |")
+
+
+def start_moto() -> tuple[subprocess.Popen, str]:
+    """The local S3 server (moto) on a free port of 127.0.0.1, with a bucket ``steps``."""
+    import socket
+
+    import boto3
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1",
+                             "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    for _ in range(200):
+        try:
+            client.create_bucket(Bucket="steps")
+            return proc, endpoint
+        except Exception:  # noqa: BLE001 - not up yet
+            time.sleep(0.05)
+    proc.terminate()
+    raise RuntimeError("moto_server did not start")
+
+
 def spawn(mode: str, lib: str, kind: str, path: str, smoke: bool) -> dict[str, float]:
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", AWS_ACCESS_KEY_ID="bench",
+               AWS_SECRET_ACCESS_KEY="bench", AWS_REGION="us-east-1")
+    if mode in ("make-steps", "start") and json.loads(kind)[1] is not None:  # the server's endpoint, as users give it
+        env["AWS_ENDPOINT_URL"] = json.loads(kind)[1]["endpoint"]
     env.pop("XLA_FLAGS", None)
     args = json.dumps({"mode": mode, "lib": lib, "kind": kind, "path": path, "smoke": smoke, "t0": time.time()})
     p = subprocess.run([sys.executable, __file__, "--worker", args], capture_output=True, text=True, env=env,
@@ -156,6 +316,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--readers", type=int, default=8)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--part", choices=("phases", "steps"), default="phases",
+                        help="phases: the path to the first step; steps: the start over 1/100/10,000 steps")
+    parser.add_argument("--no-s3", action="store_true", help="steps: local disk only")
     parser.add_argument("--worker", default=None)
     opts = parser.parse_args()
     if opts.worker:
@@ -163,12 +326,24 @@ def main() -> None:
         if a["mode"] == "make":
             make(a["lib"], a["kind"], a["path"], a["smoke"])
             print("RESULT {}")
+        elif a["mode"] == "make-steps":
+            make_steps(a["lib"], a["path"], *json.loads(a["kind"]))
+            print("RESULT {}")
+        elif a["mode"] == "start":
+            print("RESULT " + json.dumps(start_only(a["lib"], *json.loads(a["kind"])[:1], a["path"],
+                                                    json.loads(a["kind"])[1])))
         else:
             print("RESULT " + json.dumps(resume(a["lib"], a["kind"], a["path"], a["smoke"], a["t0"])))
         return
     if opts.smoke:
         opts.reps = 1
     scratch = tempfile.mkdtemp(prefix="jaxckpt-time-to-step-", dir=opts.dir)
+    if opts.part == "steps":
+        try:
+            steps_main(opts, scratch)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return
     rows: dict[tuple[str, str, str], list[dict[str, float]]] = {}
     limits: dict[str, list[float]] = {}
     try:
@@ -178,24 +353,26 @@ def main() -> None:
                 spawn("make", lib, kind, path, opts.smoke)
             for _ in range(opts.reps):
                 for cache in ("cold", "warm"):
-                    for lib, path in paths.items():
+                    for lib in LIBS:
+                        path = paths[lib.split("+")[0]]
                         if cache == "cold":
                             how = drop_cache(path)
                         rows.setdefault((kind, cache, lib), []).append(spawn("resume", lib, kind, path, opts.smoke))
                 limits.setdefault(kind, []).append(read_limit(os.path.join(paths["jaxckpt"], "1"), opts.readers))
         print(f"page cache dropped with {how}; medians of {opts.reps}; read limit: {opts.readers} threads, cold")
-        print("| state | cache | phase | jaxckpt [s] | orbax [s] | jaxckpt / orbax |")
-        print("|---|---|---|---:|---:|---:|")
+        print("| state | cache | phase | jaxckpt [s] | jaxckpt + prefetch [s] | orbax [s] | jaxckpt / orbax |")
+        print("|---|---|---|---:|---:|---:|---:|")
         for kind in ("1 GiB", "1000 leaves"):
             for cache in ("cold", "warm"):
                 for phase in (*PHASES, "total"):
                     med = {}
-                    for lib in ("jaxckpt", "orbax"):
+                    for lib in LIBS:
                         runs = rows[kind, cache, lib]
                         med[lib] = statistics.median(sum(r.values()) if phase == "total" else r[phase] for r in runs)
-                    print(f"| {kind} | {cache} | {phase} | {med['jaxckpt']:.3f} | {med['orbax']:.3f} | "
-                          f"{med['jaxckpt'] / med['orbax']:.2f}x |")
-            print(f"| {kind} | cold | read limit ({opts.readers} readers) | {statistics.median(limits[kind]):.3f} | | |")
+                    print(f"| {kind} | {cache} | {phase} | {med['jaxckpt']:.3f} | {med['jaxckpt+prefetch']:.3f} | "
+                          f"{med['orbax']:.3f} | {med['jaxckpt'] / med['orbax']:.2f}x |")
+            print(f"| {kind} | cold | read limit ({opts.readers} readers) | {statistics.median(limits[kind]):.3f} "
+                  "| | | |")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -576,17 +576,17 @@ def test_reload_keeps_a_step_committed_during_the_scan(tmp_path, monkeypatch):
 
     mgr = jaxckpt.CheckpointManager(tmp_path, async_save=False)
     mgr.save(1, {"x": 1})
-    real = _commit.discover_steps
+    real = _commit.listed_steps  # the listing a scan starts from
 
     def slow_scan(directory):
         found = real(directory)  # sees step 1 only
         mgr.save(2, {"x": 2})  # commits while the scan's result is in flight
         return found
 
-    monkeypatch.setattr(_commit, "discover_steps", slow_scan)
+    monkeypatch.setattr(_commit, "listed_steps", slow_scan)
     mgr.reload()
     assert mgr.all_steps() == [1, 2]
-    monkeypatch.setattr(_commit, "discover_steps", real)
+    monkeypatch.setattr(_commit, "listed_steps", real)
     mgr.close()
 
 
@@ -698,6 +698,7 @@ def test_delete_is_refused_read_only_and_while_restoring(tmp_path, monkeypatch):
     mgr.save(1, {"x": np.ones(2)})
     mgr.save(2, {"x": np.zeros(2)})
     reader = jaxckpt.CheckpointManager(tmp_path, read_only=True)
+    assert reader.all_steps() == [1, 2]  # listed (each manifest's presence checked once)
     with pytest.raises(jaxckpt.CheckpointError, match=r"read-only: delete\(\) is not allowed"):
         reader.delete(1)
     real_restore = jaxckpt._restore.restore

@@ -110,8 +110,11 @@ def manifests(directory: Any) -> dict[int, Manifest]:
     their manifests), or in a directory holding none, orbax's (a stand-in manifest each:
     no leaves, ``info`` as ``OrbaxStep.info``; a restore reads the step itself)."""
     found = _commit.discover_steps(_location.resolve(directory))
-    if found:
-        return found
+    return found if found else stand_ins(directory)
+
+
+def stand_ins(directory: Any) -> dict[int, Manifest]:
+    """The committed steps of an orbax run directory, a stand-in manifest each (see ``manifests``)."""
     return {s: Manifest(format_version=0, structure={}, leaves=(), metadata={}, process_count=1, info=o.info())
             for s, o in find_steps(directory).items()}
 

@@ -191,7 +191,10 @@ class Retainer:
         self._deferred: set[int] = set()  # dropped by the policy while pinned
 
     def infos(self) -> list[_retention.StepInfo]:
+        """The listed steps; their manifests read only for a rule that ranks by metric or time."""
         with self._lock:
+            if self.policy.best_metric is None and self.policy.keep_time_interval is None:
+                return [_retention.StepInfo(s, 0.0) for s in self._listing.local]
             return _retention.step_infos({s: m.info for s, m in self._listing.local.items()})
 
     def apply(self) -> None:

@@ -27,6 +27,7 @@ from .._errors import CheckpointError, CheckpointNotFoundError
 from .._manifest import Manifest
 from .._storage.location import Location
 from . import hostcopy as _hostcopy
+from . import steplist as _steplist
 
 _log = logging.getLogger("jaxckpt")
 
@@ -156,9 +157,9 @@ def agreed_steps(op: _distributed.Operation, directory: Location, groups: HostGr
     (``PartialSteps.drop``). So is a step the hosts hold from different saves
     (``mixed_steps``).
     """
+    if not groups.per_host:  # the manifests read when needed (_steplist)
+        return _steplist.discover(directory)
     found = dict(_commit.discover_steps(directory))
-    if not groups.per_host:
-        return found
     mine = saves_of(found)
     op.post("steps", json.dumps(mine).encode())
     views = {p: json.loads(d) for p, d in op.wait_for("steps", others()).items()}

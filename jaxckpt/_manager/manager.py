@@ -24,9 +24,8 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .. import _checkpoint, _commit, _distributed, _html, _restore, _snapshot
+from .. import _checkpoint, _commit, _distributed, _restore, _snapshot
 from .._errors import CheckpointError, CheckpointNotFoundError
-from .._formats import orbaxrun as _orbaxrun
 from .._storage import location as _location
 from . import arguments as _arguments
 from . import cadence as _cadence
@@ -38,8 +37,11 @@ from . import lossy as _lossy
 from . import marks as _marks
 from . import peerrepair as _peerrepair
 from . import preemption as _preemption
+from . import prefetch as _prefetch
 from . import retention as _retention
+from . import steplist as _steplist
 from . import tiers as _tiers
+from . import views as _views
 
 _log = logging.getLogger("jaxckpt")
 
@@ -149,7 +151,7 @@ class CheckpointManager:
         self._persistent = _tiers.make_persistent(persistent_directory, persistent_interval_steps,
                                                   persistent_max_to_keep, timeout_s, read_only)
         if read_only:  # jaxckpt's steps, or an orbax run's (_formats.orbaxrun)
-            local = _orbaxrun.manifests(self._dir)
+            local = _steplist.listed(self._dir)
         else:
             self._groups, self._lease, local = _cleanup.start_writer(
                 self._dir, self._persistent, timeout_s, self._partial, owner=self)
@@ -158,7 +160,7 @@ class CheckpointManager:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
         if async_save and not read_only:  # its thread starts now, not in the first save's blocking part
             self._executor.submit(int)
-        self._deleter = _cleanup.Deleter(self._dir)
+        self._deleter, self._prefetch = _cleanup.Deleter(self._dir), _prefetch.Prefetch()
         self._retention = _cleanup.Retainer(policy, self._steps, self._pins, self._deleter, self._groups.leads,
                                             self._lock)
         ref = weakref.ref(self)
@@ -178,7 +180,7 @@ class CheckpointManager:
     def latest_step(self) -> int | None:
         """The newest committed step (of either tier), or ``None``: right after an async
         ``save`` still the previous one (``None`` in a new run) until the new step commits."""
-        return max(self.all_steps(), default=None)
+        return self._steps.latest()
 
     def step_tiers(self) -> dict[int, tuple[str, ...]]:
         """Which tiers hold each committed step: "local", "persistent" (and "peer-copies-missing", last)."""
@@ -191,7 +193,7 @@ class CheckpointManager:
     def info(self, step: int) -> dict[str, Any]:
         """What the manifest of ``step`` records: versions, times, bytes, save stats; for a
         compressed step also ``stored_bytes`` (what its arrays take as stored) and ``codecs``."""
-        return _step_info(self._steps.manifest(step))
+        return _views.step_info(self._steps.manifest(step))
 
     def best_step(self) -> int | None:
         """The committed step with the best ``best_metric`` (``None`` if none reports it)."""
@@ -335,29 +337,12 @@ class CheckpointManager:
             _cleanup.verify_or_delete(self._dir, step, op_id, self._timeout, self._groups)
         if self._peers is not None:
             return manifest  # listed once its peer copies are made: _after_write
-        self._listed(step, manifest)
+        _list(self, step, manifest)
 
     def _after_write(self, step: int, result: Any) -> None:
         """Settling ``step`` (the same call in every process): the outcome of its peer copies
         (made in the background after its commit), then listed."""
-        self._listed(step, self._peers.settle(step, result))
-
-    def _listed(self, step: int, manifest: Any) -> None:
-        final = self._dir.child(_commit.step_name(step))
-        self._steps.add(step, manifest)
-        self._record.committed(manifest.info)
-        if _distributed.process_index() == 0:
-            _history.record(self._dir, step, manifest.info)
-        if self._groups.per_host:
-            self._partial.drop(step, set(self._steps.durable()), self._deleter if self._groups.leads else None)
-        if self._persistent is not None and self._persistent.wants(step):
-            pin = contextlib.ExitStack()  # retention keeps the local copy until the persistent one is done
-            pin.enter_context(self._pins.hold(step))
-            self._persistent.submit(step, final, manifest, self._groups.groups,
-                                    functools.partial(self._retention.copied, step, pin))
-        self._retention.run(f"after step {step}")
-        if self._peers is not None:
-            self._peers.prune(self._steps.local)
+        _list(self, step, self._peers.settle(step, result))
 
     # --- restore ---------------------------------------------------------------------
 
@@ -390,6 +375,21 @@ class CheckpointManager:
             if self._peers is not None:  # a part some host lost: back from its peer copy first
                 _peerrepair.repair(self._peers, step, self._sources(), self._steps.local)
             return _hosts.restore_agreed(self._sources(), step, read)
+
+    def prefetch(self, step: int | None = None) -> concurrent.futures.Future:
+        """Read ``step``'s data (default: the latest) into the page cache in the background,
+        so that a restore after the job has built and compiled its step reads memory. Local
+        directories only (elsewhere it reads nothing); bounded memory; ``close()`` stops it.
+        Returns a future of the bytes read (``jaxckpt._manager.prefetch``).
+
+        Example:
+          >>> mgr.prefetch()  # then build the model and compile the step
+          >>> state = mgr.restore(target=abstract_state)
+        """
+        self._check_open()
+        with self._lock:
+            where, step = self._steps.locate(step)
+            return self._prefetch.start(where.local, self._steps.manifest(step))
 
     def _sources(self) -> _hosts.Sources:
         return _hosts.Sources(self._dir, self._groups, self._timeout, self._read_only, self._steps,
@@ -491,32 +491,26 @@ class CheckpointManager:
 
     def _repr_html_(self) -> str:
         """The notebook view: directory, mode, steps (stored sizes, the best marked), totals, advice."""
-        mode = "read-only" if self._read_only else "writer"
-        return _html.render_manager(str(self._dir), mode, _step_infos(self), self._clock(), self._advice,
-                                    _best(self), None if self._read_only else self._decider.describe())
+        return _views.html(self)
 
 
-def _step_info(man: Any) -> dict[str, Any]:
-    """``man.info``, with ``stored_bytes`` and ``codecs`` when some of its leaves are compressed."""
-    info = dict(man.info)
-    stored, codecs = _html.stored_size(man.leaves)
-    if codecs:
-        info.update(stored_bytes=stored, codecs=codecs)
-    return info
-
-
-def _step_infos(mgr: CheckpointManager) -> dict[int, dict[str, Any]]:
-    """``_step_info`` of each listed local step (the notebook view's rows)."""
-    with mgr._lock:
-        listed = dict(mgr._steps.local)
-    return {s: _step_info(m) for s, m in listed.items()}
-
-
-def _best(mgr: CheckpointManager) -> tuple[int, str, str] | None:
-    """``(best step, best_metric, best_mode)``; ``None`` without ``best_metric`` or a step reporting it."""
-    policy = mgr._retention.policy
-    step = mgr.best_step() if policy.best_metric is not None else None
-    return None if step is None else (step, policy.best_metric, policy.best_mode)
+def _list(self: CheckpointManager, step: int, manifest: Any) -> None:
+    """List ``step``, committed: its history record, its persistent copy, retention, peer copies."""
+    final = self._dir.child(_commit.step_name(step))
+    self._steps.add(step, manifest)
+    self._record.committed(manifest.info)
+    if _distributed.process_index() == 0:
+        _history.record(self._dir, step, manifest.info)
+    if self._groups.per_host:
+        self._partial.drop(step, set(self._steps.durable()), self._deleter if self._groups.leads else None)
+    if self._persistent is not None and self._persistent.wants(step):
+        pin = contextlib.ExitStack()  # retention keeps the local copy until the persistent one is done
+        pin.enter_context(self._pins.hold(step))
+        self._persistent.submit(step, final, manifest, self._groups.groups,
+                                functools.partial(self._retention.copied, step, pin))
+    self._retention.run(f"after step {step}")
+    if self._peers is not None:
+        self._peers.prune(self._steps.local)
 
 
 def _check_step(mgr: CheckpointManager, step: Any, force: bool) -> int:
@@ -586,6 +580,7 @@ def _shut(mgr: CheckpointManager, failure: BaseException | None) -> None:
     atexit.unregister(mgr._atexit)
     mgr._preemption.close()  # gives the SIGTERM handler back
     mgr._decider.close()
+    mgr._prefetch.stop()
     mgr._executor.shutdown(wait=True)
     if mgr._peers is not None:
         mgr._peers.close()

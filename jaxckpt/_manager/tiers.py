@@ -48,6 +48,7 @@ from .._storage import location as _location
 from .._storage import uploads as _uploads
 from .._storage.location import Location
 from . import retention as _retention
+from . import steplist as _steplist
 
 _log = logging.getLogger("jaxckpt")
 
@@ -375,18 +376,38 @@ class Listing:
     def __init__(self, lock: Any, directory: Location, local: dict[int, Manifest],
                  persistent: PersistentTier | None):
         self._lock, self.dir, self.persistent = lock, directory, persistent
-        self.local = local
+        self.local = local if isinstance(local, _steplist.Steps) else _steplist.Steps(None, read=local)
         self._scanning: set[int] | None = None  # steps committed while reload() scans
 
     def durable(self) -> dict[int, Manifest]:
         return dict(self.persistent.steps) if self.persistent is not None else {}
 
+    def _confirm(self) -> None:
+        """Unlist the listed steps whose manifest is gone (``Steps.confirm``), checked
+        outside the lock: a save committing meanwhile is not held up."""
+        with self._lock:
+            local = self.local
+            todo = local.unconfirmed()
+        if todo:
+            there = _steplist.present(local.directory, todo)
+            with self._lock:
+                local.mark(there)
+
     def all(self) -> list[int]:
+        self._confirm()
         with self._lock:
             return sorted(set(self.local) | set(self.durable()))
 
+    def latest(self) -> int | None:
+        """The newest listed step: the newest local one that validates, or a newer
+        persistent one; no other manifest read or checked."""
+        with self._lock:
+            return max((s for s in (self.local.newest(), max(self.durable(), default=None)) if s is not None),
+                       default=None)
+
     def tiers(self, bare: Iterable[int] = ()) -> dict[int, tuple[str, ...]]:
         """``step_tiers`` of the listed steps (``bare``: those lacking peer copies)."""
+        self._confirm()
         with self._lock:
             return step_tiers(self.local, self.durable(), bare)
 
@@ -435,7 +456,7 @@ class Listing:
         with self._lock:
             self._scanning = set()
         try:
-            found = _orbaxrun.manifests(self.dir)  # jaxckpt's steps, or an orbax run's
+            found = _steplist.listed(self.dir)  # jaxckpt's steps, or an orbax run's
         finally:
             with self._lock:
                 ours, self._scanning = self._scanning, None

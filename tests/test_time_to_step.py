@@ -1,0 +1,203 @@
+"""Time to resume (issue 34): a manager's start reads one listing and the newest step's
+manifest whatever the number of steps; a manifest read at the start is not parsed again
+by the restore after it; ``prefetch`` reads a step's data into the page cache, bounded,
+and never follows a link or opens a FIFO."""
+
+import json
+import logging
+import os
+
+import numpy as np
+import pytest
+
+import jaxckpt
+from jaxckpt import _commit
+from jaxckpt._manager import prefetch as _prefetch
+from jaxckpt._manager import steplist as _steplist
+
+
+def _save_steps(path, steps, **kw):
+    with jaxckpt.CheckpointManager(path, async_save=False, **kw) as mgr:
+        for s in steps:
+            mgr.save(s, {"w": np.arange(8, dtype=np.float32) + s, "step": s}, metrics={"loss": 100.0 - s})
+
+
+def _count_manifest_reads(monkeypatch):
+    reads = []
+    real = _commit._read_manifest_bytes
+
+    def counted(loc):
+        reads.append(os.path.basename(str(loc).rstrip("/")))
+        return real(loc)
+
+    monkeypatch.setattr(_commit, "_read_manifest_bytes", counted)
+    return reads
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+def test_the_start_reads_the_newest_manifest_only(tmp_path, monkeypatch, read_only):
+    _save_steps(tmp_path, range(1, 41))
+    reads = _count_manifest_reads(monkeypatch)
+    mgr = jaxckpt.CheckpointManager(tmp_path, read_only=read_only)
+    assert reads == ["40"]
+    assert mgr.all_steps() == list(range(1, 41)) and mgr.latest_step() == 40
+    assert reads == ["40"]
+    back = mgr.restore(7, {"w": np.zeros(8, np.float32), "step": 0})
+    assert np.array_equal(back["w"], np.arange(8, dtype=np.float32) + 7) and back["step"] == 7
+    assert mgr.metrics(12) == {"loss": 88.0}
+    assert sorted(reads) == sorted(["40", "7", "7", "12"])  # the listing's read of 7, then the restore's
+    mgr.close()
+
+
+def test_a_newest_step_that_fails_is_skipped_down_to_one_that_validates(tmp_path, caplog):
+    _save_steps(tmp_path, (1, 2, 3))
+    with open(tmp_path / "3" / "manifest.json", "ab") as f:
+        f.write(b"garbage")
+    os.makedirs(tmp_path / "4")  # no manifest: not a step, silently
+    with caplog.at_level(logging.WARNING, logger="jaxckpt"):
+        mgr = jaxckpt.CheckpointManager(tmp_path, read_only=True)
+    assert mgr.all_steps() == [1, 2] and mgr.latest_step() == 2
+    assert [r.getMessage()[:30] for r in caplog.records] == [f"Skipping step 3 at '{tmp_path / '3'}"[:30]]
+    assert np.array_equal(mgr.restore(target={"w": np.zeros(8, np.float32), "step": 0})["w"],
+                          np.arange(8, dtype=np.float32) + 2)
+    mgr.close()
+
+
+def test_an_older_step_that_fails_is_unlisted_when_read_with_its_reason(tmp_path, caplog):
+    _save_steps(tmp_path, (1, 2, 3))
+    with open(tmp_path / "2" / "manifest.json", "r+b") as f:
+        f.seek(5)
+        f.write(b"\x00")
+    mgr = jaxckpt.CheckpointManager(tmp_path)
+    assert mgr.all_steps() == [1, 2, 3]  # listed: not read yet
+    with caplog.at_level(logging.WARNING, logger="jaxckpt"):
+        with pytest.raises(jaxckpt.CorruptCheckpointError, match=f"Checkpoint '{tmp_path / '2'}'"):
+            mgr.restore(2, {"w": np.zeros(8, np.float32), "step": 0})
+    assert any(f"Skipping step 2 at '{tmp_path / '2'}'" in r.getMessage() for r in caplog.records)
+    assert mgr.all_steps() == [1, 3]
+    with pytest.raises(jaxckpt.CheckpointNotFoundError, match="No committed step 2"):
+        mgr.restore(2, {"w": np.zeros(8, np.float32), "step": 0})
+    mgr.close()
+
+
+def test_a_listed_step_without_a_manifest_is_not_listed_and_no_manifest_is_read(tmp_path, monkeypatch):
+    _save_steps(tmp_path, (1, 3, 5))
+    os.makedirs(tmp_path / "2")  # an empty step directory, older than the newest
+    reads = _count_manifest_reads(monkeypatch)
+    mgr = jaxckpt.CheckpointManager(tmp_path, read_only=True)
+    assert mgr.all_steps() == [1, 3, 5] and mgr.step_tiers() == {1: ("local",), 3: ("local",), 5: ("local",)}
+    os.remove(tmp_path / "3" / "manifest.json")  # checked once: listed until a reload
+    assert mgr.all_steps() == [1, 3, 5] and reads == ["5"]
+    mgr.reload()
+    assert mgr.all_steps() == [1, 5]
+    mgr.close()
+
+
+def test_retention_by_count_never_reads_the_old_manifests_and_by_metric_reads_them(tmp_path, monkeypatch):
+    _save_steps(tmp_path, range(1, 31))
+    reads = _count_manifest_reads(monkeypatch)
+    with jaxckpt.CheckpointManager(tmp_path, async_save=False, max_to_keep=3) as mgr:
+        mgr.save(31, {"w": np.zeros(8, np.float32), "step": 31})
+        assert mgr.all_steps() == [29, 30, 31]
+    assert reads == ["30"]  # the start's; the deletes read nothing
+    assert {n for n in os.listdir(tmp_path) if n.isdigit()} == {"29", "30", "31"}
+    with jaxckpt.CheckpointManager(tmp_path, async_save=False, best_metric="loss", keep_best=1,
+                                   max_to_keep=1) as mgr:
+        mgr.save(40, {"w": np.zeros(8, np.float32), "step": 40}, metrics={"loss": 99.5})
+        # the best by loss (step 31 has no metric; 29 and 30: 71.0 and 70.0) and the latest
+        assert mgr.all_steps() == [30, 40] and mgr.best_step() == 30
+
+
+def test_many_steps_listed_lazily_agree_with_eager_discovery(tmp_path):
+    _save_steps(tmp_path, range(0, 60, 3))
+    eager = _commit.discover_steps(jaxckpt._storage.location.resolve(str(tmp_path)))
+    lazy = _steplist.discover(jaxckpt._storage.location.resolve(str(tmp_path)))
+    assert list(lazy) == sorted(eager) and len(lazy) == len(eager)
+    assert {s: m.info for s, m in lazy.items()} == {s: m.info for s, m in eager.items()}
+    lazy.pop(3)
+    del lazy[6]
+    assert 3 not in lazy and 6 not in lazy and lazy.get(9).info["step"] == 9
+    with pytest.raises(KeyError):
+        lazy[4]
+
+
+def test_a_manifest_parsed_again_is_equal_and_its_metadata_its_own(tmp_path):
+    _save_steps(tmp_path, (1,))
+    data = (tmp_path / "1" / "manifest.json").read_bytes()
+    first = _commit.parse_manifest(data, "x")
+    first.info["metrics"]["loss"] = -1.0
+    first.metadata["new"] = 1
+    again = _commit.parse_manifest(data, "x")
+    assert again.info["metrics"] == {"loss": 99.0} and "new" not in again.metadata
+    assert again.leaves == first.leaves and again.structure == first.structure
+    with pytest.raises(jaxckpt.CorruptCheckpointError):
+        _commit.parse_manifest(data[:-3] + b"xx}", "x")
+
+
+def _data_bytes(step_dir):
+    return sum(os.path.getsize(os.path.join(r, n)) for r, _, ns in os.walk(step_dir / "data") for n in ns)
+
+
+def test_prefetch_reads_the_steps_data_and_the_restore_is_exact(tmp_path):
+    with jaxckpt.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, {"w": np.arange(1 << 20, dtype=np.float32)})
+        mgr.save(2, {"w": np.arange(1 << 20, dtype=np.float32) * 2})
+    with jaxckpt.CheckpointManager(tmp_path) as mgr:
+        assert mgr.prefetch().result(timeout=60) == _data_bytes(tmp_path / "2") > 4 << 20
+        assert mgr.prefetch(1).result(timeout=60) == _data_bytes(tmp_path / "1")
+        back = mgr.restore(target={"w": np.zeros(1 << 20, np.float32)})
+        assert np.array_equal(back["w"], np.arange(1 << 20, dtype=np.float32) * 2)
+        with pytest.raises(jaxckpt.CheckpointNotFoundError, match="No committed step 5"):
+            mgr.prefetch(5)
+    with pytest.raises(jaxckpt.CheckpointError, match="is closed"):
+        mgr.prefetch()
+
+
+def test_prefetch_opens_no_fifo_and_follows_no_link(tmp_path):
+    _save_steps(tmp_path / "run", (1,))
+    data = tmp_path / "run" / "1" / "data"
+    outside = tmp_path / "secret"
+    outside.write_bytes(b"x" * 12345)
+    os.symlink(outside, data / "p0.9")
+    os.mkfifo(data / "p0.8")
+    os.symlink(tmp_path, data / "p0.7")  # a link to a directory: not walked into
+    with jaxckpt.CheckpointManager(tmp_path / "run", read_only=True) as mgr:
+        got = mgr.prefetch().result(timeout=30)
+    assert got == os.path.getsize(data / "p0.0")
+
+
+def test_prefetch_reads_this_process_streams_only_when_the_count_matches(tmp_path):
+    _save_steps(tmp_path, (1,))
+    man = _commit.read_manifest(jaxckpt._storage.location.resolve(str(tmp_path / "1")))
+    for name in ("p1.0", "p1.1"):  # another process's objects
+        (tmp_path / "1" / "data" / name).write_bytes(b"y" * 100)
+    files = _prefetch.data_files(str(tmp_path / "1"), man)
+    assert [os.path.basename(f) for f in files] == ["p0.0"]
+    man2 = __import__("dataclasses").replace(man, process_count=2)
+    assert [os.path.basename(f) for f in _prefetch.data_files(str(tmp_path / "1"), man2)] == ["p0.0", "p1.0", "p1.1"]
+
+
+def test_prefetch_on_an_object_store_reads_nothing(tmp_path):
+    path = "memory://ttstep/run"
+    with jaxckpt.CheckpointManager(path, async_save=False) as mgr:
+        mgr.save(1, {"w": np.arange(16, dtype=np.float32)})
+        assert mgr.prefetch().result(timeout=10) == 0
+        assert np.array_equal(mgr.restore(target={"w": np.zeros(16, np.float32)})["w"],
+                              np.arange(16, dtype=np.float32))
+
+
+def test_history_of_many_steps_is_not_read_at_the_start(tmp_path, monkeypatch):
+    _save_steps(tmp_path, (1,))
+    line = json.loads((tmp_path / "history.jsonl").read_text().splitlines()[0])
+    with open(tmp_path / "history.jsonl", "w") as f:
+        for s in range(1, 2001):
+            f.write(json.dumps(dict(line, step=s)) + "\n")
+    from jaxckpt._manager import history as _history
+
+    loads = []
+    real = _history.load
+    monkeypatch.setattr(_history, "load", lambda *a, **k: loads.append(1) or real(*a, **k))
+    mgr = jaxckpt.CheckpointManager(tmp_path)
+    assert mgr.latest_step() == 1 and loads == []
+    assert len(mgr.history()) == 2000 and loads == [1]
+    mgr.close()
