@@ -12,6 +12,10 @@ itself, in the same run: ``--readers`` threads reading the step's files (cold), 
 parallel reads of the same bytes reach on this disk. Medians of ``--reps``.
 
     python benchmarks/time_to_step.py [--dir /tmp] [--reps 3] [--readers 8] [--smoke]
+                                      [--part phases|steps] [--no-s3]
+
+``TIME_TO_STEP_ROOT=/path/to/an/older/checkout`` runs the workers on that jaxckpt (the
+"before" of a change), the benchmark itself from here.
 """
 
 from __future__ import annotations
@@ -217,6 +221,7 @@ def start_only(lib: str, how: str, path: str, s3: dict | None) -> dict[str, floa
     import numpy as np
 
     where = f"s3://{s3['bucket']}/{s3['path']}" if s3 is not None else path
+    jax.devices()  # the backend's start is the import's, not the manager's
     t = time.perf_counter()
     if lib == "jaxckpt":
         import jaxckpt
@@ -272,12 +277,99 @@ def steps_main(opts: argparse.Namespace, scratch: str) -> None:
               f"{med['restored']:.3f} | {runs[0]['latest']} |")
 
 
+# --- a restore's host memory within a budget (issue 34, item 2) --------------------
+
+MEMORY_BUDGETS = (None, 256 << 20, 64 << 20)
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def memory_one(lib: str, how: str, path: str, smoke: bool) -> dict[str, float]:
+    """One fresh process: the restore of 1 GiB (16 float32 leaves) onto a bfloat16 target
+    (a cast: the read buffers are not the arrays) or a float32 one; the peak resident
+    memory during the restore above what the process held before it (the peak reset
+    through ``/proc/self/clear_refs``), and the state's own size."""
+    import jax
+    import numpy as np
+
+    budget, dtype = json.loads(how)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    n = (1 << 26 if not smoke else 1 << 18) // 16
+    dt = jax.numpy.bfloat16 if dtype == "bfloat16" else np.float32
+    target = {f"w{k:02d}": jax.ShapeDtypeStruct((n,), dt, sharding=sharding) for k in range(16)}
+    if lib == "jaxckpt":
+        import jaxckpt
+    else:
+        import orbax.checkpoint as ocp
+
+        mgr = ocp.CheckpointManager(path)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5\n")
+    before = _rss_kib("VmRSS")
+    t = time.perf_counter()
+    if lib == "jaxckpt":
+        back = jaxckpt.restore(os.path.join(path, "1"), target, max_staging_bytes=budget)
+    else:
+        back = mgr.restore(1, args=ocp.args.StandardRestore(target))
+    jax.block_until_ready(back)
+    seconds = time.perf_counter() - t
+    peak = _rss_kib("VmHWM")
+    assert np.array_equal(np.asarray(back["w03"][:1000]), (np.arange(1000, dtype=np.float32) + 3).astype(dt))
+    return {"seconds": seconds, "peak_mib": (peak - before) / 1024, "state_mib": sum(
+        x.nbytes for x in jax.tree.leaves(back)) / (1 << 20)}
+
+
+def make_memory(lib: str, path: str, smoke: bool) -> None:
+    import jax
+    import numpy as np
+
+    n = (1 << 26 if not smoke else 1 << 18) // 16
+    state = {f"w{k:02d}": jax.numpy.asarray(np.arange(n, dtype=np.float32) + k) for k in range(16)}
+    if lib == "jaxckpt":
+        import jaxckpt
+
+        with jaxckpt.CheckpointManager(path, async_save=False) as mgr:
+            mgr.save(1, state)
+    else:
+        import orbax.checkpoint as ocp
+
+        with ocp.CheckpointManager(path) as mgr:
+            mgr.save(1, args=ocp.args.StandardSave(state))
+            mgr.wait_until_finished()
+
+
+def memory_main(opts: argparse.Namespace, scratch: str) -> None:
+    paths = {lib: os.path.join(scratch, f"{lib}-memory") for lib in ("jaxckpt", "orbax")}
+    for lib, path in paths.items():
+        spawn("make-memory", lib, "", path, opts.smoke)
+    cases = [("jaxckpt", b, d) for d in ("bfloat16", "float32") for b in MEMORY_BUDGETS]
+    cases += [("orbax", None, d) for d in ("bfloat16", "float32")]
+    rows: dict[tuple, list[dict[str, float]]] = {}
+    for _ in range(opts.reps):
+        for lib, budget, dtype in cases:
+            rows.setdefault((lib, budget, dtype), []).append(
+                spawn("memory", lib, json.dumps([budget, dtype]), paths[lib], opts.smoke))
+    print(f"medians of {opts.reps}; a fresh process each, warm page cache; 1 GiB saved as 16 float32 leaves")
+    print("| target | restore | max_staging_bytes | peak host memory above the start [MiB] | "
+          "restored state [MiB] | seconds |")
+    print("|---|---|---:|---:|---:|---:|")
+    for (lib, budget, dtype), runs in rows.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in ("peak_mib", "seconds", "state_mib")}
+        print(f"| {dtype} | {lib} | {'-' if budget is None else f'{budget >> 20} MiB'} | {med['peak_mib']:.0f} | "
+              f"{med['state_mib']:.0f} | {med['seconds']:.3f} |")
+
+
 def start_moto() -> tuple[subprocess.Popen, str]:
     """The local S3 server (moto) on a free port of 127.0.0.1, with a bucket ``steps``."""
     import socket
 
     import boto3
 
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -285,7 +377,7 @@ def start_moto() -> tuple[subprocess.Popen, str]:
                              "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"
     client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-    for _ in range(200):
+    for _ in range(600):
         try:
             client.create_bucket(Bucket="steps")
             return proc, endpoint
@@ -296,7 +388,7 @@ def start_moto() -> tuple[subprocess.Popen, str]:
 
 
 def spawn(mode: str, lib: str, kind: str, path: str, smoke: bool) -> dict[str, float]:
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", AWS_ACCESS_KEY_ID="bench",
+    env = dict(os.environ, PYTHONPATH=os.environ.get("TIME_TO_STEP_ROOT", ROOT), JAX_PLATFORMS="cpu", AWS_ACCESS_KEY_ID="bench",
                AWS_SECRET_ACCESS_KEY="bench", AWS_REGION="us-east-1")
     if mode in ("make-steps", "start") and json.loads(kind)[1] is not None:  # the server's endpoint, as users give it
         env["AWS_ENDPOINT_URL"] = json.loads(kind)[1]["endpoint"]
@@ -316,8 +408,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--readers", type=int, default=8)
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--part", choices=("phases", "steps"), default="phases",
-                        help="phases: the path to the first step; steps: the start over 1/100/10,000 steps")
+    parser.add_argument("--part", choices=("phases", "steps", "memory"), default="phases",
+                        help="phases: the path to the first step; steps: the start over 1/100/10,000 steps; "
+                             "memory: a restore's host memory with and without max_staging_bytes")
     parser.add_argument("--no-s3", action="store_true", help="steps: local disk only")
     parser.add_argument("--worker", default=None)
     opts = parser.parse_args()
@@ -326,6 +419,11 @@ def main() -> None:
         if a["mode"] == "make":
             make(a["lib"], a["kind"], a["path"], a["smoke"])
             print("RESULT {}")
+        elif a["mode"] == "make-memory":
+            make_memory(a["lib"], a["path"], a["smoke"])
+            print("RESULT {}")
+        elif a["mode"] == "memory":
+            print("RESULT " + json.dumps(memory_one(a["lib"], a["kind"], a["path"], a["smoke"])))
         elif a["mode"] == "make-steps":
             make_steps(a["lib"], a["path"], *json.loads(a["kind"]))
             print("RESULT {}")
@@ -338,9 +436,9 @@ def main() -> None:
     if opts.smoke:
         opts.reps = 1
     scratch = tempfile.mkdtemp(prefix="jaxckpt-time-to-step-", dir=opts.dir)
-    if opts.part == "steps":
+    if opts.part in ("steps", "memory"):
         try:
-            steps_main(opts, scratch)
+            (steps_main if opts.part == "steps" else memory_main)(opts, scratch)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         return

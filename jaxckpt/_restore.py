@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import ml_dtypes
 import numpy as np
 
-from . import _distributed, _dtypes, _exchange, _formats, _layout, _placement, _tree
+from . import _distributed, _dtypes, _exchange, _formats, _layout, _placement, _tree, _waves
 from ._errors import SHOWN_PATHS, CheckpointError, TreeMismatchError, some_paths
 from ._manifest import LeafRecord, Manifest
 from ._storage.location import Location
@@ -236,19 +236,60 @@ def _cast(arr: np.ndarray, req: _Request, where: str) -> np.ndarray:
     return arr.astype(req.dtype)
 
 
-def _restore_leaves(source: _formats.Source, requests: list[_Request]) -> list[Any]:
+def _restore_leaves(source: _formats.Source, requests: list[_Request], max_bytes: int | None = None) -> list[Any]:
     """Read what every request needs (each distinct slice once), then place it. In a
     multi-process job a slice several processes need is read once per job (``_exchange``):
     whether it is, and each leaf's part in it, follow from global facts only (the
-    shardings and the manifest), so that every process plans the same exchange."""
+    shardings and the manifest), so that every process plans the same exchange.
+
+    With ``max_bytes`` (a host-memory budget) the leaves go in waves (``_waves.restore_waves``): the
+    next wave is read while the one before it is placed, and a wave's host buffers are
+    let go once its arrays are on their devices; two waves at most are in host memory."""
     spanning = sum(req.mode == "jax" and len(_processes(req.sharding)) > 1 for req in requests)
-    if _exchange.applies(spanning, source.loc):
-        reader: Any = _exchange.ReadOnce(source.new_reader, str(source.loc), source.format == "jaxckpt")
-    else:
-        reader = source.new_reader()
-    plans = [_plan_reads(reader, req) for req in requests]
-    reader.run()
-    return _place(reader, requests, plans, str(source.loc))
+    exchanging = _exchange.applies(spanning, source.loc)
+    where = str(source.loc)
+
+    def read(wave: Sequence[int]) -> tuple[Any, list[Any]]:
+        if exchanging:
+            reader: Any = _exchange.ReadOnce(source.new_reader, where, source.format == "jaxckpt")
+        else:
+            reader = source.new_reader()
+        plans = [_plan_reads(reader, requests[i]) for i in wave]
+        reader.run()
+        return reader, plans
+
+    groups = _waves.restore_waves([_host_bytes(r) for r in requests], max_bytes)
+    if len(groups) <= 1:
+        reader, plans = read(range(len(requests)))
+        return _place(reader, requests, plans, where)
+    out: list[Any] = []
+    ahead = None if exchanging else _waves.ReadAhead(read, groups[0])  # the exchange's reads stay in order
+    for k, wave in enumerate(groups):
+        got = ahead.result() if ahead is not None else read(wave)
+        ahead = _waves.ReadAhead(read, groups[k + 1]) if ahead is not None and k + 1 < len(groups) else None
+        try:
+            placed = _place(got[0], [requests[i] for i in wave], got[1], where)
+            del got
+            for x in placed:  # on its devices: the wave's host buffers may go
+                if isinstance(x, jax.Array):
+                    x.block_until_ready()
+        except BaseException:
+            if ahead is not None:
+                ahead.join()
+            raise
+        out.extend(placed)
+    return out
+
+
+def _host_bytes(req: _Request) -> int:
+    """What ``req`` takes in this process's host memory while read, from global facts
+    only (a sharded leaf: its size over the number of processes holding it), so that
+    every process of a job forms the same waves (its exchange plans them alike)."""
+    if req.mode == "value":
+        return 0
+    if req.mode == "jax":
+        return -(-req.rec.nbytes // max(1, len(_processes(req.sharding))))
+    return req.rec.nbytes
 
 
 def _plan_reads(reader: _formats.ReaderLike, req: _Request) -> Any:
@@ -400,7 +441,8 @@ def _restore_all_numpy(source: _formats.Source) -> Any:
 
 
 def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bool = False,
-            allow_narrowing: bool = False, key_map: Any = None, missing: str | None = None) -> Any:
+            allow_narrowing: bool = False, key_map: Any = None, missing: str | None = None,
+            max_staging_bytes: int | None = None) -> Any:
     """Restore a checkpoint, optionally onto a target structure and shardings.
 
     Each process reads only the slices its devices hold (equal slices once).
@@ -440,6 +482,8 @@ def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bo
         checkpoint lacks (a new head the model initialised), listing them in a
         ``MissingKeysWarning``; such target leaves must be concrete values. ``None``
         (default): a missing leaf raises.
+      max_staging_bytes: the most host memory the read buffers may take (waves, each
+        placed while the next is read: docs/training.md). ``None``: all at once.
 
     Returns:
       The restored PyTree. Without ``target`` and ``shardings``: numpy arrays (typed
@@ -452,13 +496,9 @@ def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bo
         integers that do not fit the target dtype.
       CorruptCheckpointError: the manifest or a chunk fails validation.
 
-    Example:
-      >>> state = jaxckpt.restore("/tmp/ckpt", target=abstract_state)
-    """
-    if missing not in (None, "target"):
-        raise CheckpointError(f"missing must be None or 'target', got {missing!r}")
+    Example: ``state = jaxckpt.restore("/tmp/ckpt", target=abstract_state)``"""
     with _tree.gc_paused():
-        return _restore_tree(path, target, shardings, partial, allow_narrowing, key_map, missing)
+        return _restore_tree(path, target, shardings, partial, allow_narrowing, key_map, missing, max_staging_bytes)
 
 
 class MissingKeysWarning(UserWarning):
@@ -466,7 +506,10 @@ class MissingKeysWarning(UserWarning):
 
 
 def _restore_tree(path: Any, target: Any, shardings: Any, partial: bool, allow_narrowing: bool = False,
-             key_map: Any = None, missing: str | None = None) -> Any:
+             key_map: Any = None, missing: str | None = None, max_bytes: int | None = None) -> Any:
+    if missing not in (None, "target"):
+        raise CheckpointError(f"missing must be None or 'target', got {missing!r}")
+    _waves.check_budget(max_bytes)
     source = _formats.open_source(path)
     loc, man = source.loc, source.manifest
     single_sharding = isinstance(shardings, jax.sharding.Sharding)
@@ -494,7 +537,7 @@ def _restore_tree(path: Any, target: Any, shardings: Any, partial: bool, allow_n
             errors.append(e)
     if errors:
         raise _leaves_mismatch(errors)
-    values = iter(_restore_leaves(source, _placement.place_unsharded(requests, str(loc))))
+    values = iter(_restore_leaves(source, _placement.place_unsharded(requests, str(loc)), max_bytes))
     return _tree.unflatten(treedef, [kept[p] if p in kept else next(values) for p, _ in flat])
 
 

@@ -1,7 +1,11 @@
 """Staging a save's host buffers in waves within a byte budget (a manager's
 ``max_staging_bytes``): the budget shared by every save given it, the waves of one
 snapshot, and the hand-over between the caller that stages them and the writer that
-writes and frees them. ``_snapshot`` plans the waves and stages each one."""
+writes and frees them. ``_snapshot`` plans the waves and stages each one.
+
+A restore within a budget too (``restore(..., max_staging_bytes=)``, issue 34): which
+leaves go together (``restore_waves``) and the thread that reads the next wave while the
+one before it is placed (``ReadAhead``); ``_restore`` runs them."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import collections
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -19,15 +23,20 @@ from . import _layout
 from ._errors import CheckpointError
 
 
+def check_budget(max_bytes: Any) -> Any:
+    """``max_bytes`` when it is a positive int (``None`` passes), else ``ValueError``."""
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
+        raise ValueError(f"max_staging_bytes must be a positive int, got {max_bytes!r}")
+    return max_bytes
+
+
 class StagingBudget:
     """The most host bytes that staged-but-not-yet-written waves may hold at once, shared
     by every save given it (a manager's ``max_staging_bytes``). ``in_flight`` and
     ``peak``: those bytes now, and the most so far (what tests and benchmarks read)."""
 
     def __init__(self, max_bytes: int):
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-            raise ValueError(f"max_staging_bytes must be a positive int, got {max_bytes!r}")
-        self.max_bytes = max_bytes
+        self.max_bytes = check_budget(max_bytes)
         self.in_flight = 0
         self.peak = 0
         self.cond = threading.Condition()
@@ -213,3 +222,53 @@ def plan(items: list[Any], costs: list[int], first_bytes: int, budget: int) -> l
         waves[-1][0].append(it)
         waves[-1][1].append(c)
     return [Planned(its, sum(cs), i == 0) for i, (its, cs) in enumerate(waves)]
+
+
+# --- a restore in waves -----------------------------------------------------------
+
+def restore_waves(sizes: Sequence[int], max_bytes: int | None) -> list[list[int]]:
+    """Indices ``0..len(sizes)-1`` in consecutive waves of at most ``max_bytes // 2`` bytes
+    each (two waves are in host memory at once: one placed, the next read); an item bigger
+    than that goes alone. One wave without a budget."""
+    if max_bytes is None:
+        return [list(range(len(sizes)))]
+    limit = max(1, max_bytes // 2)
+    out: list[list[int]] = [[]]
+    total = 0
+    for i, n in enumerate(sizes):
+        if out[-1] and total + n > limit:
+            out.append([])
+            total = 0
+        out[-1].append(i)
+        total += n
+    return out
+
+
+class ReadAhead:
+    """``fn(arg)`` on a thread of its own (a plain thread, as ``_tasks`` explains: a restore
+    at the interpreter's exit still runs); ``result()`` waits for it and gives its value or
+    raises its error. What it waits on is bounded by the reads' own storage timeouts."""
+
+    def __init__(self, fn: Callable[[Any], Any], arg: Any):
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self._value = fn(arg)
+            except BaseException as e:  # noqa: BLE001 - raised in the caller, by result()
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="jaxckpt-restore-ahead", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        value, self._value = self._value, None
+        return value

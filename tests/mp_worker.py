@@ -262,7 +262,7 @@ def run_read_once(path, args):
     _storage.reset_io_stats()
     t0 = time.monotonic()
     try:
-        back = jaxckpt.restore(path, target)
+        back = jaxckpt.restore(path, target, max_staging_bytes=args.get("budget"))
     except jaxckpt.CheckpointError as e:
         return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
     read = _storage.io_stats()["bytes_read"]

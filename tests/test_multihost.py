@@ -240,6 +240,15 @@ def state_bytes():
     return sum(sizes.values())
 
 
+def test_read_once_in_waves_within_a_host_budget_is_exact_and_reads_each_byte_once(tmp_path):
+    """``max_staging_bytes``: every process forms the same waves (global facts), the
+    exchange of each wave in turn; every byte still read once in the job."""
+    whole = read_once_job(tmp_path / "whole", read_once="1")
+    waves = read_once_job(tmp_path / "waves", read_once="1", budget=256 << 10)
+    assert all(waves[p]["same"] for p in range(2)), waves
+    assert sum(waves[p]["read"] for p in range(2)) == sum(whole[p]["read"] for p in range(2))
+
+
 @pytest.mark.parametrize("nproc", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_read_once_reads_each_replicated_byte_once_per_job(tmp_path, nproc):
     """Fully replicated leaves, column blocks replicated over the processes, and column

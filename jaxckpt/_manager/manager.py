@@ -89,7 +89,8 @@ class CheckpointManager:
         take (device-to-host copies; numpy leaves, which an async save copies). A bigger
         save stages and writes in waves: ``save`` then returns once its last wave is
         staged. CPU jax arrays are staged as zero-copy views and do not count; a chunk
-        bigger than the budget is staged on its own. ``None``: everything at once.
+        bigger than the budget is staged on its own. A restore's read buffers keep to it
+        too (``jaxckpt.restore``'s ``max_staging_bytes``). ``None``: everything at once.
       peer_copies: a local directory per host: each host's part of every step is also kept
         on this many partner hosts (a ring), to restore a lost host from (docs/storage.md).
       compression: as ``jaxckpt.save`` takes it; encoded in the background part of a save.
@@ -135,6 +136,7 @@ class CheckpointManager:
         self._policy = _decisions.make(save_policy, save_interval_steps)
         self._async, self._verify = async_save, bool(verify_before_delete)
         self._staging = _snapshot.staging_budget(max_staging_bytes)
+        self._restore_budget = max_staging_bytes  # a restore's read buffers too
         self._codecs = _lossy.Codecs(compression, quantize)
         self._timeout, self._clock, self._read_only = timeout_s, clock, read_only
         self._lock = threading.RLock()
@@ -364,7 +366,8 @@ class CheckpointManager:
         """
         step = _arguments.step_to_restore(step, self._dir)
         read = functools.partial(_restore.restore, target=target, shardings=shardings, partial=partial,
-                                 allow_narrowing=allow_narrowing, key_map=key_map, missing=missing)
+                                 allow_narrowing=allow_narrowing, key_map=key_map, missing=missing,
+                                 max_staging_bytes=self._restore_budget)
         read = self._codecs.counting(read)  # with quantize: count the lossy resumes
         # the settling below may run retention: it must not take the step asked for (a
         # delete retention deferred meanwhile runs after the next save, as always)
