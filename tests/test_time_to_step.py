@@ -93,6 +93,18 @@ def test_a_listed_step_without_a_manifest_is_not_listed_and_no_manifest_is_read(
     mgr.close()
 
 
+def test_a_stray_step_directory_never_takes_a_real_steps_place_in_retention(tmp_path):
+    _save_steps(tmp_path, (1, 2, 3, 5))
+    os.makedirs(tmp_path / "4")  # empty: no manifest
+    with jaxckpt.CheckpointManager(tmp_path, async_save=False, max_to_keep=3) as mgr:
+        mgr.save(6, {"w": np.zeros(8, np.float32), "step": 6})
+        assert mgr.all_steps() == [3, 5, 6]
+    with jaxckpt.CheckpointManager(tmp_path, read_only=True) as mgr:
+        assert mgr.all_steps() == [3, 5, 6]
+        assert np.array_equal(mgr.restore(3, {"w": np.zeros(8, np.float32), "step": 0})["w"],
+                              np.arange(8, dtype=np.float32) + 3)
+
+
 def test_retention_by_count_never_reads_the_old_manifests_and_by_metric_reads_them(tmp_path, monkeypatch):
     _save_steps(tmp_path, range(1, 31))
     reads = _count_manifest_reads(monkeypatch)

@@ -191,7 +191,10 @@ class Retainer:
         self._deferred: set[int] = set()  # dropped by the policy while pinned
 
     def infos(self) -> list[_retention.StepInfo]:
-        """The listed steps; their manifests read only for a rule that ranks by metric or time."""
+        """The listed steps (each checked once to have its manifest: a stray ``7/`` never
+        takes a real step's place); their manifests read only for a rule that ranks by
+        metric or time."""
+        self._listing.confirm()
         with self._lock:
             if self.policy.best_metric is None and self.policy.keep_time_interval is None:
                 return [_retention.StepInfo(s, 0.0) for s in self._listing.local]

@@ -110,7 +110,8 @@ class Steps(MutableMapping):
         return [m for _, m in self.items()]
 
     def unconfirmed(self) -> list[int]:
-        """The unread steps not yet known to have a manifest (see ``confirm``)."""
+        """The unread steps not yet known to have a manifest (``present`` checks them;
+        ``tiers.Listing.confirm`` outside the manager's lock)."""
         return sorted(self._unread - self._present) if self._dir is not None else []
 
     def mark(self, there: Mapping[int, bool]) -> None:
@@ -118,12 +119,6 @@ class Steps(MutableMapping):
         for step, yes in there.items():
             if step in self._unread:
                 (self._present.add if yes else self._unread.discard)(step)
-
-    def confirm(self) -> None:
-        """Unlist the unread steps whose manifest is not there; with the caller's lock held
-        throughout (``tiers.Listing`` checks outside its lock, with ``unconfirmed``,
-        ``present`` and ``mark``)."""
-        self.mark(present(self._dir, self.unconfirmed()))
 
     def newest(self) -> int | None:
         """The newest step whose manifest validates (those newer that fail are unlisted)."""

@@ -382,7 +382,7 @@ class Listing:
     def durable(self) -> dict[int, Manifest]:
         return dict(self.persistent.steps) if self.persistent is not None else {}
 
-    def _confirm(self) -> None:
+    def confirm(self) -> None:
         """Unlist the listed steps whose manifest is gone (``Steps.confirm``), checked
         outside the lock: a save committing meanwhile is not held up."""
         with self._lock:
@@ -394,7 +394,7 @@ class Listing:
                 local.mark(there)
 
     def all(self) -> list[int]:
-        self._confirm()
+        self.confirm()
         with self._lock:
             return sorted(set(self.local) | set(self.durable()))
 
@@ -407,7 +407,7 @@ class Listing:
 
     def tiers(self, bare: Iterable[int] = ()) -> dict[int, tuple[str, ...]]:
         """``step_tiers`` of the listed steps (``bare``: those lacking peer copies)."""
-        self._confirm()
+        self.confirm()
         with self._lock:
             return step_tiers(self.local, self.durable(), bare)
 
