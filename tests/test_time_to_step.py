@@ -3,9 +3,11 @@ manifest whatever the number of steps; a manifest read at the start is not parse
 by the restore after it; ``prefetch`` reads a step's data into the page cache, bounded,
 and never follows a link or opens a FIFO."""
 
+import dataclasses
 import json
 import logging
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -40,12 +42,14 @@ def test_the_start_reads_the_newest_manifest_only(tmp_path, monkeypatch, read_on
     reads = _count_manifest_reads(monkeypatch)
     mgr = jaxckpt.CheckpointManager(tmp_path, read_only=read_only)
     assert reads == ["40"]
-    assert mgr.all_steps() == list(range(1, 41)) and mgr.latest_step() == 40
-    assert reads == ["40"]
+    assert mgr.latest_step() == 40 and reads == ["40"]
     back = mgr.restore(7, {"w": np.zeros(8, np.float32), "step": 0})
     assert np.array_equal(back["w"], np.arange(8, dtype=np.float32) + 7) and back["step"] == 7
     assert mgr.metrics(12) == {"loss": 88.0}
     assert sorted(reads) == sorted(["40", "7", "7", "12"])  # the listing's read of 7, then the restore's
+    assert mgr.all_steps() == list(range(1, 41))  # the listing asked for: every step validated, once
+    assert sorted(reads, key=int) == sorted([str(s) for s in range(1, 41)] + ["7"], key=int)
+    assert mgr.all_steps() == list(range(1, 41)) and len(reads) == 41
     mgr.close()
 
 
@@ -69,25 +73,32 @@ def test_an_older_step_that_fails_is_unlisted_when_read_with_its_reason(tmp_path
         f.seek(5)
         f.write(b"\x00")
     mgr = jaxckpt.CheckpointManager(tmp_path)
-    assert mgr.all_steps() == [1, 2, 3]  # listed: not read yet
     with caplog.at_level(logging.WARNING, logger="jaxckpt"):
-        with pytest.raises(jaxckpt.CorruptCheckpointError, match=f"Checkpoint '{tmp_path / '2'}'"):
+        with pytest.raises(jaxckpt.CheckpointNotFoundError, match=r"No committed step 2 .*\(committed: \[1, 3\]\)"):
             mgr.restore(2, {"w": np.zeros(8, np.float32), "step": 0})
     assert any(f"Skipping step 2 at '{tmp_path / '2'}'" in r.getMessage() for r in caplog.records)
-    assert mgr.all_steps() == [1, 3]
-    with pytest.raises(jaxckpt.CheckpointNotFoundError, match="No committed step 2"):
-        mgr.restore(2, {"w": np.zeros(8, np.float32), "step": 0})
+    assert mgr.all_steps() == [1, 3] and [mgr.metrics(s) for s in mgr.all_steps()] == [{"loss": 99.0}, {"loss": 97.0}]
     mgr.close()
 
 
-def test_a_listed_step_without_a_manifest_is_not_listed_and_no_manifest_is_read(tmp_path, monkeypatch):
+def test_ls_over_a_damaged_old_step_lists_the_others(tmp_path, capsys):
+    from jaxckpt import cli
+
+    _save_steps(tmp_path, (1, 2, 3))
+    (tmp_path / "2" / "manifest.json").write_bytes(b"{")
+    with pytest.raises(SystemExit) as done:
+        cli.main(["ls", str(tmp_path), "--json"])
+    assert done.value.code == 0
+    assert [row["step"] for row in json.loads(capsys.readouterr().out)["steps"]] == [1, 3]
+
+
+def test_a_listed_step_without_a_manifest_is_not_listed(tmp_path, monkeypatch):
     _save_steps(tmp_path, (1, 3, 5))
     os.makedirs(tmp_path / "2")  # an empty step directory, older than the newest
-    reads = _count_manifest_reads(monkeypatch)
     mgr = jaxckpt.CheckpointManager(tmp_path, read_only=True)
     assert mgr.all_steps() == [1, 3, 5] and mgr.step_tiers() == {1: ("local",), 3: ("local",), 5: ("local",)}
-    os.remove(tmp_path / "3" / "manifest.json")  # checked once: listed until a reload
-    assert mgr.all_steps() == [1, 3, 5] and reads == ["5"]
+    os.remove(tmp_path / "3" / "manifest.json")  # read once: listed until a reload
+    assert mgr.all_steps() == [1, 3, 5]
     mgr.reload()
     assert mgr.all_steps() == [1, 5]
     mgr.close()
@@ -105,14 +116,16 @@ def test_a_stray_step_directory_never_takes_a_real_steps_place_in_retention(tmp_
                               np.arange(8, dtype=np.float32) + 3)
 
 
-def test_retention_by_count_never_reads_the_old_manifests_and_by_metric_reads_them(tmp_path, monkeypatch):
+def test_retention_reads_each_old_manifest_once_after_the_start_and_keeps_the_unreadable(tmp_path, monkeypatch):
     _save_steps(tmp_path, range(1, 31))
+    (tmp_path / "12" / "manifest.json").write_bytes(b"{")  # damaged: neither counted nor deleted
     reads = _count_manifest_reads(monkeypatch)
     with jaxckpt.CheckpointManager(tmp_path, async_save=False, max_to_keep=3) as mgr:
+        assert reads == ["30"]
         mgr.save(31, {"w": np.zeros(8, np.float32), "step": 31})
         assert mgr.all_steps() == [29, 30, 31]
-    assert reads == ["30"]  # the start's; the deletes read nothing
-    assert {n for n in os.listdir(tmp_path) if n.isdigit()} == {"29", "30", "31"}
+    assert sorted(reads, key=int) == [str(s) for s in range(1, 31)]  # each once, the start's 30 included
+    assert {n for n in os.listdir(tmp_path) if n.isdigit()} == {"12", "29", "30", "31"}
     with jaxckpt.CheckpointManager(tmp_path, async_save=False, best_metric="loss", keep_best=1,
                                    max_to_keep=1) as mgr:
         mgr.save(40, {"w": np.zeros(8, np.float32), "step": 40}, metrics={"loss": 99.5})
@@ -184,9 +197,27 @@ def test_prefetch_reads_this_process_streams_only_when_the_count_matches(tmp_pat
     for name in ("p1.0", "p1.1"):  # another process's objects
         (tmp_path / "1" / "data" / name).write_bytes(b"y" * 100)
     files = _prefetch.data_files(str(tmp_path / "1"), man)
-    assert [os.path.basename(f) for f in files] == ["p0.0"]
-    man2 = __import__("dataclasses").replace(man, process_count=2)
-    assert [os.path.basename(f) for f in _prefetch.data_files(str(tmp_path / "1"), man2)] == ["p0.0", "p1.0", "p1.1"]
+    assert [os.path.basename(f) for f, _ in files] == ["p0.0"]
+    assert files[0][1] == os.path.getsize(tmp_path / "1" / "data" / "p0.0")
+    man2 = dataclasses.replace(man, process_count=2, streams={0: man.streams[0], 1: 100})
+    assert [os.path.basename(f) for f, _ in _prefetch.data_files(str(tmp_path / "1"), man2)] == ["p0.0", "p1.0"]
+
+
+def test_prefetch_reads_what_the_manifest_names_only_and_one_at_a_time(tmp_path):
+    _save_steps(tmp_path, (1, 2))
+    data = tmp_path / "2" / "data"
+    size = os.path.getsize(data / "p0.0")
+    with open(data / "p0.0", "ab") as f:  # longer than the manifest says: read to its size
+        f.write(b"z" * 100_000)
+    with open(data / "stray", "wb") as f:  # named by no manifest: never read
+        f.truncate(64 << 30)
+    with jaxckpt.CheckpointManager(tmp_path, read_only=True) as mgr:
+        assert mgr.prefetch(2).result(timeout=30) == size
+        first = mgr.prefetch(1)
+        again = mgr.prefetch(1)
+        assert again is first or first.done()
+        assert first.result(timeout=30) == os.path.getsize(tmp_path / "1" / "data" / "p0.0")
+    assert not [t for t in threading.enumerate() if t.name.startswith("jaxckpt-prefetch")]
 
 
 def test_prefetch_on_an_object_store_reads_nothing(tmp_path):
@@ -213,3 +244,33 @@ def test_history_of_many_steps_is_not_read_at_the_start(tmp_path, monkeypatch):
     assert mgr.latest_step() == 1 and loads == []
     assert len(mgr.history()) == 2000 and loads == [1]
     mgr.close()
+
+
+@pytest.mark.parametrize("scenario", ["info", "missing"])
+def test_processes_of_a_job_agree_on_a_step_only_one_of_them_read(tmp_path, scenario):
+    """Process 0 alone reads the steps (its metrics logged, or all_steps()); every process
+    then deletes step 2 (damaged) or saves it again (its manifest gone): the same answer
+    in both from the same bytes, at once, and the job goes on (no wait for a process that
+    listed it differently)."""
+    from conftest import run_workers
+
+    _save_steps(tmp_path, (1, 2, 3))
+    if scenario == "info":
+        with open(tmp_path / "2" / "manifest.json", "r+b") as f:
+            f.truncate(50)
+    else:
+        os.remove(tmp_path / "2" / "manifest.json")
+    worker = os.path.join(os.path.dirname(__file__), "mp_steplist_worker.py")
+    res = run_workers(worker, 2, lambda i, port: (port, i, tmp_path, scenario), timeout=120)
+    firsts = {res[p]["first"] for p in (0, 1)}
+    assert all(res[p]["first_s"] < 10 for p in (0, 1)), res
+    if scenario == "info":
+        assert res[0]["seen"] == {"1": {"loss": 99.0}, "3": {"loss": 97.0}}
+        assert firsts == {f"CheckpointNotFoundError: No committed step 2 in '{tmp_path}' (committed: [1, 3])"}
+    else:
+        assert res[0]["seen"] == [1, 3]
+        why = f"'{tmp_path / '2'}' exists and is not a jaxckpt checkpoint (no manifest.json); refusing to overwrite it"
+        assert res[0]["first"] == f"CheckpointError: Saving step 2 to '{tmp_path}' failed: {why}"
+        assert res[1]["first"].startswith(f"CheckpointError: Saving step 2 to '{tmp_path}' failed: ") and why in (
+            res[1]["first"]), res  # process 1 told by process 0
+    assert res[0]["steps"] == res[1]["steps"] == [1, 3, 10] and res[0]["ten"] == [10.0] * 4

@@ -191,13 +191,11 @@ class Retainer:
         self._deferred: set[int] = set()  # dropped by the policy while pinned
 
     def infos(self) -> list[_retention.StepInfo]:
-        """The listed steps (each checked once to have its manifest: a stray ``7/`` never
-        takes a real step's place); their manifests read only for a rule that ranks by
-        metric or time."""
-        self._listing.confirm()
+        """The listed steps, each validated (read once, outside the lock: ``Listing.validate``):
+        a step whose manifest is missing, damaged or of a newer format is neither counted
+        nor deleted, as the start's eager discovery skipped it."""
+        self._listing.validate()
         with self._lock:
-            if self.policy.best_metric is None and self.policy.keep_time_interval is None:
-                return [_retention.StepInfo(s, 0.0) for s in self._listing.local]
             return _retention.step_infos({s: m.info for s, m in self._listing.local.items()})
 
     def apply(self) -> None:

@@ -358,13 +358,14 @@ def locate(step: int | None, local: Mapping[int, Any], durable: Mapping[int, Any
            durable_dir: Location | None) -> tuple[Location, int]:
     """Where to read ``step`` (default: the newest of either tier): the local copy when
     there is one."""
-    known = set(local) | set(durable)
-    if step is None:
-        if not known:
+    if step is None:  # no step but the newest read (``Steps.newest``)
+        newest = local.newest() if isinstance(local, _steplist.Steps) else max(local, default=None)
+        step = max((s for s in (newest, max(durable, default=None)) if s is not None), default=None)
+        if step is None:
             raise CheckpointNotFoundError(f"No committed step in '{local_dir}'")
-        step = max(known)
-    elif step not in known:
-        raise CheckpointNotFoundError(f"No committed step {step} in '{local_dir}' (committed: {sorted(known)})")
+    elif step not in local and step not in durable:
+        known = sorted(set(local) | set(durable))
+        raise CheckpointNotFoundError(f"No committed step {step} in '{local_dir}' (committed: {known})")
     return (local_dir if step in local else durable_dir).child(_commit.step_name(step)), step
 
 
@@ -382,19 +383,19 @@ class Listing:
     def durable(self) -> dict[int, Manifest]:
         return dict(self.persistent.steps) if self.persistent is not None else {}
 
-    def confirm(self) -> None:
-        """Unlist the listed steps whose manifest is gone (``Steps.confirm``), checked
-        outside the lock: a save committing meanwhile is not held up."""
+    def validate(self) -> None:
+        """Read the manifests of the listed steps not read yet (``Steps``), outside the
+        lock: a save committing meanwhile is not held up by a directory of many steps."""
         with self._lock:
             local = self.local
-            todo = local.unconfirmed()
+            todo = local.unread()
         if todo:
-            there = _steplist.present(local.directory, todo)
+            found = _steplist.read(local.directory, todo)
             with self._lock:
-                local.mark(there)
+                local.adopt(found)
 
     def all(self) -> list[int]:
-        self.confirm()
+        self.validate()
         with self._lock:
             return sorted(set(self.local) | set(self.durable()))
 
@@ -407,7 +408,7 @@ class Listing:
 
     def tiers(self, bare: Iterable[int] = ()) -> dict[int, tuple[str, ...]]:
         """``step_tiers`` of the listed steps (``bare``: those lacking peer copies)."""
-        self.confirm()
+        self.validate()
         with self._lock:
             return step_tiers(self.local, self.durable(), bare)
 
@@ -431,6 +432,7 @@ class Listing:
 
     def infos(self) -> dict[int, dict[str, Any]]:
         """The manifest info of each listed local step."""
+        self.validate()
         with self._lock:
             return {s: m.info for s, m in self.local.items()}
 

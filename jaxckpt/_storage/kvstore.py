@@ -380,15 +380,6 @@ def read_blob(root: Location, key: str) -> bytes | None:
     return None
 
 
-def exists(root: Location, key: str) -> bool:
-    """Whether the blob is there, its bytes not read (an object store: one listing of
-    just this key)."""
-    if root.local is not None:
-        return os.path.isfile(os.path.join(root.local, key))
-    kv = _kvstore(root)
-    return bool(wait(track(kv.list(ts.KvStore.KeyRange(key, key + "\x00"))), root, "listing", key))
-
-
 def delete_blob(root: Location, key: str) -> None:
     if root.local is not None:
         try:
