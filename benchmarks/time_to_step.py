@@ -297,7 +297,7 @@ def memory_one(lib: str, how: str, path: str, smoke: bool) -> dict[str, float]:
 
     budget, dtype = json.loads(how)
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    n = (1 << 26 if not smoke else 1 << 18) // 16
+    n = (1 << 28 if not smoke else 1 << 18) // 16
     dt = jax.numpy.bfloat16 if dtype == "bfloat16" else np.float32
     target = {f"w{k:02d}": jax.ShapeDtypeStruct((n,), dt, sharding=sharding) for k in range(16)}
     if lib == "jaxckpt":
@@ -326,7 +326,7 @@ def make_memory(lib: str, path: str, smoke: bool) -> None:
     import jax
     import numpy as np
 
-    n = (1 << 26 if not smoke else 1 << 18) // 16
+    n = (1 << 28 if not smoke else 1 << 18) // 16
     state = {f"w{k:02d}": jax.numpy.asarray(np.arange(n, dtype=np.float32) + k) for k in range(16)}
     if lib == "jaxckpt":
         import jaxckpt
