@@ -381,3 +381,26 @@ def test_dead_attempts_are_removed_by_the_next_writer_manager_not_while_theirs_l
         mgr.save(2, tree(2))
         mgr.wait_until_finished()
         assert_is(mgr.restore(2), 2)
+
+
+def test_a_writers_start_sweeps_many_steps_from_one_walk_and_still_finds_the_dead(s3_server, monkeypatch):
+    """The start's sweep for dead attempts walks the directory's keys once (1,000 a
+    request) instead of listing every step twice; only a step whose shape is not a clean
+    commit is listed again, and its dead attempt still goes."""
+    from jaxckpt._storage import kvstore as _kvstore
+
+    spec = s3_server("walk")
+    with jaxckpt.CheckpointManager(spec, async_save=False) as mgr:
+        for step in range(1, 41):
+            mgr.save(step, {"x": np.full(4, step)})
+    stray = f"walk/7/d/1000000000-{'0' * 12}/data/p0.0"
+    s3_server.client.put_object(Bucket=BUCKET, Key=stray, Body=b"dead")
+    listed = []
+    real = _kvstore.list_children
+    monkeypatch.setattr(_kvstore, "list_children", lambda root: listed.append(str(root)) or real(root))
+    with jaxckpt.CheckpointManager(spec) as mgr:
+        assert stray not in keys(s3_server, "walk/7/")
+        assert_bit_equal(mgr.restore(7)["x"], np.full(4, 7))
+        assert mgr.latest_step() == 40
+    swept = [p for p in listed if "/7" in p]
+    assert len(listed) < 12 and swept, listed  # not two per step (80 for these 40): step 7 alone looked at again

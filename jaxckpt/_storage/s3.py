@@ -109,6 +109,36 @@ def children(root: Location) -> list[str] | None:
     return sorted(n for n in names if n)
 
 
+def walk(root: Location, visit: Any) -> bool:
+    """Every key below ``root`` on S3 through boto3, relative to it, handed to
+    ``visit`` page by page (1,000 keys a request, none kept here); ``False`` when boto3
+    is missing or has no credentials (nothing visited)."""
+    try:
+        import botocore.exceptions
+    except ImportError:
+        return False
+    spec = root.kvstore
+    prefix = spec.get("path", "")
+    started = time.monotonic()
+    try:
+        client = client_for(root)
+        if client is None:
+            return False
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=spec["bucket"], Prefix=prefix):
+            for o in page.get("Contents", []):
+                visit(o["Key"][len(prefix):])
+    except botocore.exceptions.ClientError as e:
+        err = e.response.get("Error", {})
+        cause = f"{err.get('Code', '?')}: {err.get('Message', '')}".rstrip(": ")
+        raise CheckpointError(f"Listing '{root.url}' failed: {cause}") from None
+    except (botocore.exceptions.NoCredentialsError, botocore.exceptions.NoRegionError,
+            botocore.exceptions.ProfileNotFound):
+        return False
+    except botocore.exceptions.BotoCoreError as e:
+        raise _failed("Listing", root, e, started) from None
+    return True
+
+
 # The environment a client's credentials come from: a change to it makes a new client.
 ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
        "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE")
