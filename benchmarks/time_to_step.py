@@ -12,7 +12,7 @@ itself, in the same run: ``--readers`` threads reading the step's files (cold), 
 parallel reads of the same bytes reach on this disk. Medians of ``--reps``.
 
     python benchmarks/time_to_step.py [--dir /tmp] [--reps 3] [--readers 8] [--smoke]
-                                      [--part phases|steps] [--no-s3]
+                                      [--part phases|steps|memory|jobs] [--procs 4] [--no-s3]
 
 ``TIME_TO_STEP_ROOT=/path/to/an/older/checkout`` runs the workers on that jaxckpt (the
 "before" of a change), the benchmark itself from here.
@@ -362,6 +362,203 @@ def memory_main(opts: argparse.Namespace, scratch: str) -> None:
               f"{med['state_mib']:.0f} | {med['seconds']:.3f} |")
 
 
+# --- several processes, and the local S3 server (issue 34, item 1) ------------------
+
+JOB_LIBS = ("jaxckpt", "orbax")
+
+
+def job_spec(kind: str, nproc: int, smoke: bool) -> list[tuple[str, int]]:
+    """``state_spec`` with each leaf's length a multiple of ``nproc`` (sharded over them)."""
+    return [(name, n - n % nproc) for name, n in state_spec(kind, smoke)]
+
+
+def job_where(path: str, s3: dict | None) -> str:
+    return f"s3://{s3['bucket']}/{s3['path']}" if s3 is not None else path
+
+
+def job_worker(a: dict) -> dict:
+    """One process of an ``nproc``-process job (jax.distributed over gloo, one CPU device
+    each; no distributed runtime for one process): ``make`` saves step 1, ``resume``
+    times the phases as ``resume`` does (the import row includes the runtime's start),
+    every leaf sharded over the processes, each process reading only its own part."""
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    import jax
+
+    nproc, pid = a["nproc"], a["pid"]
+    if nproc > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(f"127.0.0.1:{a['port']}", num_processes=nproc, process_id=pid,
+                                   initialization_timeout=120)
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    if a["lib"] == "jaxckpt":
+        import jaxckpt
+    else:
+        import orbax.checkpoint as ocp
+    out: dict = {"import": time.time() - a["t0"]}
+    spec = job_spec(a["kind"], nproc, a["smoke"])
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+    sharding = NamedSharding(mesh, P("d"))
+    where = job_where(a["path"], a["s3"])
+
+    def values(k: int, n: int, index: tuple) -> np.ndarray:
+        lo, hi = index[0].start or 0, index[0].stop or n
+        return np.arange(lo, hi, dtype=np.float32) + k
+
+    if a["mode"] == "job-make":
+        state = {name: jax.make_array_from_callback((n,), sharding, lambda idx, k=k, n=n: values(k, n, idx))
+                 for k, (name, n) in enumerate(spec)}
+        if a["lib"] == "jaxckpt":
+            with jaxckpt.CheckpointManager(where, async_save=False) as mgr:
+                mgr.save(1, state)
+        else:
+            with ocp.CheckpointManager(where) as mgr:
+                mgr.save(1, args=ocp.args.StandardSave(state))
+                mgr.wait_until_finished()
+        return {}
+    target = {name: jax.ShapeDtypeStruct((n,), np.float32, sharding=sharding) for name, n in spec}
+    t = time.perf_counter()
+    mgr = jaxckpt.CheckpointManager(where, read_only=True) if a["lib"] == "jaxckpt" else ocp.CheckpointManager(where)
+    out["manager start"] = time.perf_counter() - t
+    step = jax.jit(lambda s: jax.tree.map(lambda x: x * 0.5 + 1, s))
+    t = time.perf_counter()
+    back = mgr.restore(1, target) if a["lib"] == "jaxckpt" else mgr.restore(
+        1, args=ocp.args.StandardRestore(target))
+    out["restore"] = time.perf_counter() - t
+    t = time.perf_counter()
+    jax.block_until_ready(back)
+    out["placement"] = time.perf_counter() - t
+    t = time.perf_counter()
+    jax.block_until_ready(step(back))
+    out["first step"] = time.perf_counter() - t
+    out["end"] = time.time() - a["t0"]
+    for k, (name, n) in enumerate(spec[:3]):  # checked after the clock stopped
+        for sh in back[name].addressable_shards:
+            assert np.array_equal(np.asarray(sh.data), values(k, n, sh.index)), (name, sh.index)
+    mgr.close()
+    if nproc > 1:
+        jax.distributed.shutdown()
+    return out
+
+
+def run_job(mode: str, lib: str, kind: str, path: str, smoke: bool, nproc: int,
+            s3: dict | None) -> list[dict[str, float]]:
+    """An ``nproc``-process job of ``job_worker``; each process's result."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.environ.get("TIME_TO_STEP_ROOT", ROOT), JAX_PLATFORMS="cpu",
+               AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_REGION="us-east-1")
+    if s3 is not None:
+        env["AWS_ENDPOINT_URL"] = s3["endpoint"]
+    t0 = time.time()
+    procs = [subprocess.Popen(
+        [sys.executable, __file__, "--worker", json.dumps(
+            {"mode": mode, "lib": lib, "kind": kind, "path": path, "smoke": smoke, "t0": t0, "nproc": nproc,
+             "pid": i, "port": port, "s3": s3})], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for i in range(nproc)]
+    results = []
+    for i, p in enumerate(procs):
+        out, err = p.communicate(timeout=1800)
+        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        if not lines:
+            for q in procs:
+                q.kill()
+            raise SystemExit(f"{mode} {lib} {kind} process {i} failed ({p.returncode}):\n{err[-3000:]}")
+        results.append(json.loads(lines[-1][7:]))
+    return results
+
+
+def s3_read_limit(s3: dict, threads: int, ranged: bool) -> float:
+    """Seconds for ``threads`` boto3 GETs at once of every object under ``s3["path"]``:
+    whole objects, or (``ranged``) in ranged GETs of 4 MiB, the most a format-3 restore
+    asks in one (its chunks; moto copies the whole object for each ranged GET, S3 does
+    not): what parallel reads of the same bytes reach on this server."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3["endpoint"], region_name="us-east-1")
+    objects = [(o["Key"], o["Size"]) for page in client.get_paginator("list_objects_v2").paginate(
+        Bucket=s3["bucket"], Prefix=s3["path"] + "/") for o in page.get("Contents", ())]
+    step = 4 << 20
+    gets = [(key, f"bytes={lo}-{min(lo + step, size) - 1}") for key, size in objects for lo in range(0, size, step)
+            ] if ranged else [(key, None) for key, _ in objects]
+
+    def get(item: tuple[str, str | None]) -> int:
+        key, span = item
+        extra = {"Range": span} if span else {}
+        return len(client.get_object(Bucket=s3["bucket"], Key=key, **extra)["Body"].read())
+
+    t = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(get, gets))
+    return time.perf_counter() - t
+
+
+def jobs_main(opts: argparse.Namespace, scratch: str) -> None:
+    """The phases for ``--procs`` processes on local disk (jaxckpt and orbax, cold and
+    warm) and on the local S3 server (jaxckpt: orbax 0.12's S3 path fails here, see
+    benchmarks/RESULTS.md); per phase the slowest process, total: from spawning the
+    processes to the last one's first step."""
+    nproc = opts.procs
+    server, endpoint = start_moto() if not opts.no_s3 else (None, None)
+    rows: dict[tuple, list[list[dict]]] = {}
+    limits: dict[tuple, list[float]] = {}
+    try:
+        for kind in ("1 GiB", "1000 leaves"):
+            tag = kind.replace(" ", "")
+            made = {}
+            for lib in JOB_LIBS:
+                made[lib, "disk"] = (os.path.join(scratch, f"{lib}-{tag}"), None)
+            if server is not None:
+                made["jaxckpt", "S3"] = (os.path.join(scratch, f"s3-{tag}"),
+                                         {"bucket": "steps", "path": f"phases-{tag}", "endpoint": endpoint})
+            for (lib, store), (path, s3) in made.items():
+                run_job("job-make", lib, kind, path, opts.smoke, nproc, s3)
+            for _ in range(opts.reps):
+                for (lib, store), (path, s3) in made.items():
+                    for cache in (("cold", "warm") if store == "disk" else ("-",)):
+                        if cache == "cold":
+                            how = drop_cache(path)
+                        rows.setdefault((kind, store, cache, lib), []).append(
+                            run_job("resume", lib, kind, path, opts.smoke, nproc, s3))
+                limits.setdefault((kind, "disk"), []).append(
+                    read_limit(os.path.join(made["jaxckpt", "disk"][0], "1"), opts.readers))
+                if server is not None:
+                    limits.setdefault((kind, "S3"), []).append(s3_read_limit(made["jaxckpt", "S3"][1], 16, False))
+                    limits.setdefault((kind, "S3 ranged"), []).append(
+                        s3_read_limit(made["jaxckpt", "S3"][1], 16, True))
+    finally:
+        if server is not None:
+            server.terminate()
+    print(f"{nproc} processes; page cache dropped with {how}; medians of {opts.reps}; a phase: its slowest "
+          f"process; total: spawn to the last process's first step; read limit: {opts.readers} threads (disk, "
+          "cold), 16 boto3 GETs at once of whole objects and of 4 MiB ranges (S3)")
+    print("| state | store | cache | phase | jaxckpt [s] | orbax [s] | jaxckpt / orbax |")
+    print("|---|---|---|---|---:|---:|---:|")
+    for (kind, store, cache, lib), jobs in rows.items():
+        if lib != "jaxckpt":
+            continue
+        for phase in (*PHASES, "total"):
+            med = {}
+            for other in JOB_LIBS:
+                runs = rows.get((kind, store, cache, other))
+                if runs is not None:
+                    med[other] = statistics.median(max(r["end" if phase == "total" else phase] for r in job)
+                                                   for job in runs)
+            ob = med.get("orbax")
+            print(f"| {kind} | {store} | {cache} | {phase} | {med['jaxckpt']:.3f} | "
+                  f"{'-' if ob is None else f'{ob:.3f}'} | {'-' if ob is None else f'{med[lib] / ob:.2f}x'} |")
+        if cache != "warm":
+            print(f"| {kind} | {store} | | read limit | {statistics.median(limits[kind, store]):.3f} | | |")
+        if store == "S3":
+            print(f"| {kind} | {store} | | read limit, 4 MiB ranges | "
+                  f"{statistics.median(limits[kind, 'S3 ranged']):.3f} | | |")
+
+
 def start_moto() -> tuple[subprocess.Popen, str]:
     """The local S3 server (moto) on a free port of 127.0.0.1, with a bucket ``steps``."""
     import socket
@@ -408,10 +605,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--readers", type=int, default=8)
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--part", choices=("phases", "steps", "memory"), default="phases",
+    parser.add_argument("--part", choices=("phases", "steps", "memory", "jobs"), default="phases",
                         help="phases: the path to the first step; steps: the start over 1/100/10,000 steps; "
-                             "memory: a restore's host memory with and without max_staging_bytes")
-    parser.add_argument("--no-s3", action="store_true", help="steps: local disk only")
+                             "memory: a restore's host memory with and without max_staging_bytes; "
+                             "jobs: the phases for --procs processes and on the local S3 server")
+    parser.add_argument("--no-s3", action="store_true", help="steps, jobs: local disk only")
+    parser.add_argument("--procs", type=int, default=4, help="jobs: processes in the job")
     parser.add_argument("--worker", default=None)
     opts = parser.parse_args()
     if opts.worker:
@@ -427,6 +626,8 @@ def main() -> None:
         elif a["mode"] == "make-steps":
             make_steps(a["lib"], a["path"], *json.loads(a["kind"]))
             print("RESULT {}")
+        elif a["mode"] in ("job-make", "resume") and "nproc" in a:
+            print("RESULT " + json.dumps(job_worker(a)), flush=True)
         elif a["mode"] == "start":
             print("RESULT " + json.dumps(start_only(a["lib"], *json.loads(a["kind"])[:1], a["path"],
                                                     json.loads(a["kind"])[1])))
@@ -436,9 +637,9 @@ def main() -> None:
     if opts.smoke:
         opts.reps = 1
     scratch = tempfile.mkdtemp(prefix="jaxckpt-time-to-step-", dir=opts.dir)
-    if opts.part in ("steps", "memory"):
+    if opts.part in ("steps", "memory", "jobs"):
         try:
-            (steps_main if opts.part == "steps" else memory_main)(opts, scratch)
+            {"steps": steps_main, "memory": memory_main, "jobs": jobs_main}[opts.part](opts, scratch)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         return

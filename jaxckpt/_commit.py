@@ -37,6 +37,8 @@ never has a manifest.
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import copy
 import ctypes
 import dataclasses
@@ -47,7 +49,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from . import _claims, _manifest, _owner, _storage, _tasks, _untrusted
@@ -105,6 +107,12 @@ def data_location(final: Location, token: str) -> Location:
 
 def has_manifest(loc: Location) -> bool:
     return _kvstore.read_blob(loc, _manifest.MANIFEST) is not None
+
+
+def manifest_if_any(loc: Location) -> _manifest.Manifest | None:
+    """The validated manifest at ``loc``, ``None`` when there is none (one read)."""
+    data = _read_manifest_bytes(loc)
+    return None if data is None else parse_manifest(data, str(loc))
 
 
 def prepare(final: Location, token: str, overwrite: bool) -> Location:
@@ -336,7 +344,30 @@ def parse_manifest(data: bytes, where: str) -> _manifest.Manifest:
     return man
 
 
+# A manifest the caller has just read or holds for certain (a manager's restore: the
+# reader's check after its mark, a writer's own step on an object store), handed to the
+# restore on the same thread so it does not read the same bytes again (a round trip on
+# an object store). Only ``read_manifest`` of that very location takes it.
+_KNOWN: contextvars.ContextVar[tuple[str, _manifest.Manifest] | None] = contextvars.ContextVar(
+    "jaxckpt_known_manifest", default=None)
+
+
+@contextlib.contextmanager
+def known_manifest(loc: Location, man: _manifest.Manifest) -> Iterator[None]:
+    """Within the block, ``read_manifest(loc)`` on this thread gives ``man`` (a copy)
+    instead of reading it."""
+    token = _KNOWN.set((str(loc), man))
+    try:
+        yield
+    finally:
+        _KNOWN.reset(token)
+
+
 def read_manifest(loc: Location) -> _manifest.Manifest:
+    known = _KNOWN.get()
+    if known is not None and known[0] == str(loc):
+        man = known[1]
+        return dataclasses.replace(man, metadata=copy.deepcopy(man.metadata), info=copy.deepcopy(man.info))
     data = _read_manifest_bytes(loc)
     if data is None:
         raise CheckpointNotFoundError(

@@ -79,6 +79,9 @@ STREAM_DIR = "data"  # format 3: the data objects ``p<k>.<n>``, below the manife
 # read together, up to this many bytes (one open and one preadv for many small leaves
 # instead of one each); bigger entries are read one per task, spread over the threads.
 COALESCE_BYTES = 1 << 20
+# A run's most bytes on an object store, where each entry alone is a request (1,000 leaves
+# of 4 KiB: 1,000 ranged GETs): a run is one ranged GET per data object it spans.
+REMOTE_COALESCE_BYTES = 8 << 20
 _MAX_IOVECS = 900  # under IOV_MAX (1024): an entry takes up to 3 (its gap, payload, crc32c)
 
 
@@ -420,13 +423,13 @@ def _execute(ops: list[_Op], loc: Location) -> None:
 
 
 def _direct_tasks(ops: list[_Op], loc: Location) -> list[Callable[[], None]]:
-    """One task per op, except runs of small consecutive entries of one local stream
-    (``COALESCE_BYTES``), one task per run."""
-    small = [op for op in ops if op.entry is not None and op.entry[0].local is not None
-             and op.entry[3] + _streams.CRC_BYTES < COALESCE_BYTES]
+    """One task per op, except runs of small consecutive entries of one stream (each
+    under ``COALESCE_BYTES``; a run up to that locally, up to ``REMOTE_COALESCE_BYTES``
+    on an object store), one task per run."""
+    small = [op for op in ops if op.entry is not None and op.entry[3] + _streams.CRC_BYTES < COALESCE_BYTES]
     ids = {id(op) for op in small}
     tasks = [_direct_task(op, loc) for op in ops if id(op) not in ids]
-    small.sort(key=lambda op: (op.entry[0].local, op.entry[1], op.entry[2]))
+    small.sort(key=lambda op: (str(op.entry[0]), op.entry[1], op.entry[2]))
     run: list[_Op] = []
     for op in small:
         if run and not _continues(run, op):
@@ -444,9 +447,14 @@ def _continues(run: list[_Op], op: _Op) -> bool:
     first, last, nxt = run[0].entry, run[-1].entry, op.entry
     assert first is not None and last is not None and nxt is not None
     end = last[2] + last[3] + _streams.CRC_BYTES
-    same_stream = (nxt[0].local, nxt[1], nxt[4]) == (last[0].local, last[1], last[4])
-    fits = nxt[2] + nxt[3] + _streams.CRC_BYTES - first[2] <= COALESCE_BYTES and 3 * (len(run) + 1) <= _MAX_IOVECS
+    same_stream = (nxt[0], nxt[1], nxt[4]) == (last[0], last[1], last[4])
+    fits = (nxt[2] + nxt[3] + _streams.CRC_BYTES - first[2] <= _coalesce(first[0])
+            and (first[0].local is None or 3 * (len(run) + 1) <= _MAX_IOVECS))
     return same_stream and 0 <= nxt[2] - end < _streams.ALIGN and fits
+
+
+def _coalesce(root: Location) -> int:
+    return COALESCE_BYTES if root.local is not None else REMOTE_COALESCE_BYTES
 
 
 def _run_task(run: list[_Op], loc: Location) -> Callable[[], None]:
@@ -461,7 +469,11 @@ def _run_task(run: list[_Op], loc: Location) -> Callable[[], None]:
             except (ValueError, OSError, CheckpointError) as e:
                 raise _corrupt(loc, op, e) from e
         bufs = [op.buffer() for op in run]
-        if _read_run([op.entry for op in run], bufs):
+        try:
+            whole = _read_run([op.entry for op in run], bufs)
+        except CheckpointError as e:  # the store failed (not the data): no second try entry by entry
+            raise _corrupt(loc, run[0], e) from e
+        if whole:
             for op, buf in zip(run, bufs):
                 _storage.count(bytes_read=op.entry[3], reads=1)
                 _finish(op, buf, loc)
@@ -474,7 +486,8 @@ def _run_task(run: list[_Op], loc: Location) -> Callable[[], None]:
 
 
 def _read_run(entries: list[Any], bufs: list[np.ndarray]) -> bool:
-    """Read consecutive local entries into ``bufs``; whether all arrived and checked out."""
+    """Read consecutive entries into ``bufs``; whether all arrived and checked out (a
+    store that fails raises ``CheckpointError``)."""
     root, process, first, _, segment_bytes = entries[0]
     parts: list[memoryview] = []
     checks = []
@@ -486,7 +499,13 @@ def _read_run(entries: list[Any], bufs: list[np.ndarray]) -> bool:
         parts += [view, memoryview(trailer)]
         checks.append((view, trailer))
         at = offset + nbytes + _streams.CRC_BYTES
-    if _preadv is None or any(not buf.flags.c_contiguous for buf in bufs):
+    if any(not buf.flags.c_contiguous for buf in bufs):
+        return False
+    if root.local is None:
+        if not _get_run(root, process, list(_dataobjects.pieces(first, at - first, segment_bytes)), parts):
+            return False
+        return all(crc32c.crc32c(view) == int.from_bytes(trailer, "little") for view, trailer in checks)
+    if _preadv is None:
         return False
     try:
         for n, start, stop in _dataobjects.pieces(first, at - first, segment_bytes):
@@ -499,6 +518,34 @@ def _read_run(entries: list[Any], bufs: list[np.ndarray]) -> bool:
 
 
 _preadv = getattr(os, "preadv", None)
+
+
+def _get_run(root: Location, process: int, spans: list[tuple[int, int, int]], parts: list[memoryview]) -> bool:
+    """Fill ``parts`` with one ranged read per data object of ``spans``, all issued before
+    the first is awaited; whether every range came back whole (``OUT_OF_RANGE``, a
+    missing object or a short answer: ``False``, and each entry is read again alone)."""
+    kv = _kvstore._kvstore(root)
+    futures = [_kvstore.track(kv.read(_dataobjects.segment_name(process, n), byte_range=slice(start, stop)))
+               for n, start, stop in spans]
+    whole = True
+    for future, (n, start, stop) in zip(futures, spans):
+        name = _dataobjects.segment_name(process, n)
+        taken = _take(parts, stop - start)
+        try:
+            result = _kvstore.wait(future, root, "reading", name, nbytes=stop - start)
+        except CheckpointError as e:
+            if "OUT_OF_RANGE" not in str(e):
+                raise
+            whole = False
+            continue
+        value = memoryview(result.value) if result.state == "value" else memoryview(b"")
+        if len(value) != stop - start:
+            whole = False
+            continue
+        for part in taken:
+            part[:] = value[:len(part)]
+            value = value[len(part):]
+    return whole
 
 
 def _take(parts: list[memoryview], nbytes: int) -> list[memoryview]:

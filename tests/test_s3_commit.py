@@ -404,3 +404,76 @@ def test_a_writers_start_sweeps_many_steps_from_one_walk_and_still_finds_the_dea
         assert mgr.latest_step() == 40
     swept = [p for p in listed if "/7" in p]
     assert len(listed) < 12 and swept, listed  # not two per step (80 for these 40): step 7 alone looked at again
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+def test_a_restore_after_the_start_reads_no_manifest_the_start_read(s3_server, monkeypatch, read_only):
+    """Round trips on the way to the first step (issue 34): a writer restores its own
+    step from the manifest it holds (no read); a read-only manager reads the manifest
+    once after it marks the step, and that read is the restore's."""
+    spec = s3_server(f"known-{read_only}")
+    _commit_steps(spec, (1, 2))
+    from jaxckpt._storage import kvstore as _kvstore
+
+    reads = []
+    real = _kvstore.read_blob
+
+    def read_blob(root, key):
+        if key == _manifest.MANIFEST:
+            reads.append(str(root))
+        return real(root, key)
+
+    monkeypatch.setattr(_kvstore, "read_blob", read_blob)
+    with jaxckpt.CheckpointManager(spec, read_only=read_only) as mgr:
+        started = len(reads)
+        assert_bit_equal(mgr.restore(None)["x"], np.full(4, 2))
+        assert_bit_equal(mgr.restore(1)["x"], np.full(4, 1))
+        after = [r.rstrip("/").rsplit("/", 1)[-1] for r in reads[started:]]
+    assert started == (1 if read_only else 2), reads  # the newest (and a writer's orbax-run check, beside it)
+    # step 1 is read once when first asked about (the lazy listing); a reader reads each
+    # step it restores again after marking it, and the restore takes that read
+    assert after == (["2", "1", "1"] if read_only else ["1"]), reads
+
+
+def test_a_read_only_restore_of_a_step_deleted_after_the_start_says_so(s3_server):
+    spec = s3_server("known-deleted")
+    _commit_steps(spec, (1, 2))
+    with jaxckpt.CheckpointManager(spec, read_only=True) as reader:
+        with jaxckpt.CheckpointManager(spec, async_save=False) as writer:
+            writer.delete(2)
+        with pytest.raises(jaxckpt.CheckpointNotFoundError, match=r"^Step 2 in '.*' was deleted$"):
+            reader.restore(2)
+        assert_bit_equal(reader.restore(1)["x"], np.full(4, 1))
+
+
+def test_a_writers_start_on_an_object_store_lists_beside_the_lease(s3_server, monkeypatch):
+    """The listing and the newest manifest are read while the lead takes the lease and
+    sweeps (an explicit point: the lease waits until the listing was asked for; in
+    sequence it would wait out its 10 s and find it not asked)."""
+    from jaxckpt._manager import lease as _lease
+
+    spec = s3_server("beside")
+    _commit_steps(spec, (1, 2, 3))
+    listed = threading.Event()
+    real_listed, real_acquire = _commit.listed_steps, _lease.Lease.acquire
+    monkeypatch.setattr(_commit, "listed_steps", lambda d: listed.set() or real_listed(d))
+    seen = []
+
+    def acquire(where, *a, **k):
+        seen.append(listed.wait(10))
+        return real_acquire(where, *a, **k)
+
+    monkeypatch.setattr(_lease.Lease, "acquire", staticmethod(acquire))
+    with jaxckpt.CheckpointManager(spec, async_save=False) as mgr:
+        assert seen == [True]
+        assert mgr.all_steps() == [1, 2, 3]
+        assert_bit_equal(mgr.restore(None)["x"], np.full(4, 3))
+        mgr.save(4, {"x": np.full(4, 4)})
+    with jaxckpt.CheckpointManager(spec, read_only=True) as mgr:
+        assert mgr.all_steps() == [1, 2, 3, 4]
+
+
+def _commit_steps(spec, steps):
+    with jaxckpt.CheckpointManager(spec, async_save=False) as mgr:
+        for step in steps:
+            mgr.save(step, {"x": np.full(4, step)})

@@ -6,6 +6,7 @@ the attempts left behind, with their sizes.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -58,8 +59,14 @@ def start_writer(directory: _location.Location, persistent: Any, timeout_s: floa
     Process 0 also takes the lease of the ``persistent`` tier (if any); the leases are
     released when ``owner`` (the manager) is dropped unclosed."""
     name = f"manager{_distributed.next_id()}"
-    with _distributed.Operation(name, str(directory), timeout_s) as op:
+    with _distributed.Operation(name, str(directory), timeout_s) as op, \
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-listing") as beside:
         groups = _hosts.find_groups(op, directory)
+        # On an object store the listing and the newest manifest are read beside the lease
+        # and the sweep (round trips each): on a shared directory nothing the sweep removes
+        # is a committed step, and a step it does remove reads as uncommitted (unlisted).
+        early = (beside.submit(_hosts.agreed_steps, op, directory, groups, partial)
+                 if directory.local is None and not groups.per_host else None)
         lease = None
         error: BaseException | None = None
         try:
@@ -80,7 +87,12 @@ def start_writer(directory: _location.Location, persistent: Any, timeout_s: floa
         except BaseException:
             release_leases(lease, persistent)
             raise
-        return Writer(groups, lease, _hosts.agreed_steps(op, directory, groups, partial))
+        try:
+            steps = early.result() if early is not None else _hosts.agreed_steps(op, directory, groups, partial)
+        except BaseException:
+            release_leases(lease, persistent)
+            raise
+        return Writer(groups, lease, steps)
 
 
 def release_leases(lease: _lease.Lease | None, persistent: Any, failure: BaseException | None = None) -> None:

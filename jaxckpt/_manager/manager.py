@@ -566,13 +566,18 @@ def _restore_here(mgr: CheckpointManager, step: int | None, read: Callable[[Any]
         with mgr._lock:  # chosen and pinned at once: retention cannot take it in between
             where, step = mgr._steps.locate(step)
             pinned.enter_context(mgr._pins.hold(step))
-        if not mgr._read_only or where != mgr._dir.child(_commit.step_name(step)) or mgr._steps.foreign(step):
+        own = where == mgr._dir.child(_commit.step_name(step)) and not mgr._steps.foreign(step)
+        if not mgr._read_only or not own:
+            if own and where.local is None:  # a writer's own step, as it committed it: not read again
+                pinned.enter_context(_commit.known_manifest(where, mgr._steps.manifest(step)))
             return read(where)  # a writer's own restores are held by its pins; orbax's writer marks nothing
         # Another process writes here: mark the step so its retention waits for us.
         with _marks.ReaderMark(mgr._dir, step):
-            if not _commit.has_manifest(where):
+            man = _commit.manifest_if_any(where)  # read after the mark: the restore reads this one
+            if man is None:
                 raise CheckpointNotFoundError(f"Step {step} in '{mgr._dir}' was deleted")
-            return read(where)
+            with _commit.known_manifest(where, man):
+                return read(where)
 
 
 def _shut(mgr: CheckpointManager, failure: BaseException | None) -> None:
