@@ -502,7 +502,8 @@ def _read_run(entries: list[Any], bufs: list[np.ndarray]) -> bool:
     if any(not buf.flags.c_contiguous for buf in bufs):
         return False
     if root.local is None:
-        if not _get_run(root, process, list(_dataobjects.pieces(first, at - first, segment_bytes)), parts):
+        if not _dataobjects.read_run(root, process, list(_dataobjects.pieces(first, at - first, segment_bytes)),
+                                     parts):
             return False
         return all(crc32c.crc32c(view) == int.from_bytes(trailer, "little") for view, trailer in checks)
     if _preadv is None:
@@ -518,34 +519,6 @@ def _read_run(entries: list[Any], bufs: list[np.ndarray]) -> bool:
 
 
 _preadv = getattr(os, "preadv", None)
-
-
-def _get_run(root: Location, process: int, spans: list[tuple[int, int, int]], parts: list[memoryview]) -> bool:
-    """Fill ``parts`` with one ranged read per data object of ``spans``, all issued before
-    the first is awaited; whether every range came back whole (``OUT_OF_RANGE``, a
-    missing object or a short answer: ``False``, and each entry is read again alone)."""
-    kv = _kvstore._kvstore(root)
-    futures = [_kvstore.track(kv.read(_dataobjects.segment_name(process, n), byte_range=slice(start, stop)))
-               for n, start, stop in spans]
-    whole = True
-    for future, (n, start, stop) in zip(futures, spans):
-        name = _dataobjects.segment_name(process, n)
-        taken = _take(parts, stop - start)
-        try:
-            result = _kvstore.wait(future, root, "reading", name, nbytes=stop - start)
-        except CheckpointError as e:
-            if "OUT_OF_RANGE" not in str(e):
-                raise
-            whole = False
-            continue
-        value = memoryview(result.value) if result.state == "value" else memoryview(b"")
-        if len(value) != stop - start:
-            whole = False
-            continue
-        for part in taken:
-            part[:] = value[:len(part)]
-            value = value[len(part):]
-    return whole
 
 
 def _take(parts: list[memoryview], nbytes: int) -> list[memoryview]:

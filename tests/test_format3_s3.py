@@ -164,7 +164,9 @@ def recorded(path):
     return [(e["method"], e["url"].split("://", 1)[-1].split("/", 1)[-1]) for e in entries]
 
 
-def test_deleting_a_step_takes_a_handful_of_requests(tmp_path):
+def test_deleting_a_step_takes_a_handful_of_requests(tmp_path, monkeypatch):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):  # as the session's S3 server sets them
+        monkeypatch.setenv(name, "testing")
     log = str(tmp_path / "requests.jsonl")
     server = MotoServer(env={"MOTO_ENABLE_RECORDING": "True", "MOTO_RECORDER_FILEPATH": log})
     try:

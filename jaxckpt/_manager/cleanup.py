@@ -418,3 +418,32 @@ def _local_size_and_mtime(path: str | None) -> tuple[int | None, float | None]:
             except OSError:
                 pass  # deleted while we walked
     return total, mtime
+
+
+def delete_everywhere(mgr: Any, step: int) -> None:
+    """``delete``: the step in every host's directory (a listed step, or the parts of one
+    only the persistent tier lists), its peer copies, then its persistent copy. Whether
+    each tier holds ``step`` is the same in every process (the agreed listing; the
+    persistent tier's, once its copies in flight are done), so every process takes the
+    same rounds; the step is deleted on every host or on none (``delete_agreed``)."""
+    durable = mgr._persistent is not None and step in mgr._persistent.settled_steps()
+    listed = step in mgr._steps.local
+    if not listed and not durable:
+        raise CheckpointNotFoundError(f"No committed step {step} in '{mgr._dir}' (committed: {mgr.all_steps()})")
+    op_id = _distributed.next_id()  # before any verdict that one process may reach alone
+    refusal = mgr._retention.unlist(step) if listed else (CheckpointError(
+        f"Step {step} in '{mgr._dir}' is being restored; delete it afterwards") if mgr._pins.held(step) else None)
+    error, ran = delete_agreed(mgr._dir, step, op_id, mgr._timeout, mgr._lease, refusal, mgr._groups.per_host)
+    if error is not None and (not ran or not mgr._groups.per_host):  # refused; deleted nowhere
+        if listed and refusal is None:  # listed again in every process (from its manifest, still there)
+            mgr._steps.relist(step, error)
+        raise error
+    mgr._partial.forget(step)
+    if mgr._peers is not None:  # gone from every host's directory: its peer copies go too
+        mgr._peers.drain()  # no copy of it still on its way
+        mgr._peers.drop(step)
+    if durable:
+        delete_durable(mgr._persistent, step, _distributed.next_id(), mgr._timeout)
+    if error is not None:
+        raise CheckpointError(f"Step {step} was deleted from '{mgr._dir}' and is listed nowhere, but a directory "
+                              f"kept its part: {error}")

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .. import _checkpoint, _commit, _distributed, _restore, _snapshot
-from .._errors import CheckpointError, CheckpointNotFoundError
+from .._errors import CheckpointError
 from .._storage import location as _location
 from . import arguments as _arguments
 from . import cadence as _cadence
@@ -374,7 +374,7 @@ class CheckpointManager:
         with self._pins.hold(step if step in self._steps.local else None):
             self._saves.settle_all()
             if not self._groups.per_host:
-                return _restore_here(self, step, read)
+                return _marks.restore_here(self, step, read)
             if self._peers is not None:  # a part some host lost: back from its peer copy first
                 _peerrepair.repair(self._peers, step, self._sources(), self._steps.local)
             return _hosts.restore_agreed(self._sources(), step, read)
@@ -423,7 +423,7 @@ class CheckpointManager:
         self._check_open()
         if self._read_only:
             raise CheckpointError(f"CheckpointManager for '{self._dir}' is read-only: delete() is not allowed")
-        _delete(self, step)
+        _cleanup.delete_everywhere(self, step)
 
     def attempts(self) -> list[dict[str, Any]]:
         """The hidden, uncommitted attempts in the directory (read-only managers too).
@@ -528,56 +528,6 @@ def _check_step(mgr: CheckpointManager, step: Any, force: bool) -> int:
     # (``cleanup.check_lease`` in ``_write``), and every process learns that outcome.
     with mgr._lock:
         return _arguments.new_step(step, force, mgr._dir, mgr._steps.local, mgr._saves.submitted)
-
-
-def _delete(mgr: CheckpointManager, step: int) -> None:
-    """``delete``: the step in every host's directory (a listed step, or the parts of one
-    only the persistent tier lists), its peer copies, then its persistent copy. Whether
-    each tier holds ``step`` is the same in every process (the agreed listing; the
-    persistent tier's, once its copies in flight are done), so every process takes the
-    same rounds; the step is deleted on every host or on none (``delete_agreed``)."""
-    durable = mgr._persistent is not None and step in mgr._persistent.settled_steps()
-    listed = step in mgr._steps.local
-    if not listed and not durable:
-        raise CheckpointNotFoundError(f"No committed step {step} in '{mgr._dir}' (committed: {mgr.all_steps()})")
-    op_id = _distributed.next_id()  # before any verdict that one process may reach alone
-    refusal = mgr._retention.unlist(step) if listed else (CheckpointError(
-        f"Step {step} in '{mgr._dir}' is being restored; delete it afterwards") if mgr._pins.held(step) else None)
-    error, ran = _cleanup.delete_agreed(mgr._dir, step, op_id, mgr._timeout, mgr._lease, refusal,
-                                        mgr._groups.per_host)
-    if error is not None and (not ran or not mgr._groups.per_host):  # refused; deleted nowhere
-        if listed and refusal is None:  # listed again in every process (from its manifest, still there)
-            mgr._steps.relist(step, error)
-        raise error
-    mgr._partial.forget(step)
-    if mgr._peers is not None:  # gone from every host's directory: its peer copies go too
-        mgr._peers.drain()  # no copy of it still on its way
-        mgr._peers.drop(step)
-    if durable:
-        _cleanup.delete_durable(mgr._persistent, step, _distributed.next_id(), mgr._timeout)
-    if error is not None:
-        raise CheckpointError(f"Step {step} was deleted from '{mgr._dir}' and is listed nowhere, but a directory "
-                              f"kept its part: {error}")
-
-
-def _restore_here(mgr: CheckpointManager, step: int | None, read: Callable[[Any], Any]) -> Any:
-    """A manager's restore from one directory (shared, or an object store) or its tier."""
-    with contextlib.ExitStack() as pinned:
-        with mgr._lock:  # chosen and pinned at once: retention cannot take it in between
-            where, step = mgr._steps.locate(step)
-            pinned.enter_context(mgr._pins.hold(step))
-        own = where == mgr._dir.child(_commit.step_name(step)) and not mgr._steps.foreign(step)
-        if not mgr._read_only or not own:
-            if own and where.local is None:  # a writer's own step, as it committed it: not read again
-                pinned.enter_context(_commit.known_manifest(where, mgr._steps.manifest(step)))
-            return read(where)  # a writer's own restores are held by its pins; orbax's writer marks nothing
-        # Another process writes here: mark the step so its retention waits for us.
-        with _marks.ReaderMark(mgr._dir, step):
-            man = _commit.manifest_if_any(where)  # read after the mark: the restore reads this one
-            if man is None:
-                raise CheckpointNotFoundError(f"Step {step} in '{mgr._dir}' was deleted")
-            with _commit.known_manifest(where, man):
-                return read(where)
 
 
 def _shut(mgr: CheckpointManager, failure: BaseException | None) -> None:

@@ -25,10 +25,11 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .. import _commit, _owner, _storage, _untrusted
+from .._errors import CheckpointNotFoundError
 from .._storage import kvstore as _kvstore
 from .._storage.location import Location
 from . import lease as _lease
@@ -131,3 +132,26 @@ class StepPins:
     def held(self, step: int) -> bool:
         with self._lock:
             return bool(self._count.get(step))
+
+
+def restore_here(mgr: Any, step: int | None, read: Callable[[Location], Any]) -> Any:
+    """Manager ``mgr``'s restore of ``step`` from one directory (shared, or an object
+    store) or its tier: chosen and pinned under the manager's lock; a read-only manager
+    marks the step first (a writer elsewhere waits for it), then reads the manifest once,
+    the restore's; a writer restores its own step on an object store from the manifest it
+    holds, as it committed it."""
+    with contextlib.ExitStack() as pinned:
+        with mgr._lock:  # chosen and pinned at once: retention cannot take it in between
+            where, step = mgr._steps.locate(step)
+            pinned.enter_context(mgr._pins.hold(step))
+        own = where == mgr._dir.child(_commit.step_name(step)) and not mgr._steps.foreign(step)
+        if not mgr._read_only or not own:
+            if own and where.local is None:  # not read again: a round trip
+                pinned.enter_context(_commit.known_manifest(where, mgr._steps.manifest(step)))
+            return read(where)  # a writer's own restores are held by its pins; orbax's writer marks nothing
+        with ReaderMark(mgr._dir, step):
+            man = _commit.manifest_if_any(where)  # read after the mark: the restore reads this one
+            if man is None:
+                raise CheckpointNotFoundError(f"Step {step} in '{mgr._dir}' was deleted")
+            with _commit.known_manifest(where, man):
+                return read(where)

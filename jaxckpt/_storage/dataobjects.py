@@ -434,6 +434,35 @@ def check_entry(root: Location, process: int, offset: int, payload_nbytes: int, 
                                               f"needs bytes [{start}, {stop})")
 
 
+def read_run(root: Location, process: int, spans: list[tuple[int, int, int]], parts: list[memoryview]) -> bool:
+    """Fill ``parts`` (buffers in order, ``spans``' bytes in all) from an object store with
+    one ranged read per data object of ``spans`` (``pieces``), all issued before the
+    first is awaited: a run of consecutive entries in one request each. Whether every
+    range came back whole (``OUT_OF_RANGE``, a missing object, a short answer: ``False``,
+    the caller reads each entry alone to name what is wrong); a store that fails raises
+    ``CheckpointError``. Checksums are the caller's."""
+    kv = _kvstore._kvstore(root)
+    futures = [_kvstore.track(kv.read(segment_name(process, n), byte_range=slice(start, stop)))
+               for n, start, stop in spans]
+    whole = True
+    for future, (n, start, stop), group in zip(futures, spans, _split(parts, [b - a for _, a, b in spans])):
+        try:
+            result = _kvstore.wait(future, root, "reading", segment_name(process, n), nbytes=stop - start)
+        except CheckpointError as e:
+            if "OUT_OF_RANGE" not in str(e):
+                raise
+            whole = False
+            continue
+        value = memoryview(result.value) if result.state == "value" else memoryview(b"")
+        if len(value) != stop - start:
+            whole = False
+            continue
+        for part in group:
+            part[:] = value[:len(part)]
+            value = value[len(part):]
+    return whole
+
+
 class _Where:
     """An entry's place, for error messages: its stream offset and the byte ranges of
     the data objects it lies in."""
