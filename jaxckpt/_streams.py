@@ -473,17 +473,32 @@ class _StreamTable(NamedTuple):
                    dict(streams))
 
 
-def _one_valid_run(raw: list[Any], n_chunks: int, entry_bytes: int, streams: _StreamTable) -> bool:
-    """Whether ``raw`` is one run that passes every check: the common leaf (all its chunks
-    by one writer, or one chunk), checked in plain Python, a microsecond, where the table's
-    numpy calls cost tens (1,000 small leaves: the restore's largest cost). Any doubt
-    answers ``False``, and the table's checks name what is wrong."""
-    if len(raw) != 1 or type(run := raw[0]) is not list or len(run) != 4 or {type(v) for v in run} != {int}:
-        return False  # (type is int: no bool)
-    process, first, count, offset = run
-    length = streams.by_process.get(process)
-    return (length is not None and first == 0 and count == n_chunks >= 1 and offset >= 0 and offset % ALIGN == 0
-            and offset + (count - 1) * stride_for(entry_bytes) + entry_bytes <= length)
+_FEW_RUNS = 16  # up to this many runs a leaf is checked in plain Python
+
+
+def _few_valid_runs(raw: list[Any], n_chunks: int, entry_bytes: int, streams: _StreamTable) -> bool:
+    """Whether ``raw`` is a few runs (up to ``_FEW_RUNS``) that pass every check: the
+    common leaf (all its chunks by one writer, one chunk, or one run a process of a leaf
+    sharded over a few processes), checked in plain Python, microseconds, where the
+    table's numpy calls cost tens (1,000 small leaves of 4 processes: most of the
+    manifest's parse). The same checks as ``_check_cover`` and ``_check_places``; any
+    doubt answers ``False``, and the table's checks name what is wrong."""
+    if not 1 <= len(raw) <= _FEW_RUNS:
+        return False
+    stride = stride_for(entry_bytes)
+    expected, prev = 0, None
+    for run in raw:
+        if type(run) is not list or len(run) != 4 or {type(v) for v in run} != {int}:
+            return False  # (type is int: no bool)
+        process, first, count, offset = run
+        length = streams.by_process.get(process)
+        if (length is None or first != expected or not 1 <= count <= n_chunks or offset < 0 or offset % ALIGN
+                or offset + (count - 1) * stride + entry_bytes > length):
+            return False
+        if prev is not None and prev[0] == process and offset == prev[3] + prev[2] * stride:
+            return False  # continues the run before it: runs are maximal
+        expected, prev = first + count, run
+    return expected == n_chunks
 
 
 def _check_places(t: np.ndarray, entry_bytes: int, streams: _StreamTable, bad) -> None:
@@ -523,7 +538,7 @@ def _checked_table(raw: Any, path: str, n_chunks: int, entry_bytes: int, streams
         raise bad(f"{len(raw)} runs for {n_chunks} chunks")
     if isinstance(entry_bytes, np.ndarray):  # a compressed leaf: its entries' sizes
         return _checked_sized(raw, n_chunks, entry_bytes, streams, bad)
-    if _one_valid_run(raw, n_chunks, entry_bytes, streams):
+    if _few_valid_runs(raw, n_chunks, entry_bytes, streams):
         return np.array(raw, dtype=np.int64)
     t = _run_table(raw, bad)
     _check_cover(t, n_chunks, bad)

@@ -346,3 +346,58 @@ def test_a_leaf_of_one_writer_is_laid_out_as_the_general_plan_lays_it_out():
     general = _streams.plan([(p, np.array(w)) for p, w in leaves])
     assert fast == general
     assert fast.runs[0] == ((1, 0, 3, 0),) and fast.runs[2] == ((2, 0, 5, 0),)
+
+
+def _numpy_checks_pass(raw, n_chunks, entry_bytes, table) -> bool:
+    try:
+        t = _streams._run_table(raw, CorruptCheckpointError)
+        _streams._check_cover(t, n_chunks, CorruptCheckpointError)
+        _streams._check_places(t, entry_bytes, table, CorruptCheckpointError)
+    except CorruptCheckpointError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_plain_check_of_a_few_runs_agrees_with_the_tables_checks(seed):
+    """A leaf of up to 16 runs is checked in plain Python: on valid layouts and on each
+    of their one-number mutations it says yes exactly when the numpy checks pass."""
+    rng = np.random.default_rng(seed)
+    agreed = {True: 0, False: 0}
+    for _ in range(300):
+        procs = int(rng.integers(1, 5))
+        n_chunks = int(rng.integers(1, 13))
+        entry = int(rng.choice([12, 68, 100, 4100]))
+        stride = _streams.stride_for(entry)
+        writers = [int(rng.integers(0, procs)) for _ in range(n_chunks)]
+        ends = dict.fromkeys(range(procs), 0)
+        raw = []
+        for c, p in enumerate(writers):
+            if raw and raw[-1][0] == p:
+                raw[-1][2] += 1
+            else:
+                raw.append([p, c, 1, ends[p] + int(rng.integers(0, 2)) * stride])
+            ends[p] = raw[-1][3] + raw[-1][2] * stride
+        streams = {p: ends[p] - stride + entry for p in ends if ends[p]}
+        table = _streams._StreamTable.of(streams)
+        cases = [raw]
+        for _ in range(6):  # one number changed, a run dropped or doubled
+            m = [list(r) for r in raw]
+            i, j = int(rng.integers(0, len(m))), int(rng.integers(0, 4))
+            kind = int(rng.integers(0, 4))
+            if kind == 0:
+                m[i][j] += int(rng.choice([-stride, -64, -1, 1, 64, stride]))
+            elif kind == 1:
+                m[i][j] = int(rng.choice([0, -1, 1 << 62, True]))
+            elif kind == 2:
+                del m[i]
+            else:
+                m.insert(i, list(m[i]))
+            cases.append(m)
+        for case in cases:
+            if len(case) > n_chunks:
+                continue  # refused before either check runs
+            fast = _streams._few_valid_runs(case, n_chunks, entry, table)
+            assert fast == _numpy_checks_pass(case, n_chunks, entry, table), (case, n_chunks, entry, streams)
+            agreed[fast] += 1
+    assert agreed[True] >= 300 and agreed[False] >= 300, agreed
