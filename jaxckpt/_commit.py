@@ -512,7 +512,13 @@ def listed_steps(directory: Location) -> tuple[list[int], dict[int, str]]:
 def load_step(directory: Location, step: int, skipped: dict[int, str] | None = None) -> _manifest.Manifest | None:
     """The validated manifest of ``step`` in manager ``directory``; ``None`` when it has
     none (not committed) or it fails (then skipped: the reason in ``skipped`` and a
-    warning on the ``jaxckpt`` logger)."""
+    warning on the ``jaxckpt`` logger).
+
+    A store that fails to answer (the ``CheckpointError`` of ``_storage.kvstore``: no
+    answer in the I/O bound, no connection, a missing bucket) is not a bad step: it
+    raises, and nothing is skipped. Skipping it would list an older step as the latest
+    (a restore of older values without an error), leave the step out of retention (never
+    deleted), and differ between processes that read it at different moments."""
     loc = directory.child(step_name(step))
     try:
         data = _read_manifest_bytes(loc)
@@ -522,6 +528,8 @@ def load_step(directory: Location, step: int, skipped: dict[int, str] | None = N
         _manifest.check_step(man, step, str(loc))  # not a manifest copied from another step
         return man
     except Exception as e:  # noqa: BLE001 - a bad step is skipped, whatever is wrong with it
+        if isinstance(e, CheckpointError) and not isinstance(e, CorruptCheckpointError):
+            raise  # the store failed, not the step
         why = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
         if skipped is not None:
             skipped[step] = why

@@ -274,3 +274,93 @@ def test_processes_of_a_job_agree_on_a_step_only_one_of_them_read(tmp_path, scen
         assert res[1]["first"].startswith(f"CheckpointError: Saving step 2 to '{tmp_path}' failed: ") and why in (
             res[1]["first"]), res  # process 1 told by process 0
     assert res[0]["steps"] == res[1]["steps"] == [1, 3, 10] and res[0]["ten"] == [10.0] * 4
+
+
+def _silent_store_for(monkeypatch, failing):
+    """``_storage.kvstore.read_blob`` raising the error a store that stops answering gives
+    (``no answer from the store``) for the manifests of the steps in ``failing`` (a set
+    the test changes; empty: the store answers again); returns the manifests asked."""
+    from jaxckpt._storage import kvstore as _kvstore
+
+    monkeypatch.setenv("JAXCKPT_IO_TIMEOUT_S", "5")
+    real, asked = _kvstore.read_blob, []
+
+    def read_blob(root, key):
+        if key == "manifest.json":
+            step = int(str(root.url).rstrip("/").rsplit("/", 1)[1])
+            asked.append(step)
+            if step in failing:
+                raise _kvstore.storage_error(root, "reading", key, _kvstore.no_answer(5.0))
+        return real(root, key)
+
+    monkeypatch.setattr(_kvstore, "read_blob", read_blob)
+    return asked
+
+
+def test_a_store_that_fails_while_a_step_is_first_read_loses_no_step(monkeypatch):
+    """A writer started over steps 3, 4, 5 (max_to_keep=3); the store stops answering while
+    restore(4) reads step 4's manifest: a storage error, not 'no committed step 4', and
+    steps 3 and 4 stay listed; once it answers they restore, and retention deletes them."""
+    path = "memory://ttstep-silent/run"
+    _save_steps(path, (3, 4, 5), max_to_keep=3)
+    failing: set[int] = set()
+    asked = _silent_store_for(monkeypatch, failing)
+    with jaxckpt.CheckpointManager(path, async_save=False, max_to_keep=3) as mgr:
+        assert mgr.latest_step() == 5
+        failing.update({3, 4})
+        with pytest.raises(jaxckpt.CheckpointError) as e:
+            mgr.restore(4)
+        assert type(e.value) is jaxckpt.CheckpointError
+        assert str(e.value) == (f"Reading 'manifest.json' in '{path}/4' failed: no answer from the store in 5 s "
+                                "(JAXCKPT_IO_TIMEOUT_S=5)")
+        with pytest.raises(jaxckpt.CheckpointError, match="no answer from the store"):
+            mgr.all_steps()
+        failing.clear()
+        assert mgr.all_steps() == [3, 4, 5]
+        assert mgr.restore(4)["step"] == 4 and np.array_equal(mgr.restore(3)["w"], np.arange(8, dtype=np.float32) + 3)
+        for s in (6, 7, 8):
+            mgr.save(s, {"w": np.arange(8, dtype=np.float32) + s, "step": s})
+        assert mgr.all_steps() == [6, 7, 8]
+    assert asked.count(4) >= 2  # read again once the store answered
+    with jaxckpt.CheckpointManager(path, read_only=True) as mgr:
+        assert mgr.all_steps() == [6, 7, 8]
+    assert jaxckpt.CheckpointManager(path, read_only=True).step_tiers() == {6: ("local",), 7: ("local",),
+                                                                              8: ("local",)}
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+def test_a_store_that_fails_on_the_newest_manifest_fails_the_start(monkeypatch, read_only):
+    """The newest step's manifest unanswered at the start: the start fails, rather than
+    listing step 4 as the latest and restoring its older values without an error."""
+    path = f"memory://ttstep-newest-{read_only}/run"
+    _save_steps(path, (3, 4, 5))
+    failing = {5}
+    _silent_store_for(monkeypatch, failing)
+    with pytest.raises(jaxckpt.CheckpointError, match="no answer from the store") as e:
+        jaxckpt.CheckpointManager(path, async_save=False, read_only=read_only)
+    assert type(e.value) is jaxckpt.CheckpointError
+    failing.clear()
+    with jaxckpt.CheckpointManager(path, async_save=False, read_only=read_only) as mgr:
+        assert mgr.latest_step() == 5 and mgr.restore()["step"] == 5
+
+
+def test_a_store_that_fails_under_many_unread_steps_stops_the_reads(monkeypatch):
+    """200 unread steps and a store that stops answering: all_steps() fails after at most
+    one round of READ_THREADS reads (not one bounded wait each), and every step is
+    listed again once it answers."""
+    path = "memory://ttstep-many/run"
+    with jaxckpt.CheckpointManager(path, async_save=False) as mgr:
+        for s in range(1, 201):
+            mgr.save(s, {"step": s})
+    failing: set[int] = set()
+    asked = _silent_store_for(monkeypatch, failing)
+    with jaxckpt.CheckpointManager(path, read_only=True) as mgr:
+        assert mgr.latest_step() == 200
+        failing.update(range(1, 200))
+        del asked[:]
+        with pytest.raises(jaxckpt.CheckpointError, match="no answer from the store"):
+            mgr.all_steps()
+        assert 1 <= len(asked) <= _steplist.READ_THREADS
+        failing.clear()
+        assert mgr.all_steps() == list(range(1, 201))
+        assert mgr.restore(1)["step"] == 1

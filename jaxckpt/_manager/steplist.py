@@ -8,7 +8,8 @@ restores. Every other listed step is *unread*: its manifest is read and validate
 first time something asks about it, and a step whose manifest is missing (an empty
 ``7/``, a deletion stopped halfway, an object store's attempt not committed) or fails
 (the warning ``_commit.load_step`` logs) is then unlisted, as the eager discovery it
-replaces skipped it.
+replaces skipped it. A store that fails to answer is not a failing step: the read
+raises and the step stays unread (``_commit.load_step``).
 
 What asks: ``step in steps`` reads that one step (a restore, ``info``, a delete, a
 save's overwrite check: each process decides from the same bytes, so the processes of a
@@ -46,8 +47,9 @@ class Steps(MutableMapping):
         return self._dir
 
     def _load(self, step: int) -> Manifest | None:
-        self._unread.discard(step)
+        # a store that fails raises (``_commit.load_step``): the step stays unread, asked again next time
         man = _commit.load_step(self._dir, step, self.skipped) if self._dir is not None else None
+        self._unread.discard(step)
         if man is not None:
             self._read[step] = man
         return man
@@ -108,7 +110,11 @@ class Steps(MutableMapping):
 
     def read_all(self) -> None:
         """Read every unread step (with the caller's lock held throughout)."""
-        self.adopt(read(self._dir, self.unread()))
+        found: tuple[dict[int, Manifest | None], dict[int, str]] = ({}, {})
+        try:
+            read(self._dir, self.unread(), found)
+        finally:  # those read before a store failed are kept; the others stay unread
+            self.adopt(found)
 
     def adopt(self, found: tuple[dict[int, Manifest | None], dict[int, str]]) -> None:
         """``read``'s answers for the steps still unread: listed when valid, else unlisted."""
@@ -130,12 +136,15 @@ class Steps(MutableMapping):
         return None
 
 
-def read(directory: Location | None, steps: list[int]) -> tuple[dict[int, Manifest | None], dict[int, str]]:
+def read(directory: Location | None, steps: list[int],
+         into: tuple[dict[int, Manifest | None], dict[int, str]] | None = None,
+         ) -> tuple[dict[int, Manifest | None], dict[int, str]]:
     """The validated manifests of ``steps`` of manager ``directory`` (``None``: missing or
     failing, the reason in the second dict): one at a time locally, ``READ_THREADS`` at a
-    time on an object store."""
-    mans: dict[int, Manifest | None] = {}
-    skipped: dict[int, str] = {}
+    time on an object store. A store that fails raises (no read starts after it, so the
+    failure comes within one I/O bound whatever the number of steps); ``into`` then holds
+    the steps read before."""
+    mans, skipped = into if into is not None else ({}, {})
     if directory is None or not steps:
         return mans, skipped
 

@@ -390,9 +390,12 @@ class Listing:
             local = self.local
             todo = local.unread()
         if todo:
-            found = _steplist.read(local.directory, todo)
-            with self._lock:
-                local.adopt(found)
+            found: tuple[dict[int, Manifest | None], dict[int, str]] = ({}, {})
+            try:
+                _steplist.read(local.directory, todo, found)
+            finally:  # a store that failed: the steps read before it are kept, the others stay unread
+                with self._lock:
+                    local.adopt(found)
 
     def all(self) -> list[int]:
         self.validate()
