@@ -36,7 +36,7 @@ ROOT = os.path.dirname(HERE)
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 PHASES = ("import", "manager start", "restore", "placement", "first step")
-LIBS = ("jaxckpt", "jaxckpt+prefetch", "orbax")
+LIBS = ("jaxckpt", "jaxckpt+prefetch", "orbax", "limit")
 
 
 def state_spec(kind: str, smoke: bool) -> list[tuple[str, int]]:
@@ -72,6 +72,8 @@ def resume(lib: str, kind: str, path: str, smoke: bool, t0: float) -> dict[str, 
     ``jaxckpt+prefetch``: ``mgr.prefetch()`` right after the start, the step compiled
     from the target's shapes while it reads (its "first step" row: that compile, then the
     run), then the restore."""
+    if lib == "limit":
+        return phase_limits(kind, path, smoke, t0)
     out = {}
     t = time.time()
     import jax
@@ -115,6 +117,53 @@ def resume(lib: str, kind: str, path: str, smoke: bool, t0: float) -> dict[str, 
     if compiled is not None:
         assert prefetched.result(timeout=600) > 0
     mgr.close()
+    return out
+
+
+def phase_limits(kind: str, path: str, smoke: bool, t0: float) -> dict[str, float]:
+    """Each phase's limit, in a fresh process like ``resume``'s (the harness drops the
+    cache the same way): ``import``: jax alone; ``manager start``: one listing of the
+    directory and one read of the step's manifest; ``restore``: threads
+    reading every file of the step into memory (``--readers``); ``placement``: ``jax.device_put`` of
+    arrays of the target's shapes already in memory (one batched call) and their
+    ``block_until_ready``; ``first step``: the same jitted step over them, compiled there."""
+    out = {}
+    import jax
+    import numpy as np
+
+    out["import"] = time.time() - t0
+    jax.devices()
+    t = time.perf_counter()
+    os.listdir(path)
+    with open(os.path.join(path, "1", "manifest.json"), "rb") as f:
+        f.read()
+    out["manager start"] = time.perf_counter() - t
+    files = [os.path.join(r, n) for r, _, ns in os.walk(os.path.join(path, "1")) for n in ns]
+
+    def read(name: str) -> bytes:
+        with open(name, "rb", buffering=0) as f:
+            return f.read()
+
+    t = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(int(os.environ.get("TIME_TO_STEP_READERS", "8"))) as pool:
+        blobs = list(pool.map(read, files))
+    out["restore"] = time.perf_counter() - t
+    spec = state_spec(kind, smoke)
+    flat = np.frombuffer(max(blobs, key=len), dtype=np.uint8)
+    host, at = {}, 0
+    for name, n in spec:  # views of the bytes read, no copy: the placement is the device's
+        if at + 4 * n > flat.size:
+            at = 0
+        host[name] = flat[at:at + 4 * n].view(np.float32)
+        at += 4 * n
+    del blobs
+    t = time.perf_counter()
+    placed = jax.block_until_ready(jax.device_put(host, jax.devices()[0]))
+    out["placement"] = time.perf_counter() - t
+    step = jax.jit(lambda s: jax.tree.map(lambda x: x * 0.5 + 1, s))
+    t = time.perf_counter()
+    jax.block_until_ready(step(placed))
+    out["first step"] = time.perf_counter() - t
     return out
 
 
@@ -636,6 +685,7 @@ def main() -> None:
         return
     if opts.smoke:
         opts.reps = 1
+    os.environ["TIME_TO_STEP_READERS"] = str(opts.readers)  # the workers' phase_limits
     scratch = tempfile.mkdtemp(prefix="jaxckpt-time-to-step-", dir=opts.dir)
     if opts.part in ("steps", "memory", "jobs"):
         try:
@@ -653,25 +703,31 @@ def main() -> None:
             for _ in range(opts.reps):
                 for cache in ("cold", "warm"):
                     for lib in LIBS:
-                        path = paths[lib.split("+")[0]]
+                        path = paths["jaxckpt" if lib == "limit" else lib.split("+")[0]]
                         if cache == "cold":
                             how = drop_cache(path)
                         rows.setdefault((kind, cache, lib), []).append(spawn("resume", lib, kind, path, opts.smoke))
                 limits.setdefault(kind, []).append(read_limit(os.path.join(paths["jaxckpt"], "1"), opts.readers))
-        print(f"page cache dropped with {how}; medians of {opts.reps}; read limit: {opts.readers} threads, cold")
-        print("| state | cache | phase | jaxckpt [s] | jaxckpt + prefetch [s] | orbax [s] | jaxckpt / orbax |")
-        print("|---|---|---|---:|---:|---:|---:|")
+        print(f"page cache dropped with {how}; medians of {opts.reps}; read limit: {opts.readers} threads, cold; "
+              "limit: each phase's floor in a fresh process (phase_limits)")
+        print("| state | cache | phase | jaxckpt [s] | jaxckpt + prefetch [s] | orbax [s] | limit [s] | "
+              "jaxckpt / orbax | jaxckpt / limit |")
+        print("|---|---|---|---:|---:|---:|---:|---:|---:|")
         for kind in ("1 GiB", "1000 leaves"):
             for cache in ("cold", "warm"):
-                for phase in (*PHASES, "total"):
+                for phase in (*PHASES, "restore + placement", "total"):
                     med = {}
                     for lib in LIBS:
                         runs = rows[kind, cache, lib]
-                        med[lib] = statistics.median(sum(r.values()) if phase == "total" else r[phase] for r in runs)
+                        med[lib] = statistics.median(
+                            sum(r.values()) if phase == "total" else r["restore"] + r["placement"]
+                            if phase == "restore + placement" else r[phase] for r in runs)
+                    ratio = f"{med['jaxckpt'] / med['limit']:.2f}x" if med["limit"] > 0 else "-"
                     print(f"| {kind} | {cache} | {phase} | {med['jaxckpt']:.3f} | {med['jaxckpt+prefetch']:.3f} | "
-                          f"{med['orbax']:.3f} | {med['jaxckpt'] / med['orbax']:.2f}x |")
+                          f"{med['orbax']:.3f} | {med['limit']:.3f} | {med['jaxckpt'] / med['orbax']:.2f}x | "
+                          f"{ratio} |")
             print(f"| {kind} | cold | read limit ({opts.readers} readers) | {statistics.median(limits[kind]):.3f} "
-                  "| | | |")
+                  "| | | | | |")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
