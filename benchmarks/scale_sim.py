@@ -39,6 +39,7 @@ from jaxckpt import (
     _tree,  # noqa: E402
 )
 from jaxckpt._manifest import LeafRecord, Manifest  # noqa: E402
+from jaxckpt._storage import objectnames as _objectnames  # noqa: E402
 
 
 class SimDevice:
@@ -226,7 +227,7 @@ def main() -> None:
     arrays3 = plan(a.processes, a.per_process, a.layers, fine=True)[0]
     chunks3 = sum(len(x.chunks) for x in arrays3)
     t_f3, layout, runs_bytes, t_check = format3(arrays3, order, a.processes)
-    per = _streams.objects_per_process(layout.streams)
+    per = _objectnames.objects_per_process(layout.streams)
     f3 = sum(per.values()) + 1  # the data objects and the manifest
     runs = sum(len(r) for r in layout.runs)
     print(f"| format 3: objects per checkpoint (data objects of {_streams.SEGMENT_BYTES >> 20} MiB + the "

@@ -38,6 +38,7 @@ from ._storage import chunkfiles as _chunkfiles
 from ._storage import dataobjects as _dataobjects
 from ._storage import kvstore as _kvstore
 from ._storage import location as _location
+from ._storage import objectnames as _objectnames
 from ._storage import zarr as _zarr
 from ._storage.location import Location
 
@@ -428,7 +429,7 @@ def expected_files(man: Manifest, owners: Any = None,
 
 def _object_name(process: int, n: int) -> str:
     """A format-3 data object's name relative to the checkpoint's data root."""
-    return f"{_reader.STREAM_DIR}/{_streams.object_name(process, n)}"
+    return f"{_reader.STREAM_DIR}/{_objectnames.object_name(process, n)}"
 
 
 def _segment_owners(man: Manifest, lost: Collection[int] = ()) -> dict[str, dict[str, str]]:
@@ -478,14 +479,14 @@ def _lost_streams(root: Location, man: Manifest, found: dict[str, int] | None, p
     except CheckpointError:  # no listing: each entry's read reports what is missing
         return set()
     here = {p: n for p, n in man.streams.items() if p not in skip}
-    lost = _streams.lost_streams(here, man.segment_bytes, names, MISSING_OBJECTS_NAMED)
+    lost = _objectnames.lost_streams(here, man.segment_bytes, names, MISSING_OBJECTS_NAMED)
     for p, why in lost.items():
         for rec in (r for r in man.leaves if _has_data(r, "stream")):
             first = next((f for q, f, _, _ in rec.runs if q == p and (not rec.sizes or rec.sizes[f])), None)
             if first is not None:
                 cell = np.unravel_index(first, _layout.chunk_grid_shape(rec.shape, rec.chunk_shape))
                 problems.add(rec.path, _cell_label([int(c) for c in cell]), f"{at}p{p}.*: {why}", file=f"{at}p{p}.*")
-    for name in [n for n in names if (_streams.object_of(n) or (-1,))[0] in lost] if found is not None else ():
+    for name in [n for n in names if (_objectnames.object_of(n) or (-1,))[0] in lost] if found is not None else ():
         del found[at + name]
     return set(lost)
 
@@ -597,7 +598,7 @@ def _plan_entries(loc: Location, man: Manifest, skip: set[str], lost: Collection
         stride, grid = _streams.stride_for(rec.entry_bytes), _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
         for proc, first, count, offset in rec.runs:
             entry = rec.sizes[first] if rec.sizes else rec.entry_bytes  # compressed: one chunk a run
-            span = _streams.objects_spanned(offset, offset + (count - 1) * stride + entry, man.segment_bytes)
+            span = _objectnames.objects_spanned(offset, offset + (count - 1) * stride + entry, man.segment_bytes)
             if not entry or proc in lost or (len(span) <= len(skip)
                                              and all(_object_name(proc, n) in skip for n in span)):
                 continue  # stored nowhere, or in data objects already reported: not walked entry by entry

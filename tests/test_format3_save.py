@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 import jaxckpt
 from jaxckpt import _checkpoint, _layout, _snapshot, _storage, _streams, _writer
 from jaxckpt._manifest import LeafRecord
+from jaxckpt._storage import objectnames as _objectnames
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,7 +40,7 @@ def manifest_of(path):
 
 def stream_bytes(path, process, man):
     """Process ``process``'s whole stream: its segments, concatenated in order."""
-    n = _streams.objects_per_process({process: man["streams"][str(process)]}, man["segment_bytes"])[process]
+    n = _objectnames.objects_per_process({process: man["streams"][str(process)]}, man["segment_bytes"])[process]
     out = b""
     for k in range(n):
         with open(os.path.join(path, "data", f"p{process}.{k}"), "rb") as f:
@@ -135,7 +136,7 @@ def test_segments_cut_the_stream_and_an_entry_straddles_two(tmp_path, monkeypatc
     # 8 chunks of 1200 bytes: entries of 1204 every 1216; the 4th (at 3648) straddles 4096
     assert man["segment_bytes"] == 4096 and man["streams"] == {"0": 7 * 1216 + 1204}
     assert man["leaves"][0]["runs"] == [[0, 0, 8, 0]]
-    n = _streams.objects_per_process({0: 9716}, 4096)[0]
+    n = _objectnames.objects_per_process({0: 9716}, 4096)[0]
     assert n == -(-9716 // 4096) == 3
     assert files_under(path) == ["data/p0.0", "data/p0.1", "data/p0.2", "manifest.json"]
     assert [os.path.getsize(os.path.join(path, "data", f"p0.{k}")) for k in range(3)] == [4096, 4096, 1524]

@@ -9,6 +9,7 @@ import pytest
 
 from jaxckpt import _streams
 from jaxckpt._errors import CorruptCheckpointError
+from jaxckpt._storage import objectnames as _objectnames
 from jaxckpt._streams import Layout
 
 WHERE = "/ckpt/7"
@@ -77,19 +78,19 @@ def test_locate():
 
 
 def test_segments():
-    assert _streams.segments(3, 100, 50, 128) == [("p3.0", 100, 128), ("p3.1", 0, 22)]
-    assert _streams.segments(0, 128, 128, 128) == [("p0.1", 0, 128)]
-    assert _streams.segments(1, 10, 300, 128) == [("p1.0", 10, 128), ("p1.1", 0, 128), ("p1.2", 0, 54)]
-    assert _streams.segments(1, 10, 0, 128) == []
-    assert _streams.segments(12, 5 << 30, 68) == [("p12.5", 0, 68)]  # the 1 GiB default
+    assert _objectnames.segments(3, 100, 50, 128) == [("p3.0", 100, 128), ("p3.1", 0, 22)]
+    assert _objectnames.segments(0, 128, 128, 128) == [("p0.1", 0, 128)]
+    assert _objectnames.segments(1, 10, 300, 128) == [("p1.0", 10, 128), ("p1.1", 0, 128), ("p1.2", 0, 54)]
+    assert _objectnames.segments(1, 10, 0, 128) == []
+    assert _objectnames.segments(12, 5 << 30, 68) == [("p12.5", 0, 68)]  # the 1 GiB default
 
 
 def test_objects():
     streams = {0: 1, 1: 128, 2: 129, 5: 1000}
-    assert _streams.objects_per_process(streams, 128) == {0: 1, 1: 1, 2: 2, 5: 8}
-    assert _streams.object_count(streams, 128) == 12
-    assert _streams.object_count({}, 128) == 0
-    assert _streams.objects_per_process({0: (5 << 30) + 1}) == {0: 6}
+    assert _objectnames.objects_per_process(streams, 128) == {0: 1, 1: 1, 2: 2, 5: 8}
+    assert _objectnames.object_count(streams, 128) == 12
+    assert _objectnames.object_count({}, 128) == 0
+    assert _objectnames.objects_per_process({0: (5 << 30) + 1}) == {0: 6}
 
 
 def test_json_round_trip():
@@ -158,7 +159,7 @@ def test_random_trees(seed):
     entries.sort()
     for a, b in zip(entries, entries[1:]):  # no overlap within a stream
         assert a[0] != b[0] or a[2] <= b[1]
-    assert _streams.objects_per_process(layout.streams, segment_bytes) == {
+    assert _objectnames.objects_per_process(layout.streams, segment_bytes) == {
         p: math.ceil(n / segment_bytes) for p, n in ends.items()}
     raw = [(f"leaf{i}", len(w), p + 4, _streams.runs_to_json(r)) for i, ((p, w), r) in
            enumerate(zip(leaves, layout.runs))]
@@ -169,7 +170,7 @@ def test_random_trees(seed):
 def _check_segments(process, offset, nbytes, segment_bytes):
     """The pieces tile [offset, offset + nbytes) in order, each inside its object."""
     at = offset
-    for name, start, stop in _streams.segments(process, offset, nbytes, segment_bytes):
+    for name, start, stop in _objectnames.segments(process, offset, nbytes, segment_bytes):
         n = at // segment_bytes
         assert name == f"p{process}.{n}"
         assert start == at - n * segment_bytes and start < stop <= segment_bytes

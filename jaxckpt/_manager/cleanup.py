@@ -20,6 +20,7 @@ from .._formats import orbaxrun as _orbaxrun
 from .._manifest import Manifest
 from .._storage import kvstore as _kvstore
 from .._storage import location as _location
+from . import deaddata as _deaddata
 from . import hosts as _hosts
 from . import lease as _lease
 from . import marks as _marks
@@ -147,7 +148,7 @@ def take_directory(where: _location.Location, owner: object) -> _lease.Lease:
         for name in _claims.remove_dead_scratch(where):  # a persistent copy's, killed while uploading
             _log.info("jaxckpt: removed %s left by a copy that is gone", name)
         # On an object store: data prefixes inside steps that no manifest names.
-        for key in _commit.remove_dead_step_data(where, lease_token=lease.owner["token"]):
+        for key in _deaddata.remove_dead_step_data(where, lease_token=lease.owner["token"]):
             _log.info("jaxckpt: removed data %s left by a writer that is gone", key)
     except BaseException:
         lease.release()
@@ -382,7 +383,7 @@ def attempts(directory: _location.Location) -> list[dict[str, Any]]:
         out.append({"step": None, "name": name, "kind": "upload", "bytes": st.st_size, "mtime": st.st_mtime,
                     "writer": _claims.scratch_maker(name), "writer_alive": not dead})
     live: list[str] = []  # object stores: data prefixes of attempts (claimed) in progress
-    dead = _commit.remove_dead_step_data(directory, dry_run=True, lease_token=token, live=live)
+    dead = _deaddata.remove_dead_step_data(directory, dry_run=True, lease_token=token, live=live)
     for key, alive in sorted([(k, False) for k in dead] + [(k, True) for k in live]):
         out.append({"step": _commit.parse_step_name(key.split("/", 1)[0]), "name": key, "kind": "data",
                     "bytes": None, "mtime": None, "writer": writer, "writer_alive": alive})
