@@ -356,7 +356,7 @@ def _parse_document(data_bytes: bytes, bad, where: str) -> Manifest:
             if r.kind != "value":  # leaf was a tenth of a 1,000-leaf restore)
                 object.__setattr__(r, "runs", next(runs))
     structure = doc.get("structure")
-    _check_structure(structure, [r.path for r in leaves], bad)
+    _tree.check_structure(structure, [r.path for r in leaves], bad)
     info = {k: v for k, v in doc.items()
             if k not in ("format", "format_version", "data", "process_count", "packed", "metadata",
                          "structure", "leaves", CHECKSUM_FIELD, *_streams.ManifestStreams.FIELDS)}
@@ -659,62 +659,3 @@ def _check_packed_sizes(packed: dict[int, PackedArray], leaves: list[LeafRecord]
     for proc, end in ends.items():
         if packed[proc].nbytes != end:
             raise bad(f"packed entry of process {proc}: nbytes {packed[proc].nbytes}, but its chunks end at {end}")
-
-
-def _check_structure(structure: Any, paths: list[str], bad) -> None:
-    """Every leaf referenced once, at the key path its record names: a restore without a
-    target builds the tree from ``structure``, one with a target matches record paths, and
-    the two must agree on which data lands where."""
-    seen = [False] * len(paths)
-    stack: list[tuple[Any, tuple[str, ...]]] = [(structure, ())]
-    while stack:
-        node, at = stack.pop()  # ``at``: the path components down to ``node``
-        if len(at) > MAX_DEPTH:  # the tree is rebuilt recursively; save refuses deeper trees too
-            raise bad(f"structure is nested deeper than {MAX_DEPTH} levels")
-        if not isinstance(node, dict) or len(node) not in (1, 2):
-            raise bad("structure is malformed")
-        if "leaf" in node:
-            i = node["leaf"]
-            if not _is_int(i) or not 0 <= i < len(paths) or seen[i]:
-                raise bad(f"structure references leaf {i!r} badly")
-            if paths[i] != "/".join(at):  # joined only here: a hostile tree of long keys stays linear
-                raise bad(f"structure puts leaf #{i} at '{'/'.join(at)}', but its record's path is '{paths[i]}'")
-            seen[i] = True
-            continue
-        stack.extend((child, (*at, part)) for part, child in _structure_children(node, bad))
-    if not all(seen):
-        raise bad("structure does not reference every leaf")
-
-
-def _structure_children(node: dict[str, Any], bad) -> list[tuple[str, Any]]:
-    """``(path component, child)`` of one container node of ``structure``."""
-    if "dict" in node:
-        items = node["dict"]
-        if not isinstance(items, list):
-            raise bad("structure is malformed")
-        for item in items:
-            if not (isinstance(item, list) and len(item) == 2 and
-                    (isinstance(item[0], str) or _is_int(item[0]))):
-                raise bad("structure has a bad dict key")
-        _check_dict_keys([item[0] for item in items], bad)
-        return [(_tree.encode_key(k) if isinstance(k, str) else str(k), c) for k, c in items]
-    if "list" in node or "tuple" in node:
-        items = node.get("list", node.get("tuple"))
-        if not isinstance(items, list):
-            raise bad("structure is malformed")
-        return [(str(i), c) for i, c in enumerate(items)]
-    if "items" in node and isinstance(node.get("node"), str):
-        items = node["items"]
-        if not isinstance(items, list):
-            raise bad("structure is malformed")
-        for item in items:
-            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
-                raise bad("structure has a bad node item")
-        return [(k, c) for k, c in items]
-    raise bad("structure is malformed")
-
-
-def _check_dict_keys(keys: list[str | int], bad) -> None:
-    # No saved dict repeats a key; rebuilding one that did would drop a leaf silently.
-    if len(set(keys)) != len(keys):
-        raise bad("structure has a repeated dict key")

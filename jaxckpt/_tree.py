@@ -371,3 +371,66 @@ def near_miss_key_maps(absent: Sequence[str], unused: Sequence[str]) -> list[Key
     if any("." in a and a.replace(".", "/") in saved for a in missing):
         guesses.append(KeyMapGuess("lambda p: p.replace('.', '/')", lambda p: p.replace(".", "/")))
     return guesses
+
+
+# --- a manifest's structure, checked (untrusted input) ------------------------------
+
+
+def check_structure(structure: Any, paths: list[str], bad) -> None:
+    """A manifest's ``structure`` (untrusted) against its records' ``paths``; ``bad(message)``
+    makes the error to raise. Every leaf referenced once, at the key path its record names:
+    a restore without a target builds the tree from ``structure``, one with a target
+    matches record paths, and the two must agree on which data lands where."""
+    seen = [False] * len(paths)
+    stack: list[tuple[Any, tuple[str, ...]]] = [(structure, ())]
+    while stack:
+        node, at = stack.pop()  # ``at``: the path components down to ``node``
+        if len(at) > MAX_DEPTH:  # the tree is rebuilt recursively; save refuses deeper trees too
+            raise bad(f"structure is nested deeper than {MAX_DEPTH} levels")
+        if not isinstance(node, dict) or len(node) not in (1, 2):
+            raise bad("structure is malformed")
+        if "leaf" in node:
+            i = node["leaf"]
+            if not (isinstance(i, int) and not isinstance(i, bool)) or not 0 <= i < len(paths) or seen[i]:
+                raise bad(f"structure references leaf {i!r} badly")
+            if paths[i] != "/".join(at):  # joined only here: a hostile tree of long keys stays linear
+                raise bad(f"structure puts leaf #{i} at '{'/'.join(at)}', but its record's path is '{paths[i]}'")
+            seen[i] = True
+            continue
+        stack.extend((child, (*at, part)) for part, child in _structure_children(node, bad))
+    if not all(seen):
+        raise bad("structure does not reference every leaf")
+
+
+def _structure_children(node: dict[str, Any], bad) -> list[tuple[str, Any]]:
+    """``(path component, child)`` of one container node of ``structure``."""
+    if "dict" in node:
+        items = node["dict"]
+        if not isinstance(items, list):
+            raise bad("structure is malformed")
+        for item in items:
+            if not (isinstance(item, list) and len(item) == 2 and
+                    (isinstance(item[0], (str, int)) and not isinstance(item[0], bool))):
+                raise bad("structure has a bad dict key")
+        _check_dict_keys([item[0] for item in items], bad)
+        return [(encode_key(k) if isinstance(k, str) else str(k), c) for k, c in items]
+    if "list" in node or "tuple" in node:
+        items = node.get("list", node.get("tuple"))
+        if not isinstance(items, list):
+            raise bad("structure is malformed")
+        return [(str(i), c) for i, c in enumerate(items)]
+    if "items" in node and isinstance(node.get("node"), str):
+        items = node["items"]
+        if not isinstance(items, list):
+            raise bad("structure is malformed")
+        for item in items:
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+                raise bad("structure has a bad node item")
+        return [(k, c) for k, c in items]
+    raise bad("structure is malformed")
+
+
+def _check_dict_keys(keys: list[str | int], bad) -> None:
+    # No saved dict repeats a key; rebuilding one that did would drop a leaf silently.
+    if len(set(keys)) != len(keys):
+        raise bad("structure has a repeated dict key")
