@@ -41,7 +41,14 @@ FORMAT_VERSION = 1
 DATA_PREFIX_VERSION = 2
 # The aggregated layout (issue 22, ``_streams``): each writer's chunks in data objects ``data/p<k>.<n>``.
 STREAMS_VERSION = 3
-SUPPORTED_VERSIONS = (1, 2, 3)
+# Format 3 whose data objects lie in the manager directory's pool and whose runs may
+# refer to other steps' streams (``CheckpointManager(dedup=True)``; docs/format.md, "Format 4").
+DEDUP_VERSION = 4
+SUPPORTED_VERSIONS = (1, 2, 3, 4)
+STREAM_VERSIONS = (STREAMS_VERSION, DEDUP_VERSION)
+POOL_DIR = ".jaxckpt-data"  # format 4: <manager directory>/.jaxckpt-data/<pool>/data/p<k>.<n>
+POOL_FIELDS = ("pool", "refs")
+STREAM_DIR = "data"
 DATA_PREFIX_DIR = "d"  # data prefixes are d/<name>: one component below d/
 DATA_DIRS = {"arrays", "packed", "data"}  # a checkpoint's data when it has no data prefix (formats 1 and 3)
 _DATA_KEY = re.compile(r"^d/[A-Za-z0-9_.-]{1,64}$")
@@ -129,6 +136,7 @@ class LeafRecord:
     codec: str = ""  # stream: "raw", or a lossless codec (``_codecs``)
     entry_bytes: int = 0  # stream: one full chunk's payload bytes + its crc32c (raw)
     runs: tuple[_streams.Run, ...] = ()  # stream: (process, first, count, offset), sorted by first
+    hashes: tuple[str, ...] = ()  # format 4: each run's content hash (blake3, 128 bits, hex), or none
     codec_config: dict[str, Any] | None = None  # a compressed leaf: the zarr3 codec's configuration
     sizes: tuple[int, ...] = ()  # a compressed leaf: each chunk's entry bytes (0: all zeros, not stored)
 
@@ -173,6 +181,8 @@ class LeafRecord:
             out.update(codec=self.codec, entry_bytes=self.entry_bytes, runs=_streams.runs_to_json(self.runs))
             if self.codec_config is not None:
                 out.update(codec_config=self.codec_config, sizes=list(self.sizes))
+            if self.hashes:
+                out["hashes"] = list(self.hashes)
         return out
 
 
@@ -196,11 +206,30 @@ class Manifest:
     data: str = ""  # the data prefix, relative to the checkpoint; "" = the root (version 1)
     segment_bytes: int = 0  # version 3: the size of a data object (the last of a stream is shorter)
     streams: dict[int, int] = field(default_factory=dict)  # version 3: {process: stream length}
+    pool: str = ""  # version 4: the pool entry holding this save's own data objects
+    refs: tuple[_streams.Ref, ...] = ()  # version 4: other steps' streams its runs refer to
 
     def data_root(self, loc: _location.Location) -> _location.Location:
-        """Where this checkpoint's ``arrays/`` and ``packed/`` are, ``loc`` being the
-        checkpoint's own location (the manifest's directory or prefix)."""
+        """Where this checkpoint's ``arrays/``, ``packed/`` and ``data/`` are, ``loc`` being
+        the checkpoint's own location (the manifest's directory or prefix); in format 4 its
+        pool entry in the manager directory (``loc``'s parent)."""
+        if self.pool:
+            return pool_location(loc.parent(), self.pool)
         return loc.child(self.data) if self.data else loc
+
+    def stream_of(self, loc: _location.Location, stream: int) -> tuple[_location.Location, int, int]:
+        """``(data objects' directory, process, segment_bytes)`` of a run's stream: this
+        save's own process ``stream``'s, or (format 4, ``stream >= process_count``) the
+        other step's stream it refers to."""
+        if stream < self.process_count:
+            return self.data_root(loc).child(STREAM_DIR), stream, self.segment_bytes
+        ref = self.refs[stream - self.process_count]
+        return pool_location(loc.parent(), ref.pool).child(STREAM_DIR), ref.process, ref.segment_bytes
+
+    def referred_nbytes(self) -> int:
+        """The bytes of entries its runs take from other steps (format 4; 0 otherwise)."""
+        return sum(_streams.stored_bytes([r for r in rec.runs if r[0] >= self.process_count], rec.entry_bytes, ())
+                   for rec in self.leaves if rec.store == STREAM and rec.codec_config is None) if self.refs else 0
 
     def to_bytes(self) -> bytes:
         """The manifest's JSON, its checksum computed here, over these very bytes (a
@@ -213,7 +242,9 @@ class Manifest:
             **info,
             "process_count": self.process_count,
             **({"segment_bytes": self.segment_bytes, "streams": _streams.streams_to_json(self.streams)}
-               if self.format_version == STREAMS_VERSION else {}),
+               if self.format_version in STREAM_VERSIONS else {}),
+            **({"pool": self.pool, "refs": [r._asdict() for r in self.refs]}
+               if self.format_version == DEDUP_VERSION else {}),
             "packed": [p._asdict() for p in self.packed],
             "metadata": self.metadata,
             "structure": self.structure,
@@ -221,6 +252,11 @@ class Manifest:
         }
         body = json.dumps(doc, separators=(",", ":"), allow_nan=True).encode()
         return body[:-1] + _checksum_tail(checksum(body))
+
+
+def pool_location(directory: _location.Location, pool: str) -> _location.Location:
+    """Pool entry ``pool`` of manager ``directory`` (format 4's data objects)."""
+    return directory.child(POOL_DIR).child(pool)
 
 
 def checksum(body: bytes) -> str:
@@ -332,7 +368,7 @@ def _parse_document(data_bytes: bytes, bad, where: str) -> Manifest:
     packed = _parse_packed(doc.get("packed", []), process_count, bad)
     v3 = _v3_fields(doc, version, process_count, where, bad)
     if v3 is not None and packed:
-        raise bad(f"packed arrays in format_version {STREAMS_VERSION} (its small leaves are streamed)")
+        raise bad(f"packed arrays in format_version {version} (its small leaves are streamed)")
     raw_leaves = doc.get("leaves")
     if not isinstance(raw_leaves, list):
         raise bad("leaves is not a list")
@@ -351,15 +387,18 @@ def _parse_document(data_bytes: bytes, bad, where: str) -> Manifest:
         leaves.append(rec)
     _check_packed_sizes(packed, leaves, bad)
     if v3 is not None:  # every leaf's runs, validated together (overlaps across leaves)
-        runs = iter(v3.runs())
+        runs, hashes = iter(v3.runs()), iter(v3.hashes)
         for r in leaves:  # records made above, seen by no one yet: set in place (a replace per
             if r.kind != "value":  # leaf was a tenth of a 1,000-leaf restore)
                 object.__setattr__(r, "runs", next(runs))
+                if (h := next(hashes)):
+                    object.__setattr__(r, "hashes", h)
     structure = doc.get("structure")
     _tree.check_structure(structure, [r.path for r in leaves], bad)
     info = {k: v for k, v in doc.items()
             if k not in ("format", "format_version", "data", "process_count", "packed", "metadata",
-                         "structure", "leaves", CHECKSUM_FIELD, *_streams.ManifestStreams.FIELDS)}
+                         "structure", "leaves", CHECKSUM_FIELD, *_streams.ManifestStreams.FIELDS,
+                         *POOL_FIELDS)}
     # Handed to users and to code that walks them recursively (inspect, the CLI).
     for name, value in (("metadata", metadata), *info.items()):
         if nesting_exceeds(value, MAX_DEPTH):
@@ -367,21 +406,26 @@ def _parse_document(data_bytes: bytes, bad, where: str) -> Manifest:
     _check_checksum(data_bytes, doc, bad)
     return Manifest(version, structure, tuple(leaves), metadata, process_count, info,
                     tuple(packed[k] for k in sorted(packed)), data,
-                    *((v3.segment_bytes, v3.streams) if v3 is not None else ()))
+                    *((v3.segment_bytes, v3.streams, doc.get("pool", ""), v3.refs) if v3 is not None else ()))
 
 
 def _v3_fields(doc: dict[str, Any], version: int, process_count: int, where: str,
                bad) -> _streams.ManifestStreams | None:
     """Format 3's top-level stream fields (``segment_bytes``, ``streams``), checked; refused
     in another version. Its leaves' runs are checked together once all are parsed."""
-    present = [name for name in _streams.ManifestStreams.FIELDS if name in doc]
-    if version != STREAMS_VERSION:
+    fields = _streams.ManifestStreams.FIELDS + (POOL_FIELDS if version == DEDUP_VERSION else ())
+    if (extra := [n for n in POOL_FIELDS if n in doc and n not in fields]):
+        raise bad(f"field '{extra[0]}' needs format_version {DEDUP_VERSION}")
+    present = [name for name in fields if name in doc]
+    if version not in STREAM_VERSIONS:
         if present:
             raise bad(f"field '{present[0]}' needs format_version {STREAMS_VERSION}")
         return None
-    if len(present) < len(_streams.ManifestStreams.FIELDS):
-        missing = next(n for n in _streams.ManifestStreams.FIELDS if n not in present)
-        raise bad(f"field '{missing}' is missing (format_version {STREAMS_VERSION})")
+    if len(present) < len(fields):
+        missing = next(n for n in fields if n not in present)
+        raise bad(f"field '{missing}' is missing (format_version {version})")
+    if version == DEDUP_VERSION and not _streams.pool_name_ok(doc["pool"]):
+        raise bad(f"pool {doc['pool']!r:.100} is not a pool entry's name")
     return _streams.ManifestStreams(doc, process_count, where)
 
 
@@ -432,6 +476,10 @@ def _parse_data_prefix(doc: dict[str, Any], version: int, bad) -> str:
             raise bad("field 'data' (a data prefix) needs format_version 2")
         return ""
     if version == STREAMS_VERSION and "data" not in doc:
+        return ""
+    if version == DEDUP_VERSION:
+        if "data" in doc:
+            raise bad("field 'data' in format_version 4 (its data objects are in the pool entry 'pool' names)")
         return ""
     data = doc.get("data")
     if not isinstance(data, str) or not _DATA_KEY.match(data) or not _location.is_safe_key(data):

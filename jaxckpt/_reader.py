@@ -101,6 +101,7 @@ class Reader:
         self._wanted: dict[tuple[str, _layout.Index], LeafRecord] = {}
         self._out: dict[tuple[str, _layout.Index], np.ndarray] = {}
         self._parts: dict[tuple[str, _layout.Index], list] = {}
+        self._refs: dict[int, tuple[Location, int, int]] = {}  # format 4: other steps' streams
 
     def add(self, rec: LeafRecord, index: _layout.Index) -> None:
         self._wanted[(rec.path, index)] = rec
@@ -239,8 +240,17 @@ class Reader:
         """``read_entry``'s first five arguments for chunk ``cell`` of stream leaf ``rec``
         (a payload of -4 bytes: a compressed leaf's all-zero chunk, stored nowhere)."""
         flat = _layout.chunk_flat_index(cell, _layout.chunk_grid_shape(rec.shape, rec.chunk_shape))
-        process, offset, nbytes = rec.entry(flat)
-        return self.streams, process, offset, nbytes - _streams.CRC_BYTES, self.man.segment_bytes
+        stream, offset, nbytes = rec.entry(flat)
+        root, process, segment_bytes = self._stream(stream)
+        return root, process, offset, nbytes - _streams.CRC_BYTES, segment_bytes
+
+    def _stream(self, stream: int) -> tuple[Location, int, int]:
+        """Where a run's stream is: this checkpoint's own, or (format 4) another step's."""
+        if stream < self.man.process_count:
+            return self.streams, stream, self.man.segment_bytes
+        if stream not in self._refs:
+            self._refs[stream] = self.man.stream_of(self.loc, stream)
+        return self._refs[stream]
 
     def _plan_stream_leaf(self, rec: LeafRecord, indices: list[_layout.Index], ops) -> None:
         """Each chunk the slices need, read once: into place, or into a temporary buffer
@@ -252,9 +262,10 @@ class Reader:
             return
         if len(indices) == 1 and len(rec.runs) == 1 and tuple(rec.chunk_shape) == tuple(rec.shape) \
                 and indices[0] == tuple((0, n) for n in rec.shape):  # a small leaf, whole: its one entry
-            index, (process, _, _, offset) = indices[0], rec.runs[0]
+            index, (stream, _, _, offset) = indices[0], rec.runs[0]
             dest = self._out[(rec.path, index)] = _buffer(self.loc, [rec.path], tuple(rec.shape), storage)
-            entry = (self.streams, process, offset, rec.entry_bytes - _streams.CRC_BYTES, self.man.segment_bytes)
+            root, process, segment_bytes = self._stream(stream)
+            entry = (root, process, offset, rec.entry_bytes - _streams.CRC_BYTES, segment_bytes)
             ops.append(_Op(dest.nbytes, [rec.path], dest, None, None, index, entry=entry, cell=(0,) * len(index)))
             return
         dests, users = self._slices_and_users(rec, indices, storage)

@@ -55,7 +55,22 @@ _MAX_CHUNKS = 1 << 31
 _MAX_MESSAGE = 500  # characters of a validation message (a hostile repr may be huge), as _manifest
 _PROCESS_KEY = re.compile(r"0|[1-9][0-9]{0,7}")  # a stream's key: the process, in decimal
 
-Run = tuple[int, int, int, int]  # (process, first, count, offset)
+Run = tuple[int, int, int, int]  # (process, first, count, offset); format 4: a ref's stream id for process
+MAX_REFS = 1 << 16  # format 4: the other steps' streams one manifest refers to
+_POOL_NAME = re.compile(r"[0-9a-z][0-9a-z-]{0,63}")  # a pool entry: an attempt's token
+_HASH = re.compile(r"[0-9a-f]{32}")  # a run's content hash: blake3, 128 bits, hex
+
+
+class Ref(NamedTuple):
+    """Format 4: a stream of another step's save that runs of this manifest refer to
+    (stream id ``process_count + i`` for ``refs[i]``): process ``process``'s stream of
+    the pool entry ``pool``, written by ``step``, in objects of ``segment_bytes``."""
+
+    step: int
+    pool: str
+    process: int
+    segment_bytes: int
+    length: int
 
 
 class Layout(NamedTuple):
@@ -319,6 +334,43 @@ def streams_from_json(raw: Any, process_count: int, where: str) -> dict[int, int
     return dict(sorted(out.items()))
 
 
+def pool_name_ok(name: Any) -> bool:
+    """A pool entry's name (an attempt's token): one safe path component."""
+    return isinstance(name, str) and _POOL_NAME.fullmatch(name) is not None
+
+
+def refs_from_json(raw: Any, where: str) -> tuple[Ref, ...]:
+    """Format 4's ``"refs"``, checked: a list of at most ``MAX_REFS`` objects ``{"step",
+    "pool", "process", "segment_bytes", "length"}``, no two alike."""
+    if not isinstance(raw, list) or len(raw) > MAX_REFS:
+        raise _bad(where, f"refs is not a list of at most {MAX_REFS} streams")
+    out = []
+    for i, r in enumerate(raw):
+        if not isinstance(r, dict) or sorted(r) != sorted(Ref._fields):
+            raise _bad(where, f"ref #{i} is not an object of {', '.join(Ref._fields)}")
+        if not (_is_int(r["step"]) and 0 <= r["step"] < 1 << 63):
+            raise _bad(where, f"ref #{i}: step {r['step']!r:.100}")
+        if not pool_name_ok(r["pool"]):
+            raise _bad(where, f"ref #{i}: pool {r['pool']!r:.100} is not a pool entry's name")
+        if not (_is_int(r["process"]) and 0 <= r["process"] < 1 << 20):
+            raise _bad(where, f"ref #{i}: process {r['process']!r:.100}")
+        if not (_is_int(r["length"]) and 1 <= r["length"] <= MAX_STREAM_BYTES):
+            raise _bad(where, f"ref #{i}: length {r['length']!r:.100} is not between 1 and {MAX_STREAM_BYTES}")
+        out.append(Ref(r["step"], r["pool"], r["process"], segment_bytes_from_json(r["segment_bytes"], where),
+                       r["length"]))
+    if len({(r.pool, r.process) for r in out}) != len(out):
+        raise _bad(where, "refs names a stream twice")
+    return tuple(out)
+
+
+def hashes_from_json(raw: Any, path: str, n_chunks: int, where: str) -> tuple[str, ...]:
+    """A format-4 leaf's ``"hashes"``: one per run (at most one per chunk), 32 hex digits each."""
+    if not (isinstance(raw, list) and len(raw) <= n_chunks
+            and all(isinstance(h, str) and _HASH.fullmatch(h) for h in raw)):
+        raise _bad(where, f"leaf '{path}': hashes is not a list of 32-digit hex strings, one per run")
+    return tuple(raw)
+
+
 def _run_table(raw: list[Any], bad) -> np.ndarray:
     """``raw`` as an ``(R, 4)`` int64 array, each run a list of four ints (no bools, no
     floats, nothing past int64). Type checks run in C (``map``) for the common case."""
@@ -527,7 +579,7 @@ def entry_bytes_from_json(raw: Mapping[str, Any], path: str, payload_bytes: int,
 
 
 def validate(leaves: Sequence[tuple[str, int, Any, Any]], streams: Mapping[int, int],
-             where: str) -> list[tuple[Run, ...]]:
+             where: str, refs: Mapping[int, int] | None = None) -> list[tuple[Run, ...]]:
     """Every array leaf's runs, checked; returns them. ``leaves``: per leaf ``(path,
     n_chunks, entry_bytes, raw runs)`` (a compressed leaf: its chunks' sizes, an int64
     array, for entry_bytes); ``streams`` as ``streams_from_json`` gives them.
@@ -536,13 +588,15 @@ def validate(leaves: Sequence[tuple[str, int, Any, Any]], streams: Mapping[int, 
     within a stream, and each declared stream ends where its last entry does (no stream
     without entries, no bytes past them). A run spans ``[offset, offset + (count-1) *
     stride + entry_bytes)``; spans that interleave are refused even where the entries
-    would fit in each other's gaps: no writer lays a stream out so.
+    would fit in each other's gaps: no writer lays a stream out so. ``refs`` (format 4):
+    the lengths of other steps' streams, by stream id: runs lie inside them, and each
+    has one at least, but need not reach its end (the rest is another step's).
 
     Example:
         >>> validate([("a", 1, 12, [[0, 0, 1, 0]]), ("b", 1, 12, [[0, 0, 1, 64]])], {0: 76}, "/ckpt")
         [((0, 0, 1, 0),), ((0, 0, 1, 64),)]
     """
-    table = _StreamTable.of(streams)
+    table = _StreamTable.of({**streams, **(refs or {})})
     tables = [_checked_table(raw, path, n, entry, table, where) for path, n, entry, raw in leaves]
     rows, proc, start, end, leaf, run = _spans(tables, [entry for _, _, entry, _ in leaves])
     stored = end > start  # a compressed leaf's all-zero chunks are stored nowhere
@@ -557,6 +611,9 @@ def validate(leaves: Sequence[tuple[str, int, Any, Any]], streams: Mapping[int, 
                           f"in the stream of process {proc[b]}")
     last = np.flatnonzero(np.append(~same, True)) if proc.size else []  # each process's last span
     ends = {int(proc[k]): (int(end[k]), k) for k in last}
+    for p in (refs or {}):
+        if p not in ends:
+            raise _bad(where, f"ref stream {p}: no run lies in it")
     for p, length in streams.items():
         if p not in ends:
             raise _bad(where, f"stream of process {p}: {length} bytes, but no run lies in it")
@@ -606,12 +663,17 @@ class ManifestStreams:
     def __init__(self, doc: Mapping[str, Any], process_count: int, where: str):
         self.segment_bytes = segment_bytes_from_json(doc["segment_bytes"], where)
         self.streams = streams_from_json(doc["streams"], process_count, where)
+        self.ref_base = process_count  # format 4: refs[i] is stream process_count + i
         objects = sum(-(-n // self.segment_bytes) for n in self.streams.values() if n > 0)  # objectnames.object_count
         if objects > MAX_DATA_OBJECTS:
             raise _bad(where, f"streams of {sum(self.streams.values())} bytes in data objects of {self.segment_bytes} "
                               f"bytes are {objects} data objects (at most {MAX_DATA_OBJECTS})")
         self.where = where
         self._leaves: list[tuple[str, int, Any, Any]] = []  # (path, n_chunks, entry_bytes or sizes, raw runs)
+        # format 4 (``_manifest`` lets "refs" and "hashes" through in that version only)
+        self.v4 = "pool" in doc
+        self.refs = refs_from_json(doc["refs"], where) if self.v4 else ()
+        self.hashes: list[tuple[str, ...]] = []  # per array leaf, as ``leaf`` saw them
 
     def leaf(self, raw: Mapping[str, Any], path: str, n_chunks: int,
              payload_bytes: int) -> tuple[str, int, tuple[int, ...]]:
@@ -625,8 +687,17 @@ class ManifestStreams:
             raise _bad(self.where, f"leaf '{path}': sizes with codec {raw['codec']!r} (only compressed leaves "
                                    "have them)")
         self._leaves.append((path, n_chunks, entry if sizes is None else np.array(sizes, np.int64), raw.get("runs")))
+        if "hashes" in raw and not self.v4:
+            raise _bad(self.where, f"leaf '{path}': field 'hashes' needs format_version 4")
+        self.hashes.append(hashes_from_json(raw["hashes"], path, n_chunks, self.where) if "hashes" in raw else ())
         return raw["codec"], entry, sizes or ()
 
     def runs(self) -> list[tuple[Run, ...]]:
         """Every array leaf's runs (in the order ``leaf`` saw them), validated."""
-        return validate(self._leaves, self.streams, self.where)
+        base = self.ref_base
+        runs = validate(self._leaves, self.streams, self.where,
+                        {base + i: r.length for i, r in enumerate(self.refs)})
+        for (path, _, _, _), got, hashes in zip(self._leaves, runs, self.hashes):
+            if hashes and len(hashes) != len(got):
+                raise _bad(self.where, f"leaf '{path}': {len(hashes)} hashes for {len(got)} runs")
+        return runs

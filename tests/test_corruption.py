@@ -161,8 +161,8 @@ MANIFEST_DAMAGE = {
     "truncate": (_truncate, jaxckpt.CorruptCheckpointError, "invalid manifest: not JSON"),
     "empty": (lambda f: f.write_bytes(b""), jaxckpt.CorruptCheckpointError,
               r"invalid manifest: not JSON \(Expecting value: line 1 column 1 \(char 0\)\)"),
-    "flip": (lambda f: f.write_bytes(re.sub(rb'"format_version":[13],', b'"format_version":4,', f.read_bytes())),
-             jaxckpt.CorruptCheckpointError, "invalid manifest: format_version 4 is not supported"),
+    "flip": (lambda f: f.write_bytes(re.sub(rb'"format_version":[13],', b'"format_version":9,', f.read_bytes())),
+             jaxckpt.CorruptCheckpointError, "invalid manifest: format_version 9 is not supported"),
     "delete": (lambda f: f.unlink(), jaxckpt.CheckpointNotFoundError, "manifest.json is missing"),
 }
 

@@ -147,7 +147,7 @@ def _manifest_with(edit):
     (lambda d: d.update(data=["d/x"]), "data prefix \\['d/x'\\] is not"),
     (lambda d: d.pop("data"), "data prefix None is not"),
     (lambda d: d.update(format_version=1), "field 'data' \\(a data prefix\\) needs format_version 2"),
-    (lambda d: d.update(format_version=4), "format_version 4 is not supported \\(this jaxckpt reads 1, 2, 3\\)"),
+    (lambda d: d.update(format_version=9), "format_version 9 is not supported \\(this jaxckpt reads 1, 2, 3, 4\\)"),
 ])
 def test_data_prefix_is_validated_as_untrusted_input(edit, message):
     with pytest.raises(jaxckpt.CorruptCheckpointError, match=message):

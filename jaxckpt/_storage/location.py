@@ -58,6 +58,14 @@ class Location:
         local = os.path.join(self.local, key) if self.local is not None else None
         return Location(tuple(sorted(spec.items())), local, self.resources)
 
+    def parent(self) -> Location:
+        """The location one level up (a step's manager directory)."""
+        spec = self.kvstore
+        spec["path"] = spec.get("path", "").rstrip("/").rpartition("/")[0]
+        spec["path"] += "/" if spec["path"] else ""
+        local = os.path.dirname(self.local.rstrip(os.sep)) if self.local is not None else None
+        return Location(tuple(sorted(spec.items())), local, self.resources)
+
     def key_spec(self, key: str) -> dict[str, Any]:
         spec = self.kvstore
         spec["path"] = spec.get("path", "") + key
