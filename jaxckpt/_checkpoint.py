@@ -104,7 +104,7 @@ def _check_metadata(metadata: Any, name: str = "metadata") -> dict[str, Any]:
 
 def save_snapshot(path: Any, snap: Snapshot, *, metadata: Any = None, overwrite: bool = False,
                   info: Callable[[], dict[str, Any]] | None = None, timeout_s: float | None = None,
-                  op_id: int | None = None, check: Callable[[], None] | None = None) -> Manifest:
+                  op_id: int | None = None, check: Callable[[], None] | None = None, dedup: Any = None) -> Manifest:
     """The writing half of ``save``: stage, write every shard, manifest last, commit.
 
     In a multi-process job every process calls this with its own snapshot. Process 0
@@ -128,6 +128,11 @@ def save_snapshot(path: Any, snap: Snapshot, *, metadata: Any = None, overwrite:
     A snapshot staged in waves (see ``_snapshot.snapshot``) is written wave by wave in
     step 2; the agreement and the commit are the same. It is closed on return, written or
     not (a failed save frees its waves and stops the caller staging more).
+
+    ``dedup`` (a manager's ``_manager.dedup.Dedup``, one process): the runs whose bytes a
+    retained step holds refer to them (``dedup.apply``, on this thread), the rest is
+    written to the manager directory's pool (``dedup.location``) and the manifest is
+    format 4 (``dedup.finish``); a failed save's pool entry goes (``dedup.abort``).
     """
     try:
         final = _location.resolve(path)
@@ -136,35 +141,39 @@ def save_snapshot(path: Any, snap: Snapshot, *, metadata: Any = None, overwrite:
         op_id = _distributed.next_id() if op_id is None else op_id
         with _distributed.Operation(f"save{op_id}", str(final), timeout_s) as op:
             if _distributed.process_index() == 0:
-                return _save_as_coordinator(op, final, snap, metadata, overwrite, info)
+                return _save_as_coordinator(op, final, snap, metadata, overwrite, info, dedup)
             return _save_as_follower(op, final, snap, check)
     finally:
         snap.close()
 
 
 def _save_as_coordinator(op: _distributed.Operation, final: Location, snap: Snapshot, metadata: Any,
-                         overwrite: bool, info: Callable[[], dict[str, Any]] | None) -> Manifest:
+                         overwrite: bool, info: Callable[[], dict[str, Any]] | None, dedup: Any = None) -> Manifest:
     def stage() -> tuple[str, Location]:
         token = _commit.new_token(final)
         return token, _prepare_host_copy(final, token) if _per_host(snap) else _commit.prepare(final, token, overwrite)
 
     def work(token: str) -> tuple[bytes, Manifest]:
         t0 = time.perf_counter()
-        own = write_data(_commit.data_location(final, token), snap)
+        data = _commit.data_location(final, token) if dedup is None else dedup.location(final, token)
+        mine = snap if dedup is None else dedup.apply(snap, token)
+        own = write_data(data, mine)
         write_seconds = time.perf_counter() - t0
         tables = op.wait_for("written", list(range(1, _distributed.process_count())))
         if _per_host(snap) and own:
             op.post("written", own)  # the other hosts' views locate some chunks in its entries
-        done = place_compressed(snap, {**tables, 0: own})
-        _check_streams(_commit.data_location(final, token), done)
+        done = place_compressed(mine, {**tables, 0: own})
+        _check_streams(data, done)
         extra = {"write_seconds": round(write_seconds, 6), **(info() if info is not None else {})}
         if done.lossy_resumes or any(rec.codec in _streams.LOSSY for rec in done.records):
             extra["lossy_resumes"] = done.lossy_resumes
-        manifest = build_manifest(done, metadata, extra, _commit.data_key(final, token))
+        manifest = build_manifest(done, metadata, extra, _commit.data_key(final, token) if dedup is None else "")
+        if dedup is not None:
+            manifest = dedup.finish(manifest, token)
         return manifest.to_bytes(), manifest
 
-    return op.lead_commit(f"save of '{final}'", stage, work, functools.partial(_commit.commit, final),
-                          functools.partial(_commit.abort, final))
+    abort = functools.partial(_commit.abort if dedup is None else dedup.abort, final)
+    return op.lead_commit(f"save of '{final}'", stage, work, functools.partial(_commit.commit, final), abort)
 
 
 def _check_streams(data: Location, snap: Snapshot) -> None:

@@ -596,23 +596,26 @@ def _plan_entries(loc: Location, man: Manifest, skip: set[str], lost: Collection
         if not _has_data(rec, "stream"):
             continue
         stride, grid = _streams.stride_for(rec.entry_bytes), _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
-        for proc, first, count, offset in rec.runs:
+        for stream, first, count, offset in rec.runs:
+            where, proc, size, prefix = root, stream, man.segment_bytes, ""
+            if stream >= man.process_count and (ref := man.refs[stream - man.process_count]):  # format 4: a ref
+                where = loc.parent().child(ref.pool).child(_reader.STREAM_DIR)
+                proc, size, prefix = ref.process, ref.segment_bytes, f"../{ref.pool}/"
             entry = rec.sizes[first] if rec.sizes else rec.entry_bytes  # compressed: one chunk a run
-            span = _objectnames.objects_spanned(offset, offset + (count - 1) * stride + entry, man.segment_bytes)
-            if not entry or proc in lost or (len(span) <= len(skip)
-                                             and all(_object_name(proc, n) in skip for n in span)):
+            span = _objectnames.objects_spanned(offset, offset + (count - 1) * stride + entry, size)
+            if not entry or (not prefix and (stream in lost or (len(span) <= len(skip) and all(
+                    _object_name(proc, n) in skip for n in span)))):
                 continue  # stored nowhere, or in data objects already reported: not walked entry by entry
             nbytes = entry - _streams.CRC_BYTES
             for i in range(count):  # (an all-zero compressed chunk is stored nowhere)
                 at = offset + i * stride
-                objects = [_object_name(proc, n) for n in range(at // man.segment_bytes,
-                                                                (at + entry - 1) // man.segment_bytes + 1)]
+                objects = [prefix + _object_name(proc, n) for n in range(at // size, (at + entry - 1) // size + 1)]
                 if skip.intersection(objects):
                     continue
                 name = " and ".join(objects)  # an entry may straddle two data objects
                 cell = [int(c) for c in np.unravel_index(first + i, grid)] if grid else []
                 reads.append(_Read(name, nbytes, None, None, (), np.dtype(np.uint8), ((rec.path, _cell_label(cell)),),
-                                   _reader.STREAM_DIR, (root, proc, at, man.segment_bytes),
+                                   _reader.STREAM_DIR, (where, proc, at, size),
                                    rec if rec.codec != _streams.CODEC_RAW else None))
     return reads
 

@@ -163,8 +163,8 @@ class Deleter:
     ``marks``) is put back and tried again after the next save. A failure is logged
     and the step, still committed on disk, is found again by the next ``reload``/start."""
 
-    def __init__(self, directory: Any):
-        self._dir = directory
+    def __init__(self, directory: Any, dedup: Any = None):
+        self._dir, self.dedup = directory, dedup  # dedup: the pool swept after each delete
         self._worker = _tasks.Worker("jaxckpt-delete", self._delete)
         self._lock = threading.Lock()
         self._deferred: set[int] = set()  # being read elsewhere when we tried
@@ -175,9 +175,22 @@ class Deleter:
         for step in sorted(set(steps) | retry):
             self._worker.submit(step)
 
-    def _delete(self, step: int) -> None:
+    def sweep(self) -> None:
+        """A sweep of the dedup pool, after the deletes submitted before it."""
+        if self.dedup is not None:
+            self._worker.submit(None)
+
+    def _delete(self, step: int | None) -> None:
+        if step is None:
+            self.dedup.sweep_logged()
+            return
         try:
-            if not _marks.delete_unless_read(self._dir, step, _commit.new_token()):
+            with self.dedup.exclusive if self.dedup is not None else contextlib.nullcontext():
+                deleted = _marks.delete_unless_read(self._dir, step, _commit.new_token())
+            if self.dedup is not None and deleted:
+                self.dedup.forget(step)
+                self.dedup.sweep_logged()
+            if not deleted:
                 _log.info("jaxckpt: step %d in '%s' is being restored elsewhere; deleting it later", step, self._dir)
                 with self._lock:
                     self._deferred.add(step)

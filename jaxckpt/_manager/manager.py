@@ -31,6 +31,7 @@ from . import arguments as _arguments
 from . import cadence as _cadence
 from . import cleanup as _cleanup
 from . import decisions as _decisions
+from . import dedup as _dedup
 from . import history as _history
 from . import hosts as _hosts
 from . import lossy as _lossy
@@ -127,7 +128,7 @@ class CheckpointManager:
                  persistent_directory: Any = None, persistent_interval_steps: int | None = None,
                  persistent_max_to_keep: int | None = None, verify_before_delete: bool = False,
                  max_staging_bytes: int | None = None, peer_copies: int = 0, compression: Any = None,
-                 quantize: Any = None, save_policy: Any = None):
+                 quantize: Any = None, save_policy: Any = None, dedup: bool = False):
         policy = _retention.RetentionPolicy.make(
             max_to_keep=max_to_keep, keep_period=keep_period, keep_time_interval=keep_time_interval,
             best_metric=best_metric, best_mode=best_mode, keep_best=keep_best)
@@ -138,6 +139,10 @@ class CheckpointManager:
         self._staging = _snapshot.staging_budget(max_staging_bytes)
         self._restore_budget = max_staging_bytes  # a restore's read buffers too
         self._codecs = _lossy.Codecs(compression, quantize)
+        _dedup.check_options(dedup=dedup, peer_copies=peer_copies, persistent=persistent_directory,
+                             codecs=self._codecs, read_only=read_only, verify=verify_before_delete,
+                             staging=max_staging_bytes)
+        self._dedup = _dedup.Dedup(self._dir) if dedup else None
         self._timeout, self._clock, self._read_only = timeout_s, clock, read_only
         self._lock = threading.RLock()
         self._saves = _Saves(self._lock, max_pending, self._dir, self._after_write)
@@ -162,7 +167,7 @@ class CheckpointManager:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
         if async_save and not read_only:  # its thread starts now, not in the first save's blocking part
             self._executor.submit(int)
-        self._deleter, self._prefetch = _cleanup.Deleter(self._dir), _prefetch.Prefetch()
+        self._deleter, self._prefetch = _cleanup.Deleter(self._dir, self._dedup), _prefetch.Prefetch()
         self._retention = _cleanup.Retainer(policy, self._steps, self._pins, self._deleter, self._groups.leads,
                                             self._lock)
         ref = weakref.ref(self)
@@ -305,18 +310,19 @@ class CheckpointManager:
         metrics = _arguments.check_metrics(metrics)
         self._saves.wait_for_slot()
         op_id = _distributed.next_id()  # in program order, the same in every process
+        dedup = self._dedup and self._dedup.start(step, state, self._steps.newest_local())
         snap = _snapshot.snapshot(state, copy_host_arrays=self._async,
                                   group=self._groups.mine if self._groups.per_host else (), budget=self._staging,
                                   groups=self._groups.groups if self._groups.per_host else (),
                                   **self._codecs.save_options())
         blocking = time.perf_counter() - t_start
-        job = functools.partial(self._write, step, snap, metrics, t_start, blocking, op_id)
+        job = functools.partial(self._write, step, snap, metrics, t_start, blocking, op_id, dedup)
         self._saves.start(step, job, snap, self._executor if self._async else None,
                           then=self._peers.submit if self._peers is not None else None)
         return True
 
     def _write(self, step: int, snap: _snapshot.Snapshot, metrics: dict | None, t_start: float,
-               blocking: float, op_id: int) -> Any:
+               blocking: float, op_id: int, dedup: Any = None) -> Any:
         final = self._dir.child(_commit.step_name(step))
         metrics = _arguments.metrics_to_json(metrics)
         check = functools.partial(_cleanup.check_lease, self._lease, self._dir)
@@ -333,8 +339,15 @@ class CheckpointManager:
                 "started": self._record.started,
             }
 
-        manifest = _checkpoint.save_snapshot(final, snap, info=info, check=check,
-                                             timeout_s=self._timeout, op_id=op_id)
+        try:
+            manifest = _checkpoint.save_snapshot(final, snap, info=info, check=check,
+                                                 timeout_s=self._timeout, op_id=op_id, dedup=dedup)
+        except BaseException:
+            if dedup:
+                dedup.release()
+            raise
+        if dedup and self._dedup.committed(step, manifest, dedup):
+            self._deleter.sweep()  # after its first commit: the pool entries of attempts that died
         if self._verify:
             _cleanup.verify_or_delete(self._dir, step, op_id, self._timeout, self._groups)
         if self._peers is not None:
@@ -423,7 +436,11 @@ class CheckpointManager:
         self._check_open()
         if self._read_only:
             raise CheckpointError(f"CheckpointManager for '{self._dir}' is read-only: delete() is not allowed")
-        _cleanup.delete_everywhere(self, step)
+        with self._dedup.exclusive if self._dedup is not None else contextlib.nullcontext():
+            _cleanup.delete_everywhere(self, step)
+        if self._dedup is not None:
+            self._dedup.forget(step)
+            self._deleter.sweep()
 
     def attempts(self) -> list[dict[str, Any]]:
         """The hidden, uncommitted attempts in the directory (read-only managers too).

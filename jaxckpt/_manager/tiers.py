@@ -409,6 +409,12 @@ class Listing:
             return max((s for s in (self.local.newest(), max(self.durable(), default=None)) if s is not None),
                        default=None)
 
+    def newest_local(self) -> tuple[int, Manifest] | None:
+        """The newest local step that validates, with its manifest."""
+        with self._lock:
+            step = self.local.newest()
+            return None if step is None else (step, self.local[step])
+
     def tiers(self, bare: Iterable[int] = ()) -> dict[int, tuple[str, ...]]:
         """``step_tiers`` of the listed steps (``bare``: those lacking peer copies)."""
         self.validate()

@@ -1,0 +1,379 @@
+"""Deduplicated saves (``CheckpointManager(dedup=True)``, format 4): a run of a leaf whose
+bytes a retained step already holds is not written again; the new manifest refers to
+that step's stream instead (docs/format.md, "Format 4").
+
+Where the bytes are. Every save of such a manager writes its data objects into the
+manager directory's *pool*, ``<directory>/.jaxckpt-data/<token>/data/p<k>.<n>`` (the
+attempt's token), never into the step's own directory, which holds the manifest only. A
+step can then be deleted (its manifest goes) while later steps still read its bytes, and
+the step saved again later writes a pool entry of its own.
+
+What "equal" means. A run is referred to only if the leaf has the same dtype, shape,
+chunk shape and codec as at the step referred to, the run covers the same chunks, and
+either the leaf is the very same ``jax.Array`` object as at that save (immutable: its
+bytes cannot have changed) or the run's content hash (blake3, 128 bits, over its
+entries' payloads in chunk order) equals the hash recorded for it. The hashes are
+computed on the save's background thread, before its writes. A leaf whose hash changed at
+two saves in a row is not hashed for the next 1, 2, 4 ... 32 saves (dense training changes
+every byte each step: the hash then costs a few percent of its time at most).
+
+Deleting. A pool entry is removed only when no manifest on disk names it (its own or in
+its ``refs``) and no save in flight uses it: a mark and sweep (``Dedup.sweep``) run by
+the writing manager after its deletes, holding the dedup lock so that no save picks a
+ref to an entry being removed. A crash at any point leaves at worst an entry nothing
+names, removed by a later sweep. Manifests first, then the pool: a listed step never
+refers to bytes that are gone.
+
+One process only for now; peer copies, a persistent tier, per-host directories,
+compression and quantized leaves are refused with dedup (``check_options``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import weakref
+from typing import Any, NamedTuple
+
+import jax
+
+from .. import _commit, _distributed, _layout, _manifest, _streams, _tree
+from .._errors import CheckpointError
+from .._manifest import LeafRecord, Manifest
+from .._snapshot import Snapshot, cell_of
+from .._storage import kvstore as _kvstore
+from .._storage.location import Location
+from .._writer import entry_payload, split_rows
+
+_log = logging.getLogger("jaxckpt")
+
+MAX_BACKOFF = 32  # saves a leaf that keeps changing goes unhashed, at most
+HASH_BYTES = 16
+
+
+def check_options(*, dedup: bool, peer_copies: int, persistent: Any, codecs: Any, read_only: bool,
+                  verify: bool, staging: Any) -> None:
+    """``dedup=True`` with an option it does not support yet: refused before anything starts."""
+    if not dedup:
+        return
+    if not isinstance(dedup, bool):
+        raise ValueError(f"dedup must be True or False, got {dedup!r}")
+    if _distributed.process_count() > 1:
+        raise CheckpointError("dedup=True is not supported in a job of several processes yet")
+    for name, used in (("peer_copies", peer_copies), ("persistent_directory", persistent is not None),
+                       ("compression", getattr(codecs, "compression", None) is not None),
+                       ("quantize", getattr(codecs, "quantize", None) is not None), ("read_only", read_only),
+                       ("verify_before_delete", verify), ("max_staging_bytes", staging is not None)):
+        if used:
+            raise CheckpointError(f"dedup=True with {name} is not supported yet: pass one or the other")
+
+
+def content_hash(rec: LeafRecord, chunks: list[tuple[int, Any]]) -> str:
+    """blake3 (128 bits, hex) of ``chunks`` (``(flat index, host data)``) as their
+    entries' payloads, in chunk order."""
+    import blake3  # imported on first use: only dedup saves hash
+
+    h = blake3.blake3()
+    for _, data in sorted(chunks, key=lambda c: c[0]):
+        h.update(memoryview(entry_payload(rec, data)).cast("B"))
+    return h.hexdigest(HASH_BYTES)
+
+
+class _Held(NamedTuple):
+    """One run of a leaf at the step the next save compares with: where its bytes are."""
+
+    ref: _streams.Ref  # the stream that holds them (a pool entry's)
+    offset: int
+    hash: str | None
+
+
+class _Leaf(NamedTuple):
+    key: tuple[Any, ...]  # what must match: dtype, shape, chunk shape, codec, entry bytes, kind
+    runs: dict[tuple[int, int], _Held]  # (first, count) -> where
+
+
+def _leaf_key(rec: LeafRecord) -> tuple[Any, ...]:
+    return (rec.kind, rec.dtype, rec.storage_dtype, tuple(rec.shape), tuple(rec.chunk_shape), rec.codec,
+            rec.entry_bytes, rec.impl, rec.key_ndim)
+
+
+def _dedupable(rec: LeafRecord) -> bool:
+    return rec.store == _manifest.STREAM and rec.codec == _streams.CODEC_RAW and rec.codec_config is None
+
+
+def index_of(step: int, man: Manifest) -> dict[str, _Leaf]:
+    """Where each run of ``man``'s leaves is (format 4 only: a format-3 step's data is in
+    its own directory, which its deletion removes)."""
+    if man.format_version != _manifest.DEDUP_VERSION:
+        return {}
+    out = {}
+    pc = man.process_count
+    for rec in man.leaves:
+        if not _dedupable(rec):
+            continue
+        runs = {}
+        for i, (stream, first, count, offset) in enumerate(rec.runs):
+            ref = (_streams.Ref(step, man.pool, stream, man.segment_bytes, man.streams[stream])
+                   if stream < pc else man.refs[stream - pc])
+            runs[(first, count)] = _Held(ref, offset, rec.hashes[i] if rec.hashes else None)
+        out[rec.path] = _Leaf(_leaf_key(rec), runs)
+    return out
+
+
+def pools_of(man: Manifest) -> set[str]:
+    """The pool entries a manifest names."""
+    if man.format_version != _manifest.DEDUP_VERSION:
+        return set()
+    return {man.pool, *(r.pool for r in man.refs)}
+
+
+@dataclasses.dataclass
+class _Habit:
+    """How a leaf changed at recent saves: hashing a leaf that changes every time is waste."""
+
+    streak: int = 0  # saves in a row its hash changed
+    skip: int = 0  # saves left without hashing it
+    backoff: int = 1
+
+
+class Dedup:
+    """A writing manager's dedup state: the runs of the last committed step, the arrays
+    saved then, the pool entries saves in flight use, and which leaves keep changing."""
+
+    def __init__(self, directory: Location):
+        self.dir = directory
+        self.lock = threading.Lock()
+        self.exclusive = threading.Lock()  # a sweep, or a delete (a step renamed aside may be put back)
+        self._step: int | None = None  # the step the index describes
+        self._index: dict[str, _Leaf] = {}
+        self._arrays: tuple[int | None, dict[str, Any]] = (None, {})  # (step, path -> weakref) of the last save
+        self._live: dict[str, int] = {}  # pool entry -> saves in flight using it
+        self._habits: dict[str, _Habit] = {}
+        self._pools: dict[int, set[str]] = {}  # step -> the pool entries its manifest names (read once)
+        self._committed = False
+
+    # --- a save ------------------------------------------------------------------------
+
+    def start(self, step: int, state: Any, latest: tuple[int, Manifest] | None) -> _Save:
+        """The blocking part of ``save(step, state)``: which leaves are the very arrays the
+        last save had (cheap: an identity test a leaf). ``latest``: the newest listed step
+        with its manifest, for the first save of a manager (the index is empty then)."""
+        flat, _ = _tree.flatten(state)
+        arrays = {p: x for p, x in flat if isinstance(x, jax.Array)}
+        with self.lock:
+            if self._step is None and latest is not None:
+                self._step, self._index = latest[0], index_of(*latest)
+                self._pools[latest[0]] = pools_of(latest[1])
+            last_step, last = self._arrays
+            same = {p for p, x in arrays.items() if (r := last.get(p)) is not None and r() is x}
+            self._arrays = (step, {p: weakref.ref(x) for p, x in arrays.items()})
+        return _Save(self, step, same if last_step is not None else set(), last_step)
+
+    def committed(self, step: int, man: Manifest, save: _Save | None) -> bool:
+        """``step`` committed (its manifest names what it uses): the next save compares
+        with it. Whether it is this manager's first commit."""
+        with self.lock:
+            self._step, self._index = step, index_of(step, man)
+            self._pools[step] = pools_of(man)
+            if save is not None:
+                save.release_locked()
+            first, self._committed = not self._committed, True
+            return first
+
+    def forget(self, step: int) -> None:
+        """``step`` deleted: its manifest no longer protects what it names."""
+        with self.lock:
+            self._pools.pop(step, None)
+
+    # --- mark and sweep ----------------------------------------------------------------
+
+    def sweep(self) -> list[str]:
+        """Remove the pool entries no manifest on disk names and no save in flight uses;
+        returns their names. A step whose manifest cannot be read stops the sweep (nothing
+        removed: what it names is unknown)."""
+        pool = self.dir.child(_manifest.POOL_DIR)
+        with self.exclusive, self.lock:
+            entries = [n for n in _kvstore.list_children(pool) if _streams.pool_name_ok(n)]
+            if not entries:
+                return []
+            steps, _ = _commit.listed_steps(self.dir)
+            marked = set(self._live)
+            for step in steps:
+                if step not in self._pools:
+                    man = _commit.manifest_if_any(self.dir.child(_commit.step_name(step)))  # raises if unreadable
+                    if man is None:
+                        continue  # no manifest: not a step (an attempt in flight names a live entry)
+                    self._pools[step] = pools_of(man)
+                marked |= self._pools[step]
+            doomed = sorted(set(entries) - marked)
+            for name in doomed:
+                _kvstore.delete_tree(pool.child(name))
+            if doomed:
+                gone = set(doomed)
+                self._index = {p: leaf for p, leaf in self._index.items()
+                               if not any(h.ref.pool in gone for h in leaf.runs.values())}
+            return doomed
+
+    def sweep_logged(self) -> None:
+        try:
+            removed = self.sweep()
+        except Exception as e:  # noqa: BLE001 - logged: the entries stay, a later sweep removes them
+            _log.warning("jaxckpt: removing unreferenced data in '%s' failed: %s", self.dir, e)
+            return
+        if removed:
+            _log.info("jaxckpt: removed %d pool entries no step refers to in '%s'", len(removed), self.dir)
+
+
+class _Save:
+    """One save's part in dedup: ``_checkpoint.save_snapshot``'s ``dedup``."""
+
+    def __init__(self, owner: Dedup, step: int, same: set[str], same_step: int | None):
+        self.owner, self.step, self.same, self.same_step = owner, step, same, same_step
+        self.refs: list[_streams.Ref] = []
+        self.held: list[str] = []  # pool entries marked live for this save
+        self.written = 0  # bytes of entries written, referred
+        self.referred = 0
+
+    def location(self, final: Location, token: str) -> Location:
+        """Where this save's data objects go: its pool entry."""
+        loc = _manifest.pool_location(final.parent(), token)
+        with self.owner.lock:
+            self._hold_locked([token])
+        if loc.local is not None:
+            os.makedirs(loc.local, exist_ok=True)
+        return loc
+
+    def _hold_locked(self, pools: list[str]) -> None:
+        for p in pools:
+            self.owner._live[p] = self.owner._live.get(p, 0) + 1
+            self.held.append(p)
+
+    def release_locked(self) -> None:
+        live = self.owner._live
+        for p in self.held:
+            live[p] -= 1
+            if not live[p]:
+                del live[p]
+        self.held = []
+
+    def release(self) -> None:
+        with self.owner.lock:
+            self.release_locked()
+
+    def apply(self, snap: Snapshot, token: str) -> Snapshot:
+        """The snapshot with each run whose bytes a retained step holds referring to them,
+        the others laid out again in this process's stream, and each run's hash."""
+        if snap.streams is None or snap.waves is not None:
+            raise CheckpointError("dedup=True needs format 3 and no max_staging_bytes (not supported yet)")
+        owner = self.owner
+        with owner.lock:
+            index, index_step = dict(owner._index), owner._step
+            identical = self.same if self.same_step == index_step else set()
+        records = list(snap.records)
+        shards = dict(snap.file_shards)
+        chosen: dict[int, list[tuple[_Held, ...]] | None] = {}
+        hashes: dict[int, tuple[str, ...]] = {}
+        for slot, rec in enumerate(records):
+            if rec is None or not _dedupable(rec) or slot not in shards:
+                continue
+            held, own = self._decide(rec, index.get(rec.path), rec.path in identical, shards[slot])
+            if held is not None:
+                chosen[slot] = held
+            if own:
+                hashes[slot] = own
+        with owner.lock:
+            if owner._step != index_step:  # a sweep or commit moved the index: keep only what still holds
+                alive = {h.ref.pool for leaf in owner._index.values() for h in leaf.runs.values()}
+                chosen = {s: hs for s, hs in chosen.items() if all(h.ref.pool in alive for h in hs)}
+            self._hold_locked(sorted({h.ref.pool for hs in chosen.values() for h in hs}))
+        return self._lay_out(snap, records, shards, chosen, hashes)
+
+    def _decide(self, rec: LeafRecord, prev: _Leaf | None, identical: bool,
+                pieces: list[tuple[_layout.Index, Any]]) -> tuple[tuple[_Held, ...] | None, tuple[str, ...]]:
+        """For one leaf: where its runs' bytes already are (``None``: to write), and the
+        hashes to record for it (empty: none)."""
+        me = _distributed.process_index()
+        habit = self.owner._habits.setdefault(rec.path, _Habit())
+        matches = prev is not None and prev.key == _leaf_key(rec) and all(
+            (first, count) in prev.runs for p, first, count, _ in rec.runs if p == me)
+        mine = [(first, count) for p, first, count, _ in rec.runs if p == me]
+        if matches and identical:
+            held = tuple(prev.runs[fc] for fc in mine)
+            habit.streak = 0
+            return held, tuple(h.hash for h in held) if all(h.hash for h in held) else ()
+        if habit.skip > 0:
+            habit.skip -= 1
+            return None, ()
+        grid = _layout.chunk_grid_shape(rec.shape, rec.chunk_shape)
+        by_flat = {_layout.chunk_flat_index(cell_of(region, rec.chunk_shape), grid): data
+                   for region, data in split_rows(rec, pieces)}
+        got = tuple(content_hash(rec, [(f, by_flat[f]) for f in range(first, first + count)])
+                    for first, count in mine)
+        if matches and all(prev.runs[fc].hash == h for fc, h in zip(mine, got)):
+            habit.streak, habit.backoff = 0, 1
+            return tuple(prev.runs[fc] for fc in mine), got
+        if matches and all(prev.runs[fc].hash for fc in mine):  # compared, and changed
+            habit.streak += 1
+            if habit.streak >= 2:
+                habit.skip, habit.backoff = habit.backoff, min(2 * habit.backoff, MAX_BACKOFF)
+        return None, got
+
+    def _lay_out(self, snap: Snapshot, records: list[Any], shards: dict[int, Any],
+                 chosen: dict[int, Any], hashes: dict[int, tuple[str, ...]]) -> Snapshot:
+        """Referred leaves' runs point at their streams (one ref a stream), the others are
+        packed again one after the other in this process's stream."""
+        me = _distributed.process_index()
+        pc = _distributed.process_count()
+        ids: dict[tuple[str, int], int] = {}
+        at = 0
+        for slot, rec in enumerate(records):
+            if rec is None or rec.kind == "value" or rec.store != _manifest.STREAM:
+                continue
+            held = chosen.get(slot)
+            runs, stride = [], _streams.stride_for(rec.entry_bytes)
+            mine = [r for r in rec.runs if r[0] == me]
+            for k, (p, first, count, offset) in enumerate(rec.runs):
+                if held is not None and p == me:
+                    h = held[mine.index((p, first, count, offset))]
+                    key = (h.ref.pool, h.ref.process)
+                    if key not in ids:
+                        ids[key] = pc + len(self.refs)
+                        self.refs.append(h.ref)
+                    runs.append((ids[key], first, count, h.offset))
+                    self.referred += (count - 1) * stride + rec.entry_bytes
+                elif p == me:
+                    at = _streams.stride_for(at) if at else 0
+                    runs.append((p, first, count, at))
+                    at += (count - 1) * stride + rec.entry_bytes
+                    self.written += (count - 1) * stride + rec.entry_bytes
+                else:
+                    runs.append((p, first, count, offset))
+            records[slot] = dataclasses.replace(rec, runs=tuple(runs), hashes=hashes.get(slot, ()))
+            if held is not None:
+                shards.pop(slot, None)
+        streams = {p: n for p, n in snap.streams.items() if p != me}
+        if at:
+            streams[me] = at
+        return dataclasses.replace(snap, records=records, file_shards=shards, streams=streams)
+
+    def finish(self, man: Manifest, token: str) -> Manifest:
+        """The manifest as format 4: its data in pool entry ``token``, its refs."""
+        info = {**man.info, "dedup": {"written_bytes": self.written, "referred_bytes": self.referred,
+                                      "referred_steps": sorted({r.step for r in self.refs})}}
+        return dataclasses.replace(man, format_version=_manifest.DEDUP_VERSION, data="", pool=token,
+                                   refs=tuple(self.refs), info=info)
+
+    def abort(self, final: Location, staging: Location, token: str) -> None:
+        """A failed save: what ``_commit.abort`` removes, and its pool entry unless the
+        manifest at ``final`` names it (a commit that reported an error may have landed)."""
+        try:
+            _commit.abort(final, staging, token)
+            man = _commit.manifest_if_any(final)
+            if man is None or man.pool != token:
+                _kvstore.delete_tree(_manifest.pool_location(final.parent(), token))
+        except Exception as e:  # noqa: BLE001 - best effort: the save's own error is what matters
+            _log.warning("jaxckpt: removing the pool entry of a failed save to '%s' failed: %s", final, e)
+        finally:
+            self.release()
