@@ -38,8 +38,9 @@ import weakref
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
-from .. import _commit, _distributed, _layout, _manifest, _streams, _tree
+from .. import _commit, _distributed, _layout, _manifest, _storage, _streams, _tree
 from .._errors import CheckpointError
 from .._manifest import LeafRecord, Manifest
 from .._snapshot import Snapshot, cell_of
@@ -77,7 +78,7 @@ def content_hash(rec: LeafRecord, chunks: list[tuple[int, Any]]) -> str:
 
     h = blake3.blake3()
     for _, data in sorted(chunks, key=lambda c: c[0]):
-        h.update(memoryview(entry_payload(rec, data)).cast("B"))
+        h.update(entry_payload(rec, data).reshape(-1).view(np.uint8))
     return h.hexdigest(HASH_BYTES)
 
 
@@ -209,6 +210,7 @@ class Dedup:
                 marked |= self._pools[step]
             doomed = sorted(set(entries) - marked)
             for name in doomed:
+                _storage.fault("sweep:delete", name)
                 _kvstore.delete_tree(pool.child(name))
             if doomed:
                 gone = set(doomed)

@@ -1,0 +1,261 @@
+"""CheckpointManager(dedup=True) (issue 35): runs whose bytes a retained step holds are
+referred to, not written again; every listed step restores bit for bit whatever was
+deleted; the pool keeps exactly what some manifest on disk names."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_bit_equal
+
+import jaxckpt
+from jaxckpt import _commit, _manifest
+from jaxckpt._manager import dedup as _dedup
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = np.arange(256 * 512, dtype=np.float32).reshape(256, 512)  # 512 KiB: "the frozen base"
+
+
+def _pool(d):
+    p = os.path.join(d, _manifest.POOL_DIR)
+    return sorted(os.listdir(p)) if os.path.isdir(p) else []
+
+
+def _named(d):
+    """The pool entries the manifests on disk name."""
+    out = set()
+    for name in os.listdir(d):
+        if _commit.parse_step_name(name) is not None:
+            man = _commit.read_manifest(jaxckpt._storage.location.resolve(os.path.join(d, name)))
+            out |= _dedup.pools_of(man)
+    return out
+
+
+def _settle(mgr):
+    mgr.wait_until_finished()
+    mgr._deleter.wait()
+
+
+def test_a_frozen_base_is_written_once_and_every_step_restores_exactly(tmp_path):
+    d = str(tmp_path / "run")
+    base = {"w": jnp.asarray(BASE), "b": jnp.ones((64,), jnp.bfloat16)}
+    with jaxckpt.CheckpointManager(d, max_to_keep=2, dedup=True) as mgr:
+        for step in range(5):
+            mgr.save(step, {"base": base, "lora": jnp.full((8, 16), step, jnp.float32), "step": step})
+            _settle(mgr)
+        assert mgr.all_steps() == [3, 4]
+        first = mgr.info(0 + 3)["dedup"]
+        assert first["referred_steps"] == [0]
+        # the base (its entries: payload and crc32c) is referred to; only the adapter is written
+        assert first["referred_bytes"] == (BASE.nbytes + 4) + (64 * 2 + 4)
+        assert first["written_bytes"] == 8 * 16 * 4 + 4
+        for step in (3, 4):
+            got = mgr.restore(step)
+            assert_bit_equal(got["base"]["w"], BASE)
+            assert_bit_equal(got["base"]["b"], np.ones((64,), jnp.bfloat16))
+            assert_bit_equal(got["lora"], np.full((8, 16), step, np.float32))
+            assert got["step"] == step
+    # step 0 is gone, its pool entry stays: steps 3 and 4 read its bytes
+    assert set(_pool(d)) == _named(d) and len(_pool(d)) == 3
+    assert sorted(n for n in os.listdir(d) if n.isdigit()) == ["3", "4"]
+    assert os.listdir(os.path.join(d, "3")) == ["manifest.json"]
+    # a plain restore of the step's directory, and verify, with no knowledge of its history
+    got = jaxckpt.restore(os.path.join(d, "4"))
+    assert_bit_equal(got["base"]["w"], BASE)
+    report = jaxckpt.verify(os.path.join(d, "4"))
+    assert report.ok, report
+
+
+def test_equal_values_in_new_arrays_are_found_by_their_hash(tmp_path):
+    d = str(tmp_path / "run")
+    with jaxckpt.CheckpointManager(d, dedup=True) as mgr:
+        mgr.save(0, {"w": jnp.asarray(BASE)})
+        _settle(mgr)
+        mgr.save(1, {"w": jnp.asarray(BASE.copy())})  # another array, the same bytes
+        _settle(mgr)
+        assert mgr.info(1)["dedup"]["referred_steps"] == [0]
+        changed = BASE.copy()
+        changed.view(np.uint32)[77, 3] ^= 1  # one bit
+        mgr.save(2, {"w": jnp.asarray(changed)})
+        _settle(mgr)
+        assert mgr.info(2)["dedup"]["referred_bytes"] == 0
+        assert_bit_equal(mgr.restore(1)["w"], BASE)
+        assert_bit_equal(mgr.restore(2)["w"], changed)
+        man = _commit.read_manifest(jaxckpt._storage.location.resolve(os.path.join(d, "2")))
+        (rec,) = man.leaves
+        assert len(rec.hashes) == len(rec.runs) == 1 and len(rec.hashes[0]) == 32
+
+
+def test_a_new_manager_goes_on_referring_to_the_latest_step(tmp_path):
+    d = str(tmp_path / "run")
+    with jaxckpt.CheckpointManager(d, dedup=True) as mgr:
+        mgr.save(0, {"w": jnp.asarray(BASE), "x": jnp.zeros(4)})
+    with jaxckpt.CheckpointManager(d, dedup=True, max_to_keep=1) as mgr:
+        mgr.save(1, {"w": jnp.asarray(BASE), "x": jnp.ones(4)})
+        _settle(mgr)
+        assert mgr.all_steps() == [1]
+        assert mgr.info(1)["dedup"]["referred_steps"] == [0]
+        assert_bit_equal(mgr.restore(1)["w"], BASE)
+    assert set(_pool(d)) == _named(d) and len(_pool(d)) == 2
+
+
+def test_a_leaf_that_keeps_changing_stops_being_hashed_and_is_still_saved_exactly(tmp_path):
+    d = str(tmp_path / "run")
+    values = {}
+    with jaxckpt.CheckpointManager(d, dedup=True, max_to_keep=3) as mgr:
+        for step in range(12):
+            values[step] = BASE + step
+            mgr.save(step, {"w": jnp.asarray(values[step])})
+            _settle(mgr)
+        hashed = [bool(_commit.read_manifest(jaxckpt._storage.location.resolve(os.path.join(d, str(s))))
+                       .leaves[0].hashes) for s in mgr.all_steps()]
+        habit = mgr._dedup._habits["w"]
+        assert habit.backoff > 1 and not all(hashed)  # hashing backed off
+        for step in mgr.all_steps():
+            assert_bit_equal(mgr.restore(step)["w"], values[step])
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"peer_copies": 1}, "peer_copies"),
+    ({"compression": "zstd"}, "compression"),
+    ({"verify_before_delete": True}, "verify_before_delete"),
+    ({"max_staging_bytes": 1 << 20}, "max_staging_bytes"),
+])
+def test_options_dedup_does_not_support_yet_are_refused(tmp_path, kwargs, name):
+    with pytest.raises(jaxckpt.CheckpointError) as e:
+        jaxckpt.CheckpointManager(str(tmp_path / "run"), dedup=True, **kwargs)
+    assert str(e.value) == f"dedup=True with {name} is not supported yet: pass one or the other"
+    assert not os.path.exists(tmp_path / "run" / _manifest.POOL_DIR)
+
+
+def _expected_state(rng, prev):
+    """A random next state: each leaf kept (the same array), copied (new array, same
+    values) or changed, from ``prev`` (path -> (jax array, numpy values))."""
+    out = {}
+    for name, shape, dtype in (("a", (64, 32), np.float32), ("b", (7, 5), np.int32), ("c", (300,), np.uint8)):
+        how = rng.choice(["keep", "copy", "change"]) if name in prev else "change"
+        if how == "keep":
+            out[name] = prev[name]
+        elif how == "copy":
+            out[name] = (jnp.asarray(prev[name][1].copy()), prev[name][1])
+        else:
+            values = (np.random.default_rng(rng.randrange(1 << 30)).integers(0, 200, shape)).astype(dtype)
+            out[name] = (jnp.asarray(values), values)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_saves_deletes_and_resaves_keep_every_listed_step_exact(tmp_path, seed):
+    rng = random.Random(seed)
+    d = str(tmp_path / "run")
+    keep = rng.choice([None, 1, 2, 3])
+    expected, step, prev = {}, 0, {}
+    mgr = jaxckpt.CheckpointManager(d, dedup=True, max_to_keep=keep)
+    try:
+        for _ in range(24):
+            op = rng.choices(["save", "delete", "resave", "reopen"], [6, 2, 1, 1])[0]
+            listed = mgr.all_steps()
+            if op == "delete" and listed:
+                s = rng.choice(listed)
+                mgr.delete(s)
+                expected.pop(s)
+            elif op == "resave" and set(range(step)) - set(listed):
+                s = rng.choice(sorted(set(range(step)) - set(listed)))
+                prev = _expected_state(rng, prev)
+                mgr.save(s, {k: v[0] for k, v in prev.items()}, force=True)
+                expected[s] = {k: v[1] for k, v in prev.items()}
+            elif op == "reopen":
+                mgr.close()
+                mgr = jaxckpt.CheckpointManager(d, dedup=True, max_to_keep=keep)
+            else:
+                prev = _expected_state(rng, prev)
+                mgr.save(step, {k: v[0] for k, v in prev.items()})
+                expected[step] = {k: v[1] for k, v in prev.items()}
+                step += 1
+            _settle(mgr)
+            listed = mgr.all_steps()
+            for s in listed:
+                got = mgr.restore(s)
+                for k, v in expected[s].items():
+                    assert_bit_equal(got[k], v)
+            assert _named(d) <= set(_pool(d))  # nothing a listed step names is gone
+            expected = {s: v for s, v in expected.items() if s in listed}
+        mgr._dedup.sweep()
+        assert set(_pool(d)) == _named(d)  # and nothing else is kept
+    finally:
+        mgr.close()
+
+
+WORKER = """
+import json, os, sys
+import numpy as np, jax.numpy as jnp, jaxckpt
+d, first, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+base = jnp.asarray(np.arange(256 * 512, dtype=np.float32).reshape(256, 512))
+with jaxckpt.CheckpointManager(d, max_to_keep=2, dedup=True) as mgr:
+    for step in range(first, last):
+        mgr.save(step, {"base": base, "head": jnp.full((16,), step, jnp.float32)})
+        mgr.wait_until_finished()
+        print("COMMITTED", step, flush=True)
+    mgr._deleter.wait()
+print("DONE", flush=True)
+"""
+
+
+@pytest.mark.parametrize("point", ["data:start:3", "write:3", "commit:before-manifest:2",
+                                   "commit:after-rename:3", "delete:after-rename:1", "delete:middle:2",
+                                   "sweep:delete:1"])
+def test_a_crash_at_any_point_leaves_every_listed_step_restorable(tmp_path, point):
+    d = str(tmp_path / "run")
+    env = {**os.environ, "JAXCKPT_FAULT": point, "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, "-c", WORKER, d, "0", "6"], env=env, capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == -9, (out.returncode, out.stdout, out.stderr[-3000:])  # killed at the point
+    # a fresh writer: every listed step restores exactly, saves on, and sweeps what the crash left
+    env.pop("JAXCKPT_FAULT")
+    out = subprocess.run([sys.executable, "-c", WORKER, d, "10", "12"], env=env, capture_output=True,
+                         text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with jaxckpt.CheckpointManager(d, read_only=True) as mgr:
+        assert mgr.all_steps() == [10, 11]
+        for s in mgr.all_steps():
+            got = mgr.restore(s)
+            assert_bit_equal(got["base"], np.arange(256 * 512, dtype=np.float32).reshape(256, 512))
+            assert_bit_equal(got["head"], np.full((16,), s, np.float32))
+    assert set(_pool(d)) == _named(d)
+
+
+def test_a_referring_manifest_is_validated_before_anything_is_read(tmp_path):
+    d = str(tmp_path / "run")
+    with jaxckpt.CheckpointManager(d, dedup=True) as mgr:
+        mgr.save(0, {"w": jnp.asarray(BASE)})
+        mgr.save(1, {"w": jnp.asarray(BASE)})
+    path = os.path.join(d, "1", "manifest.json")
+    with open(path, "rb") as f:
+        good = json.loads(f.read())
+    assert good["format_version"] == 4 and len(good["refs"]) == 1 and "data" not in good
+
+    def damaged(change):
+        doc = json.loads(json.dumps(good))
+        doc.pop("checksum")
+        change(doc)
+        with open(path, "w") as f:
+            json.dump(doc, f)
+        with pytest.raises(jaxckpt.CorruptCheckpointError) as e:
+            jaxckpt.restore(os.path.join(d, "1"))
+        return str(e.value).split("invalid manifest: ", 1)[1]
+
+    assert damaged(lambda m: m["refs"][0].update(pool="../../etc")) == \
+        "ref #0: pool '../../etc' is not a pool entry's name"
+    assert damaged(lambda m: m.update(pool="a/b")) == "pool 'a/b' is not a pool entry's name"
+    assert damaged(lambda m: m["refs"][0].update(length=64)).startswith("leaf 'w': run #0 ")
+    assert damaged(lambda m: m.update(refs=[])) == "leaf 'w': run #0 [1, 0, 1, 0]: process 1 has no stream"
+    assert damaged(lambda m: m["leaves"][0].update(hashes=["x" * 32])) == \
+        "leaf 'w': hashes is not a list of 32-digit hex strings, one per run"
+    assert damaged(lambda m: m.update(data="d/x")) == \
+        "field 'data' in format_version 4 (its data objects are in the pool entry 'pool' names)"
+    assert damaged(lambda m: m.update(format_version=3)) == "field 'pool' needs format_version 4"
