@@ -162,7 +162,7 @@ def _step_row(mgr: Any, step: int) -> dict[str, Any]:
     when = info.get("commit_time", info.get("created_unix"))
     return {"step": step, "commit_time": when, "age_s": None if when is None else max(0.0, time.time() - when),
             "bytes": info.get("bytes"), "stored_bytes": info.get("stored_bytes"), "codecs": info.get("codecs", []),
-            "metrics": info.get("metrics"),
+            "metrics": info.get("metrics"), **({"dedup": info["dedup"]} if "dedup" in info else {}),
             "total_seconds": info.get("total_seconds"), "blocking_seconds": info.get("blocking_seconds")}
 
 
@@ -170,7 +170,7 @@ def _print_steps(directory: str, steps: list[dict[str, Any]]) -> None:
     if not steps:
         click.echo(f"no committed steps in '{directory}'")
         return
-    rows, stored = [], any(s.get("codecs") for s in steps)
+    rows, stored, dedup = [], any(s.get("codecs") for s in steps), any(s.get("dedup") for s in steps)
     for s in steps:
         when = "-" if s["commit_time"] is None else datetime.datetime.fromtimestamp(
             s["commit_time"]).strftime("%Y-%m-%d %H:%M:%S")
@@ -180,11 +180,20 @@ def _print_steps(directory: str, steps: list[dict[str, Any]]) -> None:
         tiers = [",".join(s["tiers"])] if "tiers" in s and any(t != ["local"] for t in
                                                                  (x["tiers"] for x in steps)) else []
         kept = [f"{_human(s['stored_bytes'])} {','.join(s['codecs'])}" if s.get("codecs") else "-"] * stored
+        kept += [_written(s.get("dedup"))] * dedup
         size = "-" if s["bytes"] is None else _human(s["bytes"])  # unknown for an orbax step
         rows.append([s["step"], when, _age(s["age_s"]), size, *kept, blocking, total, *tiers, metrics])
     show_tiers = any(s.get("tiers", ["local"]) != ["local"] for s in steps)
-    _table(["step", "committed", "age", "size", *(["stored"] if stored else []), "blocking", "total",
+    _table(["step", "committed", "age", "size", *(["stored"] if stored else []), *(["written"] if dedup else []),
+            "blocking", "total",
             *(["tier"] if show_tiers else []), "metrics"], rows)
+
+
+def _written(dedup: dict[str, Any] | None) -> str:
+    """A deduplicated step's bytes written, and those it refers to in other steps."""
+    if not dedup:
+        return "-"
+    return f"{_human(dedup['written_bytes'])} (+{_human(dedup['referred_bytes'])} in earlier steps)"
 
 
 def _seconds(value: float | None) -> str:
@@ -230,9 +239,13 @@ def show_command(path: str, as_json: bool, depth: int | None) -> None:
                "bytes": tree["bytes"], "leaves": tree["leaves"], "tree": tree}
         if codecs:
             doc.update(codecs=codecs, stored_bytes=stored_bytes)
+        if "dedup" in info.info:
+            doc["dedup"] = info.info["dedup"]
         _emit_json(doc)
         return
     stored = f" ({_human(stored_bytes)} stored, {', '.join(codecs)})" if codecs else ""
+    if (d := info.info.get("dedup")) and d["referred_steps"]:
+        stored += f" ({_human(d['written_bytes'])} written, {_human(d['referred_bytes'])} in steps {d['referred_steps']})"
     click.echo(f"{info.path}: {_leaves(tree['leaves'])}, {_human(tree['bytes'])}{stored}, "
                f"format version {info.format_version}")
     if info.metadata:
@@ -445,8 +458,9 @@ def gc_command(directory: str, yes: bool) -> None:
 def import_orbax_command(src: str, dest: str, overwrite: bool, as_json: bool) -> None:
     """Convert the orbax checkpoint (or run directory, with metrics) SRC into jaxckpt's at DEST."""
     from . import convert
+    from ._formats import stream as _stream
 
-    _limit_malloc_retention()
+    _stream.limit_malloc_retention()  # this process only converts: no decoded chunks piling up in malloc
     with _progress("import") as progress:
         result = convert.from_orbax(src, dest, overwrite=overwrite, progress=progress)
     run = {"steps": list(result.steps), "skipped": list(result.skipped)} if hasattr(result, "steps") else None
@@ -476,9 +490,10 @@ def export_command(path: str, out: str, select: tuple[str, ...], dtype: str | No
     Names are the key paths below --select with '.' separators, without nnx's value
     level (kernel/value is kernel), then renamed by --rename."""
     from . import convert
+    from ._formats import stream as _stream
 
     key_map = _parse_renames(renames)
-    _limit_malloc_retention()
+    _stream.limit_malloc_retention()  # this process only converts: no decoded chunks piling up in malloc
     with _progress("export") as progress:
         result = convert.to_safetensors(path, out, select=list(select) or None, dtype=dtype,
                                         max_shard_bytes=_parse_bytes(max_shard), key_map=key_map,
@@ -503,13 +518,6 @@ def _parse_renames(renames: tuple[str, ...]) -> dict[str, str] | None:
             raise _Exit(EXIT_USAGE, f"--rename: '{old}' is renamed twice ('{key_map[old]}' and '{new}')")
         key_map[old] = new
     return key_map or None
-
-
-def _limit_malloc_retention() -> None:
-    """This process only converts: no decoded chunks piling up in malloc (``_stream``'s note)."""
-    from ._formats import stream as _stream
-
-    _stream.limit_malloc_retention()
 
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -558,9 +566,10 @@ def convert_command(src: str, dest: str, mesh: str | None, specs: tuple[str, ...
         --spec '*/embed=model,None' --spec 'None,model'
     """
     from . import convert
+    from ._formats import stream as _stream
 
     shardings = _layout_from_options(src, mesh, specs)
-    _limit_malloc_retention()
+    _stream.limit_malloc_retention()  # this process only converts: no decoded chunks piling up in malloc
     with _progress("convert") as progress:
         convert.relayout(src, dest, shardings=shardings, dtype=dtype, select=list(select) or None,
                          overwrite=overwrite, progress=progress)
@@ -701,19 +710,10 @@ def console() -> None:
 
 
 def _http_timeouts() -> None:
-    """The command owns its process, so it sets what a library call may not: curl's
-    timeouts for the I/O bound (``_bounds.http_timeouts``), each only where the user left
-    it unset, before tensorstore reads them."""
-    from ._errors import CheckpointError
+    """The command owns its process: curl's timeouts for the I/O bound, where unset."""
     from ._storage import bounds as _bounds
 
-    try:
-        bound = _bounds.io_timeout_s()
-    except CheckpointError:
-        return  # the command reports the bad value when it first waits on the store
-    if bound is not None:
-        for name, value in _bounds.http_timeouts(bound).items():
-            os.environ.setdefault(name, value)
+    _bounds.set_http_timeouts()
 
 
 if __name__ == "__main__":

@@ -259,3 +259,33 @@ def test_a_referring_manifest_is_validated_before_anything_is_read(tmp_path):
     assert damaged(lambda m: m.update(data="d/x")) == \
         "field 'data' in format_version 4 (its data objects are in the pool entry 'pool' names)"
     assert damaged(lambda m: m.update(format_version=3)) == "field 'pool' needs format_version 4"
+
+
+def test_on_an_object_store_deletes_keep_what_later_steps_refer_to(s3_server):
+    spec = s3_server("dedup/run")
+    client = s3_server.client
+
+    def pool():
+        keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(
+            Bucket="jaxckpt-test", Prefix="dedup/run/.jaxckpt-data/") for o in page.get("Contents", [])]
+        return sorted({k.split("/")[3] for k in keys})
+
+    base = jnp.asarray(BASE)
+    with jaxckpt.CheckpointManager(spec, max_to_keep=1, dedup=True) as mgr:
+        for step in range(4):
+            mgr.save(step, {"base": base, "head": jnp.full((16,), step, jnp.float32)})
+            _settle(mgr)
+        assert mgr.all_steps() == [3]
+        assert mgr.info(3)["dedup"]["referred_steps"] == [0]
+        assert len(pool()) == 2  # step 0's (the base) and step 3's; steps 1 and 2's swept
+        got = mgr.restore(3)
+        assert_bit_equal(got["base"], BASE)
+        assert_bit_equal(got["head"], np.full((16,), 3, np.float32))
+        mgr.save(4, {"base": base + 1, "head": jnp.zeros((16,))})  # the base changes: step 0's bytes go
+        _settle(mgr)
+        assert mgr.info(4)["dedup"]["referred_bytes"] == 0
+        assert len(pool()) == 1
+        assert_bit_equal(mgr.restore(4)["base"], BASE + 1)
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket="jaxckpt-test", Prefix="dedup/run/4/")["Contents"]]
+    assert keys == ["dedup/run/4/manifest.json"]
+    assert jaxckpt.verify(spec | {"path": "dedup/run/4/"}).ok

@@ -192,7 +192,8 @@ def test_writer_mirrors_reader_and_shares_the_bounded_runner():
 def test_manager_options_hold_the_line():
     # The options are a contract (DESIGN.md §2). Adding one is a decision, not a drift: a
     # new option replaces or joins one (issue 21); wave 3 brings compression, quantize and
-    # peer_copies, each named in DESIGN.md already; issue 33 save_policy (DESIGN.md §2).
+    # peer_copies, each named in DESIGN.md already; issue 33 save_policy (DESIGN.md §2);
+    # issue 35 dedup (its text names CheckpointManager(..., dedup=True)).
     import inspect
 
     import jaxckpt
@@ -202,4 +203,5 @@ def test_manager_options_hold_the_line():
         "max_to_keep", "keep_period", "keep_time_interval", "best_metric", "best_mode", "keep_best",
         "save_interval_steps", "async_save", "max_pending", "timeout_s", "clock", "read_only",
         "persistent_directory", "persistent_interval_steps", "persistent_max_to_keep",
-        "verify_before_delete", "max_staging_bytes", "peer_copies", "compression", "quantize", "save_policy"]
+        "verify_before_delete", "max_staging_bytes", "peer_copies", "compression", "quantize", "save_policy",
+        "dedup"]

@@ -54,11 +54,12 @@ MAX_BACKOFF = 32  # saves a leaf that keeps changing goes unhashed, at most
 HASH_BYTES = 16
 
 
-def check_options(*, dedup: bool, peer_copies: int, persistent: Any, codecs: Any, read_only: bool,
-                  verify: bool, staging: Any) -> None:
-    """``dedup=True`` with an option it does not support yet: refused before anything starts."""
-    if not dedup:
-        return
+def make(dedup: bool, directory: Location, *, peer_copies: int, persistent: Any, codecs: Any, read_only: bool,
+         verify: bool, staging: Any) -> Dedup | None:
+    """A manager's ``Dedup`` (``None`` without ``dedup``); an option it does not support
+    yet is refused before anything starts."""
+    if dedup is False:
+        return None
     if not isinstance(dedup, bool):
         raise ValueError(f"dedup must be True or False, got {dedup!r}")
     if _distributed.process_count() > 1:
@@ -69,6 +70,7 @@ def check_options(*, dedup: bool, peer_copies: int, persistent: Any, codecs: Any
                        ("verify_before_delete", verify), ("max_staging_bytes", staging is not None)):
         if used:
             raise CheckpointError(f"dedup=True with {name} is not supported yet: pass one or the other")
+    return Dedup(directory)
 
 
 def content_hash(rec: LeafRecord, chunks: list[tuple[int, Any]]) -> str:

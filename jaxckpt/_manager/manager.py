@@ -96,6 +96,8 @@ class CheckpointManager:
         on this many partner hosts (a ring), to restore a lost host from (docs/storage.md).
       compression: as ``jaxckpt.save`` takes it; encoded in the background part of a save.
       quantize: as ``jaxckpt.save``; past ``Quantize.max_lossy_resumes`` lossy resumes: exact.
+      dedup: a leaf whose bytes the previous step holds is referred to, not written again
+        (the same ``jax.Array``, or an equal blake3 hash); docs/dedup.md. One process for now.
       read_only: list, restore and inspect only: never write, delete or clean. Any
         number of read-only managers (notebooks, evaluators) may watch a directory that
         a training run is writing.
@@ -139,10 +141,9 @@ class CheckpointManager:
         self._staging = _snapshot.staging_budget(max_staging_bytes)
         self._restore_budget = max_staging_bytes  # a restore's read buffers too
         self._codecs = _lossy.Codecs(compression, quantize)
-        _dedup.check_options(dedup=dedup, peer_copies=peer_copies, persistent=persistent_directory,
-                             codecs=self._codecs, read_only=read_only, verify=verify_before_delete,
-                             staging=max_staging_bytes)
-        self._dedup = _dedup.Dedup(self._dir) if dedup else None
+        self._dedup = _dedup.make(dedup, self._dir, peer_copies=peer_copies, persistent=persistent_directory,
+                                  codecs=self._codecs, read_only=read_only, verify=verify_before_delete,
+                                  staging=max_staging_bytes)
         self._timeout, self._clock, self._read_only = timeout_s, clock, read_only
         self._lock = threading.RLock()
         self._saves = _Saves(self._lock, max_pending, self._dir, self._after_write)
@@ -310,7 +311,7 @@ class CheckpointManager:
         metrics = _arguments.check_metrics(metrics)
         self._saves.wait_for_slot()
         op_id = _distributed.next_id()  # in program order, the same in every process
-        dedup = self._dedup and self._dedup.start(step, state, self._steps.newest_local())
+        dedup = self._dedup.start(step, state, self._steps.newest_local()) if self._dedup else None
         snap = _snapshot.snapshot(state, copy_host_arrays=self._async,
                                   group=self._groups.mine if self._groups.per_host else (), budget=self._staging,
                                   groups=self._groups.groups if self._groups.per_host else (),
@@ -329,25 +330,13 @@ class CheckpointManager:
 
         def info() -> dict[str, Any]:  # process 0, right before the commit
             check()
-            return {
-                "step": step,
-                "metrics": metrics,
-                "blocking_seconds": round(max(blocking, snap.staged_at() - t_start), 6),
-                "staging_bytes": snap.nbytes_local,
-                "total_seconds": round(time.perf_counter() - t_start, 6),
-                "commit_time": self._clock(),
-                "started": self._record.started,
-            }
+            return {"step": step, "metrics": metrics,
+                    "blocking_seconds": round(max(blocking, snap.staged_at() - t_start), 6),
+                    "staging_bytes": snap.nbytes_local, "total_seconds": round(time.perf_counter() - t_start, 6),
+                    "commit_time": self._clock(), "started": self._record.started}
 
-        try:
-            manifest = _checkpoint.save_snapshot(final, snap, info=info, check=check,
-                                                 timeout_s=self._timeout, op_id=op_id, dedup=dedup)
-        except BaseException:
-            if dedup:
-                dedup.release()
-            raise
-        if dedup and self._dedup.committed(step, manifest, dedup):
-            self._deleter.sweep()  # after its first commit: the pool entries of attempts that died
+        save = functools.partial(_checkpoint.save_snapshot, info=info, check=check, timeout_s=self._timeout, op_id=op_id)
+        manifest = _save(self, step, final, snap, save, dedup)
         if self._verify:
             _cleanup.verify_or_delete(self._dir, step, op_id, self._timeout, self._groups)
         if self._peers is not None:
@@ -436,11 +425,7 @@ class CheckpointManager:
         self._check_open()
         if self._read_only:
             raise CheckpointError(f"CheckpointManager for '{self._dir}' is read-only: delete() is not allowed")
-        with self._dedup.exclusive if self._dedup is not None else contextlib.nullcontext():
-            _cleanup.delete_everywhere(self, step)
-        if self._dedup is not None:
-            self._dedup.forget(step)
-            self._deleter.sweep()
+        _delete(self, step)
 
     def attempts(self) -> list[dict[str, Any]]:
         """The hidden, uncommitted attempts in the directory (read-only managers too).
@@ -512,6 +497,30 @@ class CheckpointManager:
     def _repr_html_(self) -> str:
         """The notebook view: directory, mode, steps (stored sizes, the best marked), totals, advice."""
         return _views.html(self)
+
+
+def _save(mgr: CheckpointManager, step: int, final: Any, snap: _snapshot.Snapshot, save: Callable[..., Any],
+          dedup: Any) -> Any:
+    """``save(final, snap)``, deduplicated when the manager is (``dedup``: this save's part)."""
+    if dedup is None:
+        return save(final, snap)
+    try:
+        manifest = save(final, snap, dedup=dedup)
+    except BaseException:
+        dedup.release()
+        raise
+    if mgr._dedup.committed(step, manifest, dedup):
+        mgr._deleter.sweep()  # after its first commit: the pool entries of attempts that died
+    return manifest
+
+
+def _delete(mgr: CheckpointManager, step: int) -> None:
+    """``delete``: with dedup, no sweep of the pool meanwhile, and one after it."""
+    with mgr._dedup.exclusive if mgr._dedup is not None else contextlib.nullcontext():
+        _cleanup.delete_everywhere(mgr, step)
+    if mgr._dedup is not None:
+        mgr._dedup.forget(step)
+        mgr._deleter.sweep()
 
 
 def _list(self: CheckpointManager, step: int, manifest: Any) -> None:

@@ -69,3 +69,17 @@ def http_timeouts(bound: float) -> dict[str, str]:
     """
     return {"TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS": str(max(1, round(bound / 12))),
             "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": str(max(2, round(bound / 8)))}
+
+
+def set_http_timeouts() -> None:
+    """For a process that is the ``jaxckpt`` command (it owns its environment, which a
+    library call may not set): curl's timeouts for the I/O bound (``http_timeouts``),
+    each only where the user left it unset, before tensorstore reads them. A bad
+    ``JAXCKPT_IO_TIMEOUT_S`` is left for the command to report when it first waits."""
+    try:
+        bound = io_timeout_s()
+    except CheckpointError:
+        return
+    if bound is not None:
+        for name, value in http_timeouts(bound).items():
+            os.environ.setdefault(name, value)
