@@ -289,3 +289,34 @@ def test_on_an_object_store_deletes_keep_what_later_steps_refer_to(s3_server):
     keys = [o["Key"] for o in client.list_objects_v2(Bucket="jaxckpt-test", Prefix="dedup/run/4/")["Contents"]]
     assert keys == ["dedup/run/4/manifest.json"]
     assert jaxckpt.verify(spec | {"path": "dedup/run/4/"}).ok
+
+
+def test_a_referring_step_is_diffed_exported_and_relaid_out_as_a_full_one(tmp_path):
+    from jaxckpt import convert
+
+    d = str(tmp_path / "run")
+    with jaxckpt.CheckpointManager(d, max_to_keep=1, dedup=True) as mgr:
+        mgr.save(0, {"w": jnp.asarray(BASE), "x": jnp.zeros(4)})
+        mgr.save(1, {"w": jnp.asarray(BASE), "x": jnp.ones(4)})
+        _settle(mgr)
+        assert mgr.all_steps() == [1] and mgr.info(1)["dedup"]["referred_steps"] == [0]
+    step = os.path.join(d, "1")
+    out = str(tmp_path / "copy")
+    convert.relayout(step, out)
+    convert.to_safetensors(step, str(tmp_path / "st"))
+    report = jaxckpt.diff(step, out)  # values read from both: the referred bytes and the copy's
+    assert report.arrays["w"]["differ"] == 0 and report.arrays["x"]["differ"] == 0
+    report = jaxckpt.diff(os.path.join(d, "1"), str(tmp_path / "copy"))
+    assert not report.added and not report.removed
+    import shutil
+
+    shutil.rmtree(d)  # the copies stand alone
+    got = jaxckpt.restore(out)
+    assert_bit_equal(got["w"], BASE)
+    assert_bit_equal(got["x"], np.ones(4, np.float32))
+    assert jaxckpt.metadata(out).format_version == 3
+    from safetensors.numpy import load_file
+
+    files = sorted(os.listdir(tmp_path / "st"))
+    tensors = load_file(str(tmp_path / "st" / files[0]))
+    assert_bit_equal(tensors["w"], BASE)
