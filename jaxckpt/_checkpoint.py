@@ -142,7 +142,7 @@ def save_snapshot(path: Any, snap: Snapshot, *, metadata: Any = None, overwrite:
         with _distributed.Operation(f"save{op_id}", str(final), timeout_s) as op:
             if _distributed.process_index() == 0:
                 return _save_as_coordinator(op, final, snap, metadata, overwrite, info, dedup)
-            return _save_as_follower(op, final, snap, check)
+            return _save_as_follower(op, final, snap, check, dedup)
     finally:
         snap.close()
 
@@ -162,7 +162,7 @@ def _save_as_coordinator(op: _distributed.Operation, final: Location, snap: Snap
         tables = op.wait_for("written", list(range(1, _distributed.process_count())))
         if _per_host(snap) and own:
             op.post("written", own)  # the other hosts' views locate some chunks in its entries
-        done = place_compressed(mine, {**tables, 0: own})
+        done = place_compressed(mine, {**tables, 0: own}) if dedup is None else dedup.merge(mine, tables)
         _check_streams(data, done)
         extra = {"write_seconds": round(write_seconds, 6), **(info() if info is not None else {})}
         if done.lossy_resumes or any(rec.codec in _streams.LOSSY for rec in done.records):
@@ -220,7 +220,7 @@ _SEGMENT = re.compile(r"p[0-9]+\.[0-9]+")
 
 
 def _save_as_follower(op: _distributed.Operation, final: Location, snap: Snapshot,
-                      check: Callable[[], None] | None = None) -> Manifest:
+                      check: Callable[[], None] | None = None, dedup: Any = None) -> Manifest:
     # per-host directories: the first process of each group commits its host's copy
     leader = _per_host(snap) and snap.group[0] == _distributed.process_index()
     attempt: dict[str, Any] = {}  # the token, and this host's staging directory once made
@@ -229,7 +229,11 @@ def _save_as_follower(op: _distributed.Operation, final: Location, snap: Snapsho
         attempt["token"] = token
         if _per_host(snap):
             attempt["staging"] = _prepare_host_copy(final, token)
-        table = write_data(_commit.data_location(final, token), snap)
+        if dedup is None:
+            table = write_data(_commit.data_location(final, token), snap)
+        else:  # this process's part in the pool; what it decided goes to process 0
+            write_data(dedup.location(final, token), dedup.apply(snap, token))
+            table = dedup.table()
         if check is not None:
             check()
         return table

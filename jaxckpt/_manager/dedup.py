@@ -13,9 +13,10 @@ chunk shape and codec as at the step referred to, the run covers the same chunks
 either the leaf is the very same ``jax.Array`` object as at that save (immutable: its
 bytes cannot have changed) or the run's content hash (blake3, 128 bits, over its
 entries' payloads in chunk order) equals the hash recorded for it. The hashes are
-computed on the save's background thread, before its writes. A leaf whose hash changed at
-two saves in a row is not hashed for the next 1, 2, 4 ... 32 saves (dense training changes
-every byte each step: the hash then costs a few percent of its time at most).
+computed on the save's background threads (``HASH_THREADS``), before its writes. A leaf
+whose hash changed since the last save is not hashed for the next 1, 2, 4 ... 32 saves
+(each time it changed again: dense training changes every byte each step, so the hash then
+costs a few percent of its time at most).
 
 Deleting. A pool entry is removed only when no manifest on disk names it (its own or in
 its ``refs``) and no save in flight uses it: a mark and sweep (``Dedup.sweep``) run by
@@ -31,6 +32,8 @@ compression and quantized leaves are refused with dedup (``check_options``).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import logging
 import os
 import threading
@@ -40,7 +43,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from .. import _commit, _distributed, _layout, _manifest, _storage, _streams, _tree
+from .. import _commit, _distributed, _layout, _manifest, _storage, _streams, _tasks, _tree
 from .._errors import CheckpointError
 from .._manifest import LeafRecord, Manifest
 from .._snapshot import Snapshot, cell_of
@@ -51,19 +54,20 @@ from .._writer import entry_payload, split_rows
 _log = logging.getLogger("jaxckpt")
 
 MAX_BACKOFF = 32  # saves a leaf that keeps changing goes unhashed, at most
+HASH_THREADS = 4  # leaves hashed at once (blake3 releases the GIL)
 HASH_BYTES = 16
 
 
 def make(dedup: bool, directory: Location, *, peer_copies: int, persistent: Any, codecs: Any, read_only: bool,
-         verify: bool, staging: Any) -> Dedup | None:
+         verify: bool, staging: Any, max_pending: int) -> Dedup | None:
     """A manager's ``Dedup`` (``None`` without ``dedup``); an option it does not support
     yet is refused before anything starts."""
     if dedup is False:
         return None
     if not isinstance(dedup, bool):
         raise ValueError(f"dedup must be True or False, got {dedup!r}")
-    if _distributed.process_count() > 1:
-        raise CheckpointError("dedup=True is not supported in a job of several processes yet")
+    if _distributed.process_count() > 1 and max_pending > 1:  # another process's refs are not known here
+        raise CheckpointError("dedup=True in a job of several processes saves one step at a time: max_pending=1")
     for name, used in (("peer_copies", peer_copies), ("persistent_directory", persistent is not None),
                        ("compression", getattr(codecs, "compression", None) is not None),
                        ("quantize", getattr(codecs, "quantize", None) is not None), ("read_only", read_only),
@@ -159,10 +163,12 @@ class Dedup:
 
     # --- a save ------------------------------------------------------------------------
 
-    def start(self, step: int, state: Any, latest: tuple[int, Manifest] | None) -> _Save:
+    def start(self, step: int, state: Any, latest: tuple[int, Manifest] | None, groups: Any = None) -> _Save:
         """The blocking part of ``save(step, state)``: which leaves are the very arrays the
         last save had (cheap: an identity test a leaf). ``latest``: the newest listed step
         with its manifest, for the first save of a manager (the index is empty then)."""
+        if groups is not None and groups.per_host:
+            raise CheckpointError("dedup=True with a directory per host is not supported yet")
         flat, _ = _tree.flatten(state)
         arrays = {p: x for p, x in flat if isinstance(x, jax.Array)}
         with self.lock:
@@ -237,8 +243,9 @@ class _Save:
         self.owner, self.step, self.same, self.same_step = owner, step, same, same_step
         self.refs: list[_streams.Ref] = []
         self.held: list[str] = []  # pool entries marked live for this save
-        self.written = 0  # bytes of entries written, referred
-        self.referred = 0
+        self.written = self.referred = self.length = 0  # entry bytes written, referred; own stream's length
+        self.runs: dict[int, list[tuple[int, int, int, int]]] = {}  # slot -> this process's runs, decided
+        self.hashes: dict[int, dict[tuple[int, int], str]] = {}  # slot -> (first, count) -> hash
 
     def location(self, final: Location, token: str) -> Location:
         """Where this save's data objects go: its pool entry."""
@@ -279,14 +286,16 @@ class _Save:
         shards = dict(snap.file_shards)
         chosen: dict[int, list[tuple[_Held, ...]] | None] = {}
         hashes: dict[int, tuple[str, ...]] = {}
-        for slot, rec in enumerate(records):
-            if rec is None or not _dedupable(rec) or slot not in shards:
-                continue
+
+        def decide(slot: int, rec: LeafRecord) -> None:
             held, own = self._decide(rec, index.get(rec.path), rec.path in identical, shards[slot])
             if held is not None:
                 chosen[slot] = held
             if own:
                 hashes[slot] = own
+
+        _tasks.run_tasks([functools.partial(decide, slot, rec) for slot, rec in enumerate(records)
+                          if rec is not None and _dedupable(rec) and slot in shards], HASH_THREADS)
         with owner.lock:
             if owner._step != index_step:  # a sweep or commit moved the index: keep only what still holds
                 alive = {h.ref.pool for leaf in owner._index.values() for h in leaf.runs.values()}
@@ -318,49 +327,94 @@ class _Save:
         if matches and all(prev.runs[fc].hash == h for fc, h in zip(mine, got)):
             habit.streak, habit.backoff = 0, 1
             return tuple(prev.runs[fc] for fc in mine), got
-        if matches and all(prev.runs[fc].hash for fc in mine):  # compared, and changed
+        if matches and all(prev.runs[fc].hash for fc in mine):  # compared, and changed: trained
             habit.streak += 1
-            if habit.streak >= 2:
-                habit.skip, habit.backoff = habit.backoff, min(2 * habit.backoff, MAX_BACKOFF)
+            habit.skip, habit.backoff = habit.backoff, min(2 * habit.backoff, MAX_BACKOFF)
         return None, got
 
     def _lay_out(self, snap: Snapshot, records: list[Any], shards: dict[int, Any],
                  chosen: dict[int, Any], hashes: dict[int, tuple[str, ...]]) -> Snapshot:
-        """Referred leaves' runs point at their streams (one ref a stream), the others are
-        packed again one after the other in this process's stream."""
-        me = _distributed.process_index()
-        pc = _distributed.process_count()
+        """Referred leaves' runs point at their streams (one ref a stream, ids from
+        ``process_count``), the others are packed again one after the other in this
+        process's stream; what this process decided is kept for process 0 (``table``)."""
+        me, pc = _distributed.process_index(), _distributed.process_count()
         ids: dict[tuple[str, int], int] = {}
         at = 0
         for slot, rec in enumerate(records):
             if rec is None or rec.kind == "value" or rec.store != _manifest.STREAM:
                 continue
-            held = chosen.get(slot)
-            runs, stride = [], _streams.stride_for(rec.entry_bytes)
+            held, stride = chosen.get(slot), _streams.stride_for(rec.entry_bytes)
             mine = [r for r in rec.runs if r[0] == me]
-            for k, (p, first, count, offset) in enumerate(rec.runs):
-                if held is not None and p == me:
-                    h = held[mine.index((p, first, count, offset))]
-                    key = (h.ref.pool, h.ref.process)
-                    if key not in ids:
+            runs = [r for r in rec.runs if r[0] != me]
+            own = []
+            for k, (_, first, count, _) in enumerate(mine):
+                span = (count - 1) * stride + rec.entry_bytes
+                if held is not None:
+                    h = held[k]
+                    if (key := (h.ref.pool, h.ref.process)) not in ids:
                         ids[key] = pc + len(self.refs)
                         self.refs.append(h.ref)
-                    runs.append((ids[key], first, count, h.offset))
-                    self.referred += (count - 1) * stride + rec.entry_bytes
-                elif p == me:
-                    at = _streams.stride_for(at) if at else 0
-                    runs.append((p, first, count, at))
-                    at += (count - 1) * stride + rec.entry_bytes
-                    self.written += (count - 1) * stride + rec.entry_bytes
+                    own.append((ids[key], first, count, h.offset))
+                    self.referred += span
                 else:
-                    runs.append((p, first, count, offset))
-            records[slot] = dataclasses.replace(rec, runs=tuple(runs), hashes=hashes.get(slot, ()))
+                    at = _streams.stride_for(at)
+                    own.append((me, first, count, at))
+                    at += span
+                    self.written += span
+            self.runs[slot] = own
+            if slot in hashes:
+                self.hashes[slot] = {(first, count): h for (_, first, count, _), h in zip(mine, hashes[slot])}
+            records[slot] = dataclasses.replace(rec, runs=tuple(sorted(runs + own, key=lambda r: r[1])))
             if held is not None:
                 shards.pop(slot, None)
+        self.length = at
         streams = {p: n for p, n in snap.streams.items() if p != me}
         if at:
             streams[me] = at
         return dataclasses.replace(snap, records=records, file_shards=shards, streams=streams)
+
+    def table(self) -> bytes:
+        """What this process decided, for process 0's manifest (``merge``)."""
+        return json.dumps({"runs": {str(s): r for s, r in self.runs.items()},
+                           "hashes": {str(s): [[f, c, h] for (f, c), h in m.items()] for s, m in self.hashes.items()},
+                           "refs": [r._asdict() for r in self.refs], "length": self.length,
+                           "written": self.written, "referred": self.referred}).encode()
+
+    def merge(self, snap: Snapshot, tables: dict[int, bytes]) -> Snapshot:
+        """Process 0, once every process wrote: each one's runs (its refs renumbered into
+        one list), stream lengths and hashes in the snapshot it writes the manifest of."""
+        pc = _distributed.process_count()
+        records, streams = list(snap.records), dict(snap.streams or {})
+        ids = {(r.pool, r.process): pc + i for i, r in enumerate(self.refs)}
+        hashes = {s: dict(m) for s, m in self.hashes.items()}
+        for p, raw in sorted(tables.items()):
+            if p == _distributed.process_index() or not raw:
+                continue
+            part = json.loads(raw)
+            local = []
+            for r in part["refs"]:
+                ref = _streams.Ref(**r)
+                if (key := (ref.pool, ref.process)) not in ids:
+                    ids[key] = pc + len(self.refs)
+                    self.refs.append(ref)
+                local.append(ids[key])
+            for slot, own in part["runs"].items():
+                rec = records[int(slot)]
+                new = [(s if s < pc else local[s - pc], f, c, o) for s, f, c, o in own]
+                records[int(slot)] = dataclasses.replace(
+                    rec, runs=tuple(sorted([r for r in rec.runs if r[0] != p] + new, key=lambda r: r[1])))
+            for slot, rows in part["hashes"].items():
+                hashes.setdefault(int(slot), {}).update({(f, c): h for f, c, h in rows})
+            streams.pop(p, None)
+            if part["length"]:
+                streams[p] = part["length"]
+            self.written += part["written"]
+            self.referred += part["referred"]
+        for slot, m in hashes.items():  # a leaf's hashes: one per run, or none
+            rec = records[slot]
+            if all((f, c) in m for _, f, c, _ in rec.runs):
+                records[slot] = dataclasses.replace(rec, hashes=tuple(m[f, c] for _, f, c, _ in rec.runs))
+        return dataclasses.replace(snap, records=records, streams=streams)
 
     def finish(self, man: Manifest, token: str) -> Manifest:
         """The manifest as format 4: its data in pool entry ``token``, its refs."""

@@ -143,7 +143,7 @@ class CheckpointManager:
         self._codecs = _lossy.Codecs(compression, quantize)
         self._dedup = _dedup.make(dedup, self._dir, peer_copies=peer_copies, persistent=persistent_directory,
                                   codecs=self._codecs, read_only=read_only, verify=verify_before_delete,
-                                  staging=max_staging_bytes)
+                                  staging=max_staging_bytes, max_pending=max_pending)
         self._timeout, self._clock, self._read_only = timeout_s, clock, read_only
         self._lock = threading.RLock()
         self._saves = _Saves(self._lock, max_pending, self._dir, self._after_write)
@@ -311,7 +311,7 @@ class CheckpointManager:
         metrics = _arguments.check_metrics(metrics)
         self._saves.wait_for_slot()
         op_id = _distributed.next_id()  # in program order, the same in every process
-        dedup = self._dedup.start(step, state, self._steps.newest_local()) if self._dedup else None
+        dedup = self._dedup.start(step, state, self._steps.newest_local(), self._groups) if self._dedup else None
         snap = _snapshot.snapshot(state, copy_host_arrays=self._async,
                                   group=self._groups.mine if self._groups.per_host else (), budget=self._staging,
                                   groups=self._groups.groups if self._groups.per_host else (),
@@ -509,18 +509,22 @@ def _save(mgr: CheckpointManager, step: int, final: Any, snap: _snapshot.Snapsho
     except BaseException:
         dedup.release()
         raise
-    if mgr._dedup.committed(step, manifest, dedup):
+    if mgr._dedup.committed(step, manifest, dedup) and mgr._groups.leads:
         mgr._deleter.sweep()  # after its first commit: the pool entries of attempts that died
     return manifest
 
 
 def _delete(mgr: CheckpointManager, step: int) -> None:
-    """``delete``: with dedup, no sweep of the pool meanwhile, and one after it."""
+    """``delete``: with dedup, after the saves in flight (their refs are named by the step
+    they compare with, which may be this one), no sweep of the pool meanwhile, one after."""
+    if mgr._dedup is not None:
+        mgr.wait_until_finished()
     with mgr._dedup.exclusive if mgr._dedup is not None else contextlib.nullcontext():
         _cleanup.delete_everywhere(mgr, step)
     if mgr._dedup is not None:
         mgr._dedup.forget(step)
-        mgr._deleter.sweep()
+        if mgr._groups.leads:
+            mgr._deleter.sweep()
 
 
 def _list(self: CheckpointManager, step: int, manifest: Any) -> None:
