@@ -320,3 +320,26 @@ def test_a_referring_step_is_diffed_exported_and_relaid_out_as_a_full_one(tmp_pa
     files = sorted(os.listdir(tmp_path / "st"))
     tensors = load_file(str(tmp_path / "st" / files[0]))
     assert_bit_equal(tensors["w"], BASE)
+
+
+@pytest.mark.parametrize("reshard", [False, True])
+def test_several_processes_each_refer_to_their_own_rows(tmp_path, reshard):
+    from conftest import run_workers
+
+    d = str(tmp_path / "run")
+    worker = os.path.join(ROOT, "tests", "mp_dedup_worker.py")
+    args = {"path": d, "steps": [0, 1, 2, 3], "max_to_keep": 2, "delete": [2], "reshard": reshard}
+    results = run_workers(worker, 2, lambda i, port: [port, 2, i, json.dumps(args)], 240)
+    man = _commit.read_manifest(jaxckpt._storage.location.resolve(os.path.join(d, "3")))
+    base = next(rec for rec in man.leaves if rec.path == "base")
+    for r in results.values():
+        assert r["steps"] == [3] and r["exact"], r
+        # the base's every entry (each process's rows) referred to, and nothing at step 0
+        whole = base.stored_nbytes
+        assert whole == 512 * 256 * 4 + 4 * len([c for _, _, n, _ in base.runs for c in range(n)])
+        assert r["referred"] == {"0": 0, "1": whole, "2": whole, "3": whole}, r
+    assert man.process_count == 2 and {r.step for r in man.refs} == {0} and len(man.refs) == 2
+    assert all(stream >= 2 for stream, _, _, _ in base.runs) and len(base.hashes) == len(base.runs)
+    assert set(_pool(d)) == _named(d)
+    got = jaxckpt.restore(os.path.join(d, "3"))  # one process, another mesh
+    assert_bit_equal(got["base"], np.arange(512 * 256, dtype=np.float32).reshape(512, 256))

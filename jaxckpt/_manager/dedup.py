@@ -355,12 +355,12 @@ class _Save:
                         ids[key] = pc + len(self.refs)
                         self.refs.append(h.ref)
                     own.append((ids[key], first, count, h.offset))
-                    self.referred += span
+                    self.referred += count * rec.entry_bytes
                 else:
                     at = _streams.stride_for(at)
                     own.append((me, first, count, at))
                     at += span
-                    self.written += span
+                    self.written += count * rec.entry_bytes
             self.runs[slot] = own
             if slot in hashes:
                 self.hashes[slot] = {(first, count): h for (_, first, count, _), h in zip(mine, hashes[slot])}
