@@ -62,3 +62,21 @@ def test_fixture_restores_onto_another_mesh_and_verifies(name, version, made_by,
     report = jaxckpt.verify(path)
     assert report.ok and report.leaves == 11 and report.chunks == chunks, report.problems
     assert_bit_equal(jaxckpt.open(path)["params/small"][1], expected()["params"]["small"][1])
+
+
+def test_the_v4_fixture_restores_from_the_pool_entry_of_a_deleted_step():
+    # made by tests/fixtures/make_v4.py: step 2 of a dedup manager, every array referring
+    # to step 1's bytes, step 1 deleted; its own pool entry is empty (git keeps no empty
+    # directory: a clone has none, and nothing needs it)
+    path = os.path.join(FIXTURES, "v4", "2")
+    got = jaxckpt.restore(path)
+    assert got["name"] == "fixture v4"
+    got["name"] = "fixture"
+    assert_fixture(got)
+    info = jaxckpt.metadata(path)
+    assert info.format_version == 4 and info.info["dedup"]["referred_steps"] == [1]
+    report = jaxckpt.verify(path)
+    assert report.ok and report.leaves == 11 and report.chunks == 10, report.problems
+    with jaxckpt.CheckpointManager(os.path.join(FIXTURES, "v4"), read_only=True) as mgr:
+        assert mgr.all_steps() == [2]
+        assert_bit_equal(mgr.restore(2)["params"]["big"], expected()["params"]["big"])
