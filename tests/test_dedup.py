@@ -343,3 +343,50 @@ def test_several_processes_each_refer_to_their_own_rows(tmp_path, reshard):
     assert set(_pool(d)) == _named(d)
     got = jaxckpt.restore(os.path.join(d, "3"))  # one process, another mesh
     assert_bit_equal(got["base"], np.arange(512 * 256, dtype=np.float32).reshape(512, 256))
+
+
+def test_a_reader_in_the_middle_of_a_restore_keeps_its_step_and_the_bytes_it_refers_to(tmp_path):
+    import threading
+
+    from jaxckpt import _storage
+
+    d = str(tmp_path / "run")
+    base = jnp.asarray(BASE)
+    with jaxckpt.CheckpointManager(d, max_to_keep=1, dedup=True, async_save=False) as mgr:
+        mgr.save(0, {"base": base, "head": jnp.zeros(4)})
+        mgr.save(1, {"base": base + 1, "head": jnp.ones(4)})  # step 1 refers to nothing
+        mgr._deleter.wait()
+        assert mgr.all_steps() == [1]
+        reading, release, got = threading.Event(), threading.Event(), {}
+
+        def hook(op, key):
+            if op == "read" and threading.current_thread().name != "MainThread" and not reading.is_set():
+                reading.set()
+                assert release.wait(60)
+
+        def read():
+            with jaxckpt.CheckpointManager(d, read_only=True) as reader:
+                got["state"] = reader.restore(1)
+
+        _storage.fault_hook = hook
+        try:
+            t = threading.Thread(target=read, name="reader")
+            t.start()
+            assert reading.wait(60)
+            # the writer moves on: step 1 is dropped by retention while the reader reads it
+            b2 = base + 2
+            mgr.save(2, {"base": b2, "head": jnp.full(4, 2.0)})
+            mgr._deleter.wait()
+            assert os.path.exists(os.path.join(d, "1", "manifest.json"))  # deferred: a live reader
+            assert _named(d) <= set(_pool(d))
+            release.set()
+            t.join(60)
+        finally:
+            _storage.fault_hook = None
+        assert_bit_equal(got["state"]["base"], BASE + 1)
+        mgr.save(3, {"base": b2, "head": jnp.full(4, 3.0)})  # refers to step 2's base
+        mgr._deleter.wait()
+        assert mgr.all_steps() == [3] and not os.path.exists(os.path.join(d, "1"))
+        assert mgr.info(3)["dedup"]["referred_steps"] == [2]
+        assert set(_pool(d)) == _named(d) and len(_pool(d)) == 2
+        assert_bit_equal(mgr.restore(3)["base"], BASE + 2)
