@@ -18,6 +18,12 @@ baselines:
 
 Then the restore of the last step of each run. Medians over the steps after the first
 (the first save of a run writes everything).
+
+``--part requests``: what deleting a step costs in requests on an object store (the local
+S3 server, moto, recording its requests) as steps accumulate: a directory of N steps
+(each referring to step 0's base), a fresh manager (a restart), then ``delete`` of one
+step and of another, each with the sweep of the pool that follows it; against
+``dedup=False``.
 """
 
 from __future__ import annotations
@@ -186,12 +192,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--dir", default=None)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--part", choices=("saves", "requests"), default="saves")
+    parser.add_argument("--counts", type=int, nargs="+", default=[10, 100, 1000])
     args = parser.parse_args()
     if args.smoke:
         args.layers, args.dim, args.vocab, args.steps = 2, 64, 256, 3
     root = tempfile.mkdtemp(prefix="jaxckpt-dedup-", dir=args.dir)
     try:
-        report(root, args)
+        if args.part == "requests":
+            requests(args.counts if not args.smoke else [3])
+        else:
+            report(root, args)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -223,6 +234,66 @@ def report(root: str, args: argparse.Namespace) -> None:
               f"{med(dd['rows'], 'total') / med(plain['rows'], 'total'):.2f}x | "
               f"{med(dd['rows'], 'blocking') / max(med(plain['rows'], 'blocking'), 1e-9):.2f}x | "
               f"{dd['restore'] / plain['restore']:.2f}x |")
+
+
+def requests(counts: list[int]) -> None:
+    import json
+    import subprocess
+
+    print("| steps kept | dedup | requests: 1st delete after a restart | its GETs | next delete | its GETs |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for n in counts:
+        for dedup in (False, True):
+            log = tempfile.mktemp(suffix=".jsonl")
+            proc, endpoint = _moto({"MOTO_ENABLE_RECORDING": "True", "MOTO_RECORDER_FILEPATH": log})
+            try:
+                spec = {"driver": "s3", "bucket": "steps", "path": "run", "endpoint": endpoint,
+                        "aws_region": "us-east-1"}
+                base = jnp.asarray(np.ones((256, 256), np.float32))
+                with jaxckpt.CheckpointManager(spec, dedup=dedup, async_save=False) as mgr:
+                    for s in range(n):
+                        mgr.save(s, {"base": base, "head": jnp.full((4,), s, jnp.float32)})
+                sent = []
+                with jaxckpt.CheckpointManager(spec, dedup=dedup, async_save=False) as mgr:
+                    for step in (n - 2, n - 3) if n > 2 else (0,):
+                        open(log, "w").close()
+                        mgr.delete(step)
+                        mgr._deleter.wait()
+                        with open(log) as f:
+                            sent.append([json.loads(line)["method"] for line in f if line.strip()])
+                sent += [sent[-1]] * (2 - len(sent))
+                print(f"| {n} | {dedup} | {len(sent[0])} | {sent[0].count('GET')} | {len(sent[1])} | "
+                      f"{sent[1].count('GET')} |")
+            finally:
+                proc.terminate()
+                proc.wait(10)
+                subprocess.run(["rm", "-f", log], check=False)
+
+
+def _moto(env: dict) -> tuple:
+    import socket
+    import subprocess
+
+    import boto3
+
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1",
+                             "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, **env))
+    endpoint = f"http://127.0.0.1:{port}"
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    for _ in range(600):
+        try:
+            client.create_bucket(Bucket="steps")
+            return proc, endpoint
+        except Exception:  # noqa: BLE001 - not up yet
+            time.sleep(0.05)
+    proc.terminate()
+    raise RuntimeError("moto_server did not start")
 
 
 if __name__ == "__main__":
