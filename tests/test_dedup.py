@@ -390,3 +390,22 @@ def test_a_reader_in_the_middle_of_a_restore_keeps_its_step_and_the_bytes_it_ref
         assert mgr.info(3)["dedup"]["referred_steps"] == [2]
         assert set(_pool(d)) == _named(d) and len(_pool(d)) == 2
         assert_bit_equal(mgr.restore(3)["base"], BASE + 2)
+
+
+def test_a_step_whose_manifest_does_not_validate_stops_the_sweep(tmp_path):
+    d = str(tmp_path / "run")
+    with jaxckpt.CheckpointManager(d, dedup=True, async_save=False) as mgr:
+        mgr.save(0, {"w": jnp.asarray(BASE)})
+        mgr.save(1, {"w": jnp.asarray(BASE + 1)})
+        mgr.save(2, {"w": jnp.asarray(BASE + 1)})  # refers to step 1's bytes
+    os.makedirs(os.path.join(d, _manifest.POOL_DIR, "deadbeef0000", "data"))  # an attempt that died
+    with open(os.path.join(d, "1", "manifest.json"), "r+b") as f:
+        f.write(b"{not json")
+    before = _pool(d)
+    with jaxckpt.CheckpointManager(d, dedup=True) as mgr:
+        with pytest.raises(jaxckpt.CheckpointError) as e:
+            mgr._dedup.sweep()
+        assert str(e.value).startswith("the manifest of step 1 does not validate (")
+        assert str(e.value).endswith("): what it refers to is unknown, nothing removed")
+        assert _pool(d) == before
+        assert_bit_equal(mgr.restore(2)["w"], BASE + 1)  # step 2 still reads step 1's bytes

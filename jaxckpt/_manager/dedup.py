@@ -38,6 +38,7 @@ import logging
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -50,6 +51,7 @@ from .._snapshot import Snapshot, cell_of
 from .._storage import kvstore as _kvstore
 from .._storage.location import Location
 from .._writer import entry_payload, split_rows
+from . import steplist as _steplist
 
 _log = logging.getLogger("jaxckpt")
 
@@ -160,15 +162,18 @@ class Dedup:
         self._habits: dict[str, _Habit] = {}
         self._pools: dict[int, set[str]] = {}  # step -> the pool entries its manifest names (read once)
         self._committed = False
+        self.known: Callable[[], dict[int, Manifest]] = dict  # the manager's read manifests (``Steps.known``)
 
     # --- a save ------------------------------------------------------------------------
 
-    def start(self, step: int, state: Any, latest: tuple[int, Manifest] | None, groups: Any = None) -> _Save:
+    def start(self, step: int, state: Any, listing: Any, groups: Any = None) -> _Save:
         """The blocking part of ``save(step, state)``: which leaves are the very arrays the
-        last save had (cheap: an identity test a leaf). ``latest``: the newest listed step
-        with its manifest, for the first save of a manager (the index is empty then)."""
+        last save had (cheap: an identity test a leaf). ``listing``: the manager's
+        (``tiers.Listing``): its newest step is what the first save compares with."""
         if groups is not None and groups.per_host:
             raise CheckpointError("dedup=True with a directory per host is not supported yet")
+        self.known = listing.local.known
+        latest = listing.newest_local() if self._step is None else None
         flat, _ = _tree.flatten(state)
         arrays = {p: x for p, x in flat if isinstance(x, jax.Array)}
         with self.lock:
@@ -208,14 +213,16 @@ class Dedup:
             if not entries:
                 return []
             steps, _ = _commit.listed_steps(self.dir)
-            marked = set(self._live)
+            known = self.known()  # the manifests the manager has read (it wrote or listed them)
             for step in steps:
-                if step not in self._pools:
-                    man = _commit.manifest_if_any(self.dir.child(_commit.step_name(step)))  # raises if unreadable
-                    if man is None:
-                        continue  # no manifest: not a step (an attempt in flight names a live entry)
-                    self._pools[step] = pools_of(man)
-                marked |= self._pools[step]
+                if step not in self._pools and step in known:
+                    self._pools[step] = pools_of(known[step])
+            found, bad = _steplist.read(self.dir, [s for s in steps if s not in self._pools])  # a failure raises
+            if bad:
+                raise CheckpointError(f"the manifest of step {min(bad)} does not validate ({bad[min(bad)]}): "
+                                      "what it refers to is unknown, nothing removed")
+            self._pools.update({s: pools_of(m) for s, m in found.items() if m is not None})
+            marked = set(self._live).union(*(self._pools[s] for s in steps if s in self._pools))
             doomed = sorted(set(entries) - marked)
             for name in doomed:
                 _storage.fault("sweep:delete", name)

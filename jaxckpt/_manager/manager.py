@@ -311,7 +311,7 @@ class CheckpointManager:
         metrics = _arguments.check_metrics(metrics)
         self._saves.wait_for_slot()
         op_id = _distributed.next_id()  # in program order, the same in every process
-        dedup = self._dedup.start(step, state, self._steps.newest_local(), self._groups) if self._dedup else None
+        dedup = self._dedup.start(step, state, self._steps, self._groups) if self._dedup else None
         snap = _snapshot.snapshot(state, copy_host_arrays=self._async,
                                   group=self._groups.mine if self._groups.per_host else (), budget=self._staging,
                                   groups=self._groups.groups if self._groups.per_host else (),
@@ -519,6 +519,7 @@ def _delete(mgr: CheckpointManager, step: int) -> None:
     they compare with, which may be this one), no sweep of the pool meanwhile, one after."""
     if mgr._dedup is not None:
         mgr.wait_until_finished()
+        mgr._dedup.known = mgr._steps.local.known
     with mgr._dedup.exclusive if mgr._dedup is not None else contextlib.nullcontext():
         _cleanup.delete_everywhere(mgr, step)
     if mgr._dedup is not None:

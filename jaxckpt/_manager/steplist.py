@@ -104,6 +104,10 @@ class Steps(MutableMapping):
             return
         super().update(other, **kw)
 
+    def known(self) -> dict[int, Manifest]:
+        """The steps read so far, with their manifests (nothing read here)."""
+        return dict(self._read)
+
     def unread(self) -> list[int]:
         """The listed steps not read yet."""
         return sorted(self._unread) if self._dir is not None else []
