@@ -230,6 +230,10 @@ def report(root: str, args: argparse.Namespace) -> None:
         print(f"| {name} | raw write (floor) | {state_bytes / 2**20:.3f} MiB | "
               f"{statistics.median(raws[1:] or raws):.3f} | | |")
         plain, dd = out["jaxckpt"], out["jaxckpt dedup=True"]
+        sums = {k: sum(r["total"] for r in v["rows"][1:]) for k, v in out.items()}
+        print(f"| {name} | sum of save totals, saves 2..{args.steps}: plain {sums['jaxckpt']:.3f} s, "
+              f"dedup {sums['jaxckpt dedup=True']:.3f} s ({sums['jaxckpt dedup=True'] / sums['jaxckpt']:.3f}x), "
+              f"orbax {sums['orbax']:.3f} s | | | |")
         print(f"| {name} | dedup / plain | {med(dd['rows'], 'bytes') / med(plain['rows'], 'bytes'):.4f}x | "
               f"{med(dd['rows'], 'total') / med(plain['rows'], 'total'):.2f}x | "
               f"{med(dd['rows'], 'blocking') / max(med(plain['rows'], 'blocking'), 1e-9):.2f}x | "

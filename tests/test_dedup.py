@@ -409,3 +409,40 @@ def test_a_step_whose_manifest_does_not_validate_stops_the_sweep(tmp_path):
         assert str(e.value).endswith("): what it refers to is unknown, nothing removed")
         assert _pool(d) == before
         assert_bit_equal(mgr.restore(2)["w"], BASE + 1)  # step 2 still reads step 1's bytes
+
+
+def test_a_sweep_while_a_save_hashes_leaves_that_save_no_ref_to_what_it_removed(tmp_path):
+    # the save chose its refs from the index before the sweep, and takes them after: the
+    # refs whose pool entry the sweep removed are dropped, their bytes written instead
+    import threading
+
+    d = str(tmp_path / "run")
+    x2 = np.random.default_rng(2).standard_normal((256, 512)).astype(np.float32)
+    with jaxckpt.CheckpointManager(d, dedup=True) as mgr:
+        mgr.save(1, {"a": jnp.asarray(BASE)})
+        mgr.save(2, {"x": jnp.asarray(x2)})  # a new leaf: hashed, nothing to compare with
+        _settle(mgr)
+        entered, go = threading.Event(), threading.Event()
+        hashing = _dedup.content_hash
+
+        def paused(rec, chunks):
+            entered.set()
+            assert go.wait(60)
+            return hashing(rec, chunks)
+
+        _dedup.content_hash = paused
+        try:
+            mgr.save(3, {"x": jnp.asarray(x2.copy())})  # another array, step 2's bytes
+            assert entered.wait(60)
+            import shutil
+
+            shutil.rmtree(os.path.join(d, "2"))  # step 2 deleted meanwhile (as a delete does, by hand)
+            mgr._dedup.forget(2)
+            removed = mgr._dedup.sweep()
+            assert len(removed) == 1 and removed[0] not in _named(d)
+        finally:
+            go.set()
+            _dedup.content_hash = hashing
+        mgr.wait_until_finished()
+        assert mgr.info(3)["dedup"]["referred_bytes"] == 0
+        assert_bit_equal(mgr.restore(3)["x"], x2)

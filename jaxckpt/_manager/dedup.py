@@ -162,6 +162,7 @@ class Dedup:
         self._habits: dict[str, _Habit] = {}
         self._pools: dict[int, set[str]] = {}  # step -> the pool entries its manifest names (read once)
         self._committed = False
+        self._gen = 0  # bumped when the index changes (a commit, a sweep that removed entries)
         self.known: Callable[[], dict[int, Manifest]] = dict  # the manager's read manifests (``Steps.known``)
 
     # --- a save ------------------------------------------------------------------------
@@ -189,6 +190,7 @@ class Dedup:
         """``step`` committed (its manifest names what it uses): the next save compares
         with it. Whether it is this manager's first commit."""
         with self.lock:
+            self._gen += 1
             self._step, self._index = step, index_of(step, man)
             self._pools[step] = pools_of(man)
             if save is not None:
@@ -228,6 +230,7 @@ class Dedup:
                 _storage.fault("sweep:delete", name)
                 _kvstore.delete_tree(pool.child(name))
             if doomed:
+                self._gen += 1
                 gone = set(doomed)
                 self._index = {p: leaf for p, leaf in self._index.items()
                                if not any(h.ref.pool in gone for h in leaf.runs.values())}
@@ -287,7 +290,7 @@ class _Save:
             raise CheckpointError("dedup=True needs format 3 and no max_staging_bytes (not supported yet)")
         owner = self.owner
         with owner.lock:
-            index, index_step = dict(owner._index), owner._step
+            index, index_step, gen = dict(owner._index), owner._step, owner._gen
             identical = self.same if self.same_step == index_step else set()
         records = list(snap.records)
         shards = dict(snap.file_shards)
@@ -304,7 +307,7 @@ class _Save:
         _tasks.run_tasks([functools.partial(decide, slot, rec) for slot, rec in enumerate(records)
                           if rec is not None and _dedupable(rec) and slot in shards], HASH_THREADS)
         with owner.lock:
-            if owner._step != index_step:  # a sweep or commit moved the index: keep only what still holds
+            if owner._gen != gen:  # a commit or a sweep moved the index: keep only what still holds
                 alive = {h.ref.pool for leaf in owner._index.values() for h in leaf.runs.values()}
                 chosen = {s: hs for s, hs in chosen.items() if all(h.ref.pool in alive for h in hs)}
             self._hold_locked(sorted({h.ref.pool for hs in chosen.values() for h in hs}))
