@@ -163,6 +163,7 @@ class Dedup:
         self._pools: dict[int, set[str]] = {}  # step -> the pool entries its manifest names (read once)
         self._committed = False
         self._gen = 0  # bumped when the index changes (a commit, a sweep that removed entries)
+        self._suspect: dict[int, set[str]] = {}  # a step whose manifest fails -> the entries it may name
         self.known: Callable[[], dict[int, Manifest]] = dict  # the manager's read manifests (``Steps.known``)
 
     # --- a save ------------------------------------------------------------------------
@@ -207,8 +208,10 @@ class Dedup:
 
     def sweep(self) -> list[str]:
         """Remove the pool entries no manifest on disk names and no save in flight uses;
-        returns their names. A step whose manifest cannot be read stops the sweep (nothing
-        removed: what it names is unknown)."""
+        returns their names. A step whose manifest does not validate (damaged, or of a newer
+        format) may name any entry that existed when this manager first saw it so: those are
+        kept while it stays so (logged once); entries made later are not its. A store that
+        fails raises, nothing removed."""
         pool = self.dir.child(_manifest.POOL_DIR)
         with self.exclusive, self.lock:
             entries = [n for n in _kvstore.list_children(pool) if _streams.pool_name_ok(n)]
@@ -220,11 +223,14 @@ class Dedup:
                 if step not in self._pools and step in known:
                     self._pools[step] = pools_of(known[step])
             found, bad = _steplist.read(self.dir, [s for s in steps if s not in self._pools])  # a failure raises
-            if bad:
-                raise CheckpointError(f"the manifest of step {min(bad)} does not validate ({bad[min(bad)]}): "
-                                      "what it refers to is unknown, nothing removed")
+            for step in sorted(set(bad) - set(self._suspect)):
+                _log.warning("jaxckpt: the manifest of step %d in '%s' does not validate (%s): the %d pool entries "
+                             "there now are kept, as it may name them", step, self.dir, bad[step], len(entries))
+                self._suspect[step] = set(entries)
+            self._suspect = {s: e for s, e in self._suspect.items() if s in bad}
             self._pools.update({s: pools_of(m) for s, m in found.items() if m is not None})
-            marked = set(self._live).union(*(self._pools[s] for s in steps if s in self._pools))
+            marked = set(self._live).union(*(self._pools[s] for s in steps if s in self._pools),
+                                           *self._suspect.values())
             doomed = sorted(set(entries) - marked)
             for name in doomed:
                 _storage.fault("sweep:delete", name)
