@@ -39,6 +39,10 @@ def main():
     make = lambda v, sh: jax.make_array_from_callback(v.shape, sh, lambda idx: v[idx])  # noqa: E731
     base = make(BASE, sharded)
     out = {"referred": {}, "steps": None}
+    if "ops" in args:  # a scripted run: ["save", step, values, force] / ["delete", step]
+        out.update(run_ops(args, make, sharded))
+        print("RESULT " + json.dumps(out), flush=True)
+        os._exit(0)
     with jaxckpt.CheckpointManager(args["path"], max_to_keep=args.get("max_to_keep"), dedup=True) as mgr:
         for step in args["steps"]:
             b = make(BASE, sharded) if args.get("reshard") else base
@@ -58,6 +62,29 @@ def main():
         out["exact"] = bool(ok)
     print("RESULT " + json.dumps(out), flush=True)
     os._exit(0)
+
+
+def run_ops(args, make, sharded):
+    """Saves of base values ``"A"`` (arange), ``"B"`` (reversed) as one array object each,
+    kept across saves, and deletes; then every listed step restored and compared."""
+    values = {"A": BASE, "B": BASE[::-1].copy()}
+    arrays, expected, out = {}, {}, {}
+    with jaxckpt.CheckpointManager(args["path"], max_to_keep=args.get("max_to_keep"), dedup=True) as mgr:
+        for op in args["ops"]:
+            if op[0] == "save":
+                _, step, which, force = op
+                arrays.setdefault(which, make(values[which], sharded))
+                mgr.save(step, {"base": arrays[which]}, force=force)
+                expected[step] = values[which]
+            else:
+                mgr.delete(op[1])
+            mgr.wait_until_finished()
+        mgr._deleter.wait()
+        out["steps"] = mgr.all_steps()
+        out["exact"] = all(all(np.array_equal(np.asarray(s.data), expected[step][s.index])
+                               for s in mgr.restore(step, shardings={"base": sharded})["base"].addressable_shards)
+                           for step in out["steps"])
+    return out
 
 
 main()

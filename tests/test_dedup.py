@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -378,7 +379,7 @@ def test_a_reader_in_the_middle_of_a_restore_keeps_its_step_and_the_bytes_it_ref
             assert reading.wait(60)
             # the writer moves on: step 1 is dropped by retention while the reader reads it
             b2 = base + 2
-            mgr.save(2, {"base": b2, "head": jnp.full(4, 2.0)})
+            mgr.save(2, {"frozen": b2, "head": jnp.full(4, 2.0)})  # a new leaf: hashed
             mgr._deleter.wait()
             assert os.path.exists(os.path.join(d, "1", "manifest.json"))  # deferred: a live reader
             assert _named(d) <= set(_pool(d))
@@ -387,12 +388,12 @@ def test_a_reader_in_the_middle_of_a_restore_keeps_its_step_and_the_bytes_it_ref
         finally:
             _storage.fault_hook = None
         assert_bit_equal(got["state"]["base"], BASE + 1)
-        mgr.save(3, {"base": b2, "head": jnp.full(4, 3.0)})  # refers to step 2's base
+        mgr.save(3, {"frozen": b2, "head": jnp.full(4, 3.0)})  # equal hash: refers to step 2's
         mgr._deleter.wait()
         assert mgr.all_steps() == [3] and not os.path.exists(os.path.join(d, "1"))
         assert mgr.info(3)["dedup"]["referred_steps"] == [2]
         assert set(_pool(d)) == _named(d) and len(_pool(d)) == 2
-        assert_bit_equal(mgr.restore(3)["base"], BASE + 2)
+        assert_bit_equal(mgr.restore(3)["frozen"], BASE + 2)
 
 
 def test_a_step_whose_manifest_does_not_validate_keeps_what_it_may_name_and_no_more(tmp_path, caplog):
@@ -453,3 +454,73 @@ def test_a_sweep_while_a_save_hashes_leaves_that_save_no_ref_to_what_it_removed(
         mgr.wait_until_finished()
         assert mgr.info(3)["dedup"]["referred_bytes"] == 0
         assert_bit_equal(mgr.restore(3)["x"], x2)
+
+
+@pytest.mark.parametrize("ops, keep", [
+    # the step the next save compares with is deleted: process 0 sweeps its entry, and every
+    # process must forget it (process 1 referred to the gone entry)
+    ([["save", 0, "A", False], ["save", 1, "B", False], ["delete", 1], ["save", 2, "B", False]], None),
+    # retention drops it at once (a force re-save of an older step, max_to_keep=1)
+    ([["save", 5, "A", False], ["save", 3, "B", True], ["save", 6, "B", False]], 1),
+])
+def test_several_processes_never_refer_to_a_step_deleted_since(tmp_path, ops, keep):
+    from conftest import run_workers
+
+    d = str(tmp_path / "run")
+    worker = os.path.join(ROOT, "tests", "mp_dedup_worker.py")
+    args = {"path": d, "ops": ops, "max_to_keep": keep}
+    results = run_workers(worker, 2, lambda i, port: [port, 2, i, json.dumps(args)], 240)
+    for r in results.values():
+        assert r["exact"], r
+    assert set(_pool(d)) == _named(d)
+    last = max(int(n) for n in os.listdir(d) if n.isdigit())
+    assert_bit_equal(jaxckpt.restore(os.path.join(d, str(last)))["base"],
+                     np.arange(512 * 256, dtype=np.float32).reshape(512, 256)[::-1])
+
+
+def test_a_writer_that_lost_its_lease_removes_nothing_from_the_pool(tmp_path):
+    d = str(tmp_path / "run")
+    with jaxckpt.CheckpointManager(d, dedup=True, async_save=False) as mgr:
+        mgr.save(0, {"w": jnp.asarray(BASE)})
+        os.makedirs(os.path.join(d, _manifest.POOL_DIR, "0123456789ab", "data"))  # another writer's, in flight
+        lease = os.path.join(d, ".jaxckpt-writer.json")
+        with open(lease) as f:
+            holder = json.load(f)
+        with open(lease, "w") as f:  # taken over (this writer was stopped past its lease period)
+            json.dump({**holder, "token": "f" * 32, "pid": holder["pid"] + 1}, f)
+        with pytest.raises(jaxckpt.CheckpointError) as e:
+            mgr._dedup.sweep()
+        assert str(e.value) == f"removing unreferenced data in '{d}': the writer lease is another writer's now"
+        assert "0123456789ab" in _pool(d)
+        mgr._lease._lost = "the writer lease was taken over"  # as its renewal learns it
+        with pytest.raises(jaxckpt.CheckpointError, match="the writer lease was taken over$"):
+            mgr._dedup.sweep()
+        assert "0123456789ab" in _pool(d)
+        with open(lease, "w") as f:  # its own again, for a clean close
+            json.dump(holder, f)
+
+
+def test_an_array_sharing_a_host_buffer_that_changed_in_place_is_saved_as_it_is_now(tmp_path):
+    raw = np.zeros(BASE.nbytes + 4096, np.uint8)
+    off = (-raw.ctypes.data) % 4096
+    host = raw[off:off + BASE.nbytes].view(np.float32).reshape(BASE.shape)
+    host[...] = BASE
+    w = jax.device_put(host)  # zero-copy on CPU: w shares host's bytes
+    with jaxckpt.CheckpointManager(str(tmp_path / "run"), dedup=True, async_save=False) as mgr:
+        mgr.save(0, {"w": w})
+        host += 1  # the buffer's owner changed it in place: the same jax.Array, other bytes
+        mgr.save(1, {"w": w})
+        assert mgr.info(1)["dedup"]["referred_bytes"] == 0
+        assert_bit_equal(mgr.restore(1)["w"], BASE + 1)
+        host += 1
+        mgr.save(2, {"w": w})
+        assert_bit_equal(mgr.restore(2)["w"], BASE + 2)
+        assert_bit_equal(mgr.restore(1)["w"], BASE + 1)
+
+
+def test_a_manager_remembers_only_the_leaves_it_still_saves(tmp_path):
+    with jaxckpt.CheckpointManager(str(tmp_path / "run"), dedup=True, max_to_keep=1, async_save=False) as mgr:
+        for step in range(40):
+            mgr.save(step, {f"w{step}": jnp.full((8,), step), "b": jnp.zeros(4)})
+        assert sorted(mgr._dedup._habits) == ["b", "w39"]
+

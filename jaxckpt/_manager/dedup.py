@@ -10,8 +10,9 @@ the step saved again later writes a pool entry of its own.
 
 What "equal" means. A run is referred to only if the leaf has the same dtype, shape,
 chunk shape and codec as at the step referred to, the run covers the same chunks, and
-either the leaf is the very same ``jax.Array`` object as at that save (immutable: its
-bytes cannot have changed) or the run's content hash (blake3, 128 bits, over its
+either the leaf is the very same ``jax.Array`` object as at that save, off CPU (immutable:
+its bytes cannot have changed; on CPU an array may share a numpy buffer changed in place,
+``_immutable``) or the run's content hash (blake3, 128 bits, over its
 entries' payloads in chunk order) equals the hash recorded for it. The hashes are
 computed on the save's background threads (``HASH_THREADS``), before its writes. A leaf
 whose hash changed since the last save is not hashed for the next 1, 2, 4 ... 32 saves
@@ -23,7 +24,10 @@ its ``refs``) and no save in flight uses it: a mark and sweep (``Dedup.sweep``) 
 the writing manager after its deletes, holding the dedup lock so that no save picks a
 ref to an entry being removed. A crash at any point leaves at worst an entry nothing
 names, removed by a later sweep. Manifests first, then the pool: a listed step never
-refers to bytes that are gone.
+refers to bytes that are gone. Only the writer holding the lease sweeps (checked first,
+and before each removal); a step compared with that is no longer listed (deleted, or
+dropped by retention) is forgotten at the next save by every process (``start``), so no
+process refers to an entry another one swept.
 
 One process only for now; peer copies, a persistent tier, per-host directories,
 compression and quantized leaves are refused with dedup (``check_options``).
@@ -44,13 +48,14 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from .. import _commit, _distributed, _layout, _manifest, _storage, _streams, _tasks, _tree
+from .. import _commit, _distributed, _layout, _manifest, _storage, _streams, _tasks, _tree, _untrusted
 from .._errors import CheckpointError
 from .._manifest import LeafRecord, Manifest
 from .._snapshot import Snapshot, cell_of
 from .._storage import kvstore as _kvstore
 from .._storage.location import Location
 from .._writer import entry_payload, split_rows
+from . import lease as _lease
 from . import steplist as _steplist
 
 _log = logging.getLogger("jaxckpt")
@@ -60,7 +65,7 @@ HASH_THREADS = 4  # leaves hashed at once (blake3 releases the GIL)
 HASH_BYTES = 16
 
 
-def make(dedup: bool, directory: Location, *, peer_copies: int, persistent: Any, codecs: Any, read_only: bool,
+def make(dedup: bool, manager: Any, *, peer_copies: int, persistent: Any, codecs: Any, read_only: bool,
          verify: bool, staging: Any, max_pending: int) -> Dedup | None:
     """A manager's ``Dedup`` (``None`` without ``dedup``); an option it does not support
     yet is refused before anything starts."""
@@ -76,7 +81,7 @@ def make(dedup: bool, directory: Location, *, peer_copies: int, persistent: Any,
                        ("verify_before_delete", verify), ("max_staging_bytes", staging is not None)):
         if used:
             raise CheckpointError(f"dedup=True with {name} is not supported yet: pass one or the other")
-    return Dedup(directory)
+    return Dedup(manager._dir, weakref.ref(manager))
 
 
 def content_hash(rec: LeafRecord, chunks: list[tuple[int, Any]]) -> str:
@@ -101,6 +106,16 @@ class _Held(NamedTuple):
 class _Leaf(NamedTuple):
     key: tuple[Any, ...]  # what must match: dtype, shape, chunk shape, codec, entry bytes, kind
     runs: dict[tuple[int, int], _Held]  # (first, count) -> where
+
+
+def _immutable(x: jax.Array) -> bool:
+    """Whether ``x``'s bytes are its own: on CPU a ``jax.Array`` may share a numpy buffer
+    (``jax.device_put`` and ``from_dlpack`` of aligned host memory are zero-copy) that its
+    owner changes in place, so identity proves nothing there: such leaves are hashed."""
+    try:
+        return all(d.platform != "cpu" for d in x.sharding.device_set)
+    except Exception:  # noqa: BLE001 - a deleted or odd array: hashed
+        return False
 
 
 def _leaf_key(rec: LeafRecord) -> tuple[Any, ...]:
@@ -151,8 +166,9 @@ class Dedup:
     """A writing manager's dedup state: the runs of the last committed step, the arrays
     saved then, the pool entries saves in flight use, and which leaves keep changing."""
 
-    def __init__(self, directory: Location):
+    def __init__(self, directory: Location, manager: Callable[[], Any] = lambda: None):
         self.dir = directory
+        self._manager = manager  # (a weak reference) its writer lease and the manifests it has read
         self.lock = threading.Lock()
         self.exclusive = threading.Lock()  # a sweep, or a delete (a step renamed aside may be put back)
         self._step: int | None = None  # the step the index describes
@@ -164,7 +180,6 @@ class Dedup:
         self._committed = False
         self._gen = 0  # bumped when the index changes (a commit, a sweep that removed entries)
         self._suspect: dict[int, set[str]] = {}  # a step whose manifest fails -> the entries it may name
-        self.known: Callable[[], dict[int, Manifest]] = dict  # the manager's read manifests (``Steps.known``)
 
     # --- a save ------------------------------------------------------------------------
 
@@ -174,10 +189,13 @@ class Dedup:
         (``tiers.Listing``): its newest step is what the first save compares with."""
         if groups is not None and groups.per_host:
             raise CheckpointError("dedup=True with a directory per host is not supported yet")
-        self.known = listing.local.known
+        with self.lock:  # the step compared with, unlisted since (deleted, dropped by retention): its
+            if self._step is not None and self._step not in self.known():  # pools may be gone, in every process
+                self._gen += 1
+                self._step, self._index, self._arrays = None, {}, (None, {})
         latest = listing.newest_local() if self._step is None else None
         flat, _ = _tree.flatten(state)
-        arrays = {p: x for p, x in flat if isinstance(x, jax.Array)}
+        arrays = {p: x for p, x in flat if isinstance(x, jax.Array) and _immutable(x)}
         with self.lock:
             if self._step is None and latest is not None:
                 self._step, self._index = latest[0], index_of(*latest)
@@ -186,6 +204,16 @@ class Dedup:
             same = {p for p, x in arrays.items() if (r := last.get(p)) is not None and r() is x}
             self._arrays = (step, {p: weakref.ref(x) for p, x in arrays.items()})
         return _Save(self, step, same if last_step is not None else set(), last_step)
+
+    def known(self) -> dict[int, Manifest]:
+        """The manifests the manager has read (``steplist.Steps.known``: it wrote or listed them)."""
+        mgr = self._manager()
+        return mgr._steps.local.known() if mgr is not None and hasattr(mgr, "_steps") else {}
+
+    @property
+    def lease(self) -> Any:
+        mgr = self._manager()
+        return getattr(mgr, "_lease", None)
 
     def committed(self, step: int, man: Manifest, save: _Save | None) -> bool:
         """``step`` committed (its manifest names what it uses): the next save compares
@@ -217,6 +245,7 @@ class Dedup:
             entries = [n for n in _kvstore.list_children(pool) if _streams.pool_name_ok(n)]
             if not entries:
                 return []
+            self._check_lease()  # a writer replaced (stopped, then resumed) must remove nothing
             steps, _ = _commit.listed_steps(self.dir)
             known = self.known()  # the manifests the manager has read (it wrote or listed them)
             for step in steps:
@@ -234,6 +263,8 @@ class Dedup:
             doomed = sorted(set(entries) - marked)
             for name in doomed:
                 _storage.fault("sweep:delete", name)
+                if self.lease is not None and self.lease.lost:
+                    raise CheckpointError(f"removing unreferenced data in '{self.dir}': {self.lease.lost}")
                 _kvstore.delete_tree(pool.child(name))
             if doomed:
                 self._gen += 1
@@ -241,6 +272,20 @@ class Dedup:
                 self._index = {p: leaf for p, leaf in self._index.items()
                                if not any(h.ref.pool in gone for h in leaf.runs.values())}
             return doomed
+
+    def _check_lease(self) -> None:
+        """The writer lease is still this manager's: its holder says so, and the file too
+        (a writer stopped past its lease period and resumed learns it here)."""
+        lease = self.lease
+        if lease is None:
+            raise CheckpointError(f"removing unreferenced data in '{self.dir}' needs the writer lease")
+        if lease.lost is None:
+            holder = _untrusted.load_record(_kvstore.read_blob(lease.directory, _lease.LEASE_FILE))
+            if not holder or holder.get("token") != lease.owner["token"]:
+                raise CheckpointError(f"removing unreferenced data in '{self.dir}': the writer lease is "
+                                      "another writer's now")
+        if lease.lost is not None:
+            raise CheckpointError(f"removing unreferenced data in '{self.dir}': {lease.lost}")
 
     def sweep_logged(self) -> None:
         try:
@@ -312,6 +357,9 @@ class _Save:
 
         _tasks.run_tasks([functools.partial(decide, slot, rec) for slot, rec in enumerate(records)
                           if rec is not None and _dedupable(rec) and slot in shards], HASH_THREADS)
+        paths = {rec.path for rec in records if rec is not None}
+        with owner.lock:  # a leaf no longer saved: its habit goes (bounded by the state's leaves)
+            owner._habits = {p: h for p, h in owner._habits.items() if p in paths}
         with owner.lock:
             if owner._gen != gen:  # a commit or a sweep moved the index: keep only what still holds
                 alive = {h.ref.pool for leaf in owner._index.values() for h in leaf.runs.values()}

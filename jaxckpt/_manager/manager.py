@@ -141,7 +141,7 @@ class CheckpointManager:
         self._staging = _snapshot.staging_budget(max_staging_bytes)
         self._restore_budget = max_staging_bytes  # a restore's read buffers too
         self._codecs = _lossy.Codecs(compression, quantize)
-        self._dedup = _dedup.make(dedup, self._dir, peer_copies=peer_copies, persistent=persistent_directory,
+        self._dedup = _dedup.make(dedup, self, peer_copies=peer_copies, persistent=persistent_directory,
                                   codecs=self._codecs, read_only=read_only, verify=verify_before_delete,
                                   staging=max_staging_bytes, max_pending=max_pending)
         self._timeout, self._clock, self._read_only = timeout_s, clock, read_only
@@ -519,7 +519,6 @@ def _delete(mgr: CheckpointManager, step: int) -> None:
     they compare with, which may be this one), no sweep of the pool meanwhile, one after."""
     if mgr._dedup is not None:
         mgr.wait_until_finished()
-        mgr._dedup.known = mgr._steps.local.known
     with mgr._dedup.exclusive if mgr._dedup is not None else contextlib.nullcontext():
         _cleanup.delete_everywhere(mgr, step)
     if mgr._dedup is not None:
