@@ -43,6 +43,7 @@ bench-smoke: $(STAMP)
 	$(PY) benchmarks/peer_transport.py --smoke
 	$(PY) benchmarks/policy_cost.py --smoke
 	$(PY) benchmarks/goodput_sim.py --smoke
+	$(PY) benchmarks/dedup.py --smoke
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check jaxckpt tests examples benchmarks tools
