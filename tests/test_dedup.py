@@ -128,7 +128,6 @@ def test_a_leaf_that_keeps_changing_stops_being_hashed_and_is_still_saved_exactl
 @pytest.mark.parametrize("kwargs, name", [
     ({"peer_copies": 1}, "peer_copies"),
     ({"compression": "zstd"}, "compression"),
-    ({"verify_before_delete": True}, "verify_before_delete"),
     ({"max_staging_bytes": 1 << 20}, "max_staging_bytes"),
 ])
 def test_options_dedup_does_not_support_yet_are_refused(tmp_path, kwargs, name):
@@ -524,4 +523,28 @@ def test_a_manager_remembers_only_the_leaves_it_still_saves(tmp_path):
         for step in range(40):
             mgr.save(step, {f"w{step}": jnp.full((8,), step), "b": jnp.zeros(4)})
         assert sorted(mgr._dedup._habits) == ["b", "w39"]
+
+
+def test_verify_before_delete_reads_a_referring_step_back_and_damaged_shared_bytes_stop_the_refs(tmp_path):
+    d = str(tmp_path / "run")
+    base = jnp.asarray(BASE)
+    with jaxckpt.CheckpointManager(d, dedup=True, verify_before_delete=True, async_save=False) as mgr:
+        mgr.save(0, {"base": base, "head": jnp.zeros(4)})
+        mgr.save(1, {"base": base, "head": jnp.ones(4)})
+        assert mgr.info(1)["dedup"]["referred_steps"] == [0]
+        man = _commit.read_manifest(jaxckpt._storage.location.resolve(os.path.join(d, "0")))
+        obj = os.path.join(d, _manifest.POOL_DIR, man.pool, "data", "p0.0")
+        with open(obj, "r+b") as f:  # the base's bytes, shared by steps 0 and 1, rot
+            f.seek(1000)
+            byte = f.read(1)
+            f.seek(1000)
+            f.write(bytes([byte[0] ^ 1]))
+        with pytest.raises(jaxckpt.CheckpointError, match="^Saving step 2 .* failed: step 2 failed verification"):
+            mgr.save(2, {"base": base, "head": jnp.full(4, 2.0)})  # refers to the damaged bytes: deleted
+        assert mgr.all_steps() == [0, 1] and not os.path.exists(os.path.join(d, "2"))
+        mgr.save(3, {"base": base, "head": jnp.full(4, 3.0)})  # refers to nothing: writes the base again
+        assert mgr.info(3)["dedup"]["referred_bytes"] == 0
+        assert_bit_equal(mgr.restore(3)["base"], BASE)
+        mgr.save(4, {"base": base, "head": jnp.full(4, 4.0)})  # and refers to that copy from then on
+        assert mgr.info(4)["dedup"]["referred_steps"] == [3]
 

@@ -29,8 +29,9 @@ and before each removal); a step compared with that is no longer listed (deleted
 dropped by retention) is forgotten at the next save by every process (``start``), so no
 process refers to an entry another one swept.
 
-One process only for now; peer copies, a persistent tier, per-host directories,
-compression and quantized leaves are refused with dedup (``check_options``).
+One process or several (each decides for its own runs, process 0 merges their tables:
+``table``, ``merge``); peer copies, a persistent tier, per-host directories, compression,
+quantized leaves and a staging budget are refused with dedup for now (``make``).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ HASH_BYTES = 16
 
 
 def make(dedup: bool, manager: Any, *, peer_copies: int, persistent: Any, codecs: Any, read_only: bool,
-         verify: bool, staging: Any, max_pending: int) -> Dedup | None:
+         staging: Any, max_pending: int) -> Dedup | None:
     """A manager's ``Dedup`` (``None`` without ``dedup``); an option it does not support
     yet is refused before anything starts."""
     if dedup is False:
@@ -78,7 +79,7 @@ def make(dedup: bool, manager: Any, *, peer_copies: int, persistent: Any, codecs
     for name, used in (("peer_copies", peer_copies), ("persistent_directory", persistent is not None),
                        ("compression", getattr(codecs, "compression", None) is not None),
                        ("quantize", getattr(codecs, "quantize", None) is not None), ("read_only", read_only),
-                       ("verify_before_delete", verify), ("max_staging_bytes", staging is not None)):
+                       ("max_staging_bytes", staging is not None)):
         if used:
             raise CheckpointError(f"dedup=True with {name} is not supported yet: pass one or the other")
     return Dedup(manager._dir, weakref.ref(manager))
@@ -190,7 +191,7 @@ class Dedup:
         if groups is not None and groups.per_host:
             raise CheckpointError("dedup=True with a directory per host is not supported yet")
         with self.lock:  # the step compared with, unlisted since (deleted, dropped by retention): its
-            if self._step is not None and self._step not in self.known():  # pools may be gone, in every process
+            if self._step not in (None, -1) and self._step not in self.known():  # pools may be gone, in every process
                 self._gen += 1
                 self._step, self._index, self._arrays = None, {}, (None, {})
         latest = listing.newest_local() if self._step is None else None
@@ -226,6 +227,13 @@ class Dedup:
                 save.release_locked()
             first, self._committed = not self._committed, True
             return first
+
+    def distrust(self) -> None:
+        """A step failed its read back (``verify_before_delete``): it may have referred to
+        damaged bytes, so the next save compares with nothing and writes every leaf."""
+        with self.lock:
+            self._gen += 1
+            self._step, self._index, self._arrays = -1, {}, (None, {})
 
     def forget(self, step: int) -> None:
         """``step`` deleted: its manifest no longer protects what it names."""

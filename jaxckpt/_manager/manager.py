@@ -97,7 +97,7 @@ class CheckpointManager:
       compression: as ``jaxckpt.save`` takes it; encoded in the background part of a save.
       quantize: as ``jaxckpt.save``; past ``Quantize.max_lossy_resumes`` lossy resumes: exact.
       dedup: a leaf whose bytes the previous step holds is referred to, not written again
-        (the same ``jax.Array``, or an equal blake3 hash); docs/dedup.md. One process for now.
+        (the same ``jax.Array`` off CPU, or an equal blake3 hash); docs/dedup.md.
       read_only: list, restore and inspect only: never write, delete or clean. Any
         number of read-only managers (notebooks, evaluators) may watch a directory that
         a training run is writing.
@@ -142,8 +142,8 @@ class CheckpointManager:
         self._restore_budget = max_staging_bytes  # a restore's read buffers too
         self._codecs = _lossy.Codecs(compression, quantize)
         self._dedup = _dedup.make(dedup, self, peer_copies=peer_copies, persistent=persistent_directory,
-                                  codecs=self._codecs, read_only=read_only, verify=verify_before_delete,
-                                  staging=max_staging_bytes, max_pending=max_pending)
+                                  codecs=self._codecs, read_only=read_only, staging=max_staging_bytes,
+                                  max_pending=max_pending)
         self._timeout, self._clock, self._read_only = timeout_s, clock, read_only
         self._lock = threading.RLock()
         self._saves = _Saves(self._lock, max_pending, self._dir, self._after_write)
@@ -336,9 +336,7 @@ class CheckpointManager:
                     "commit_time": self._clock(), "started": self._record.started}
 
         save = functools.partial(_checkpoint.save_snapshot, info=info, check=check, timeout_s=self._timeout, op_id=op_id)
-        manifest = _save(self, step, final, snap, save, dedup)
-        if self._verify:
-            _cleanup.verify_or_delete(self._dir, step, op_id, self._timeout, self._groups)
+        manifest = _save(self, step, final, snap, save, dedup, op_id)
         if self._peers is not None:
             return manifest  # listed once its peer copies are made: _after_write
         _list(self, step, manifest)
@@ -500,17 +498,27 @@ class CheckpointManager:
 
 
 def _save(mgr: CheckpointManager, step: int, final: Any, snap: _snapshot.Snapshot, save: Callable[..., Any],
-          dedup: Any) -> Any:
-    """``save(final, snap)``, deduplicated when the manager is (``dedup``: this save's part)."""
+          dedup: Any, op_id: int) -> Any:
+    """``save(final, snap)``, deduplicated when the manager is (``dedup``: this save's part),
+    then ``verify_before_delete``'s read back. A deduplicated step that fails it may read
+    damaged bytes of another step: the next save refers to nothing (``Dedup.distrust``)."""
     if dedup is None:
-        return save(final, snap)
-    try:
-        manifest = save(final, snap, dedup=dedup)
-    except BaseException:
-        dedup.release()
-        raise
-    if mgr._dedup.committed(step, manifest, dedup) and mgr._groups.leads:
-        mgr._deleter.sweep()  # after its first commit: the pool entries of attempts that died
+        manifest = save(final, snap)
+    else:
+        try:
+            manifest = save(final, snap, dedup=dedup)
+        except BaseException:
+            dedup.release()
+            raise
+        if mgr._dedup.committed(step, manifest, dedup) and mgr._groups.leads:
+            mgr._deleter.sweep()  # after its first commit: the pool entries of attempts that died
+    if mgr._verify:
+        try:
+            _cleanup.verify_or_delete(mgr._dir, step, op_id, mgr._timeout, mgr._groups)
+        except CheckpointError:
+            if mgr._dedup is not None:
+                mgr._dedup.distrust()
+            raise
     return manifest
 
 
