@@ -263,12 +263,14 @@ def requests(counts: list[int]) -> None:
     import json
     import subprocess
 
+    from time_to_step import start_moto  # the local S3 server, as that benchmark starts it
+
     print("| steps kept | dedup | requests: 1st delete after a restart | its GETs | next delete | its GETs |")
     print("|---:|---|---:|---:|---:|---:|")
     for n in counts:
         for dedup in (False, True):
             log = tempfile.mktemp(suffix=".jsonl")
-            proc, endpoint = _moto({"MOTO_ENABLE_RECORDING": "True", "MOTO_RECORDER_FILEPATH": log})
+            proc, endpoint = start_moto({"MOTO_ENABLE_RECORDING": "True", "MOTO_RECORDER_FILEPATH": log})
             try:
                 spec = {"driver": "s3", "bucket": "steps", "path": "run", "endpoint": endpoint,
                         "aws_region": "us-east-1"}
@@ -291,32 +293,6 @@ def requests(counts: list[int]) -> None:
                 proc.terminate()
                 proc.wait(10)
                 subprocess.run(["rm", "-f", log], check=False)
-
-
-def _moto(env: dict) -> tuple:
-    import socket
-    import subprocess
-
-    import boto3
-
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1",
-                             "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=dict(os.environ, **env))
-    endpoint = f"http://127.0.0.1:{port}"
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-    for _ in range(600):
-        try:
-            client.create_bucket(Bucket="steps")
-            return proc, endpoint
-        except Exception:  # noqa: BLE001 - not up yet
-            time.sleep(0.05)
-    proc.terminate()
-    raise RuntimeError("moto_server did not start")
 
 
 if __name__ == "__main__":

@@ -608,8 +608,9 @@ def jobs_main(opts: argparse.Namespace, scratch: str) -> None:
                   f"{statistics.median(limits[kind, 'S3 ranged']):.3f} | | |")
 
 
-def start_moto() -> tuple[subprocess.Popen, str]:
-    """The local S3 server (moto) on a free port of 127.0.0.1, with a bucket ``steps``."""
+def start_moto(env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """The local S3 server (moto) on a free port of 127.0.0.1, with a bucket ``steps``
+    (``env``: added to the server's environment, e.g. its request recording)."""
     import socket
 
     import boto3
@@ -620,7 +621,8 @@ def start_moto() -> tuple[subprocess.Popen, str]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1",
-                             "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, **(env or {})))
     endpoint = f"http://127.0.0.1:{port}"
     client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
     for _ in range(600):

@@ -226,11 +226,6 @@ class Manifest:
         ref = self.refs[stream - self.process_count]
         return pool_location(loc.parent(), ref.pool).child(STREAM_DIR), ref.process, ref.segment_bytes
 
-    def referred_nbytes(self) -> int:
-        """The bytes of entries its runs take from other steps (format 4; 0 otherwise)."""
-        return sum(_streams.stored_bytes([r for r in rec.runs if r[0] >= self.process_count], rec.entry_bytes, ())
-                   for rec in self.leaves if rec.store == STREAM and rec.codec_config is None) if self.refs else 0
-
     def to_bytes(self) -> bytes:
         """The manifest's JSON, its checksum computed here, over these very bytes (a
         manifest changed with ``dataclasses.replace`` gets its own, never a stale one)."""

@@ -710,10 +710,10 @@ def console() -> None:
 
 
 def _http_timeouts() -> None:
-    """The command owns its process: curl's timeouts for the I/O bound, where unset."""
+    """The command owns its process: curl's timeouts for the I/O bound, where the user left them unset."""
     from ._storage import bounds as _bounds
-
-    _bounds.set_http_timeouts()
+    for name, value in _bounds.command_http_timeouts().items():
+        os.environ.setdefault(name, value)
 
 
 if __name__ == "__main__":

@@ -109,3 +109,18 @@ def test_a_live_copys_temporary_file_is_kept_and_listed_as_in_use(tmp_path):
     assert got[[a["name"] for a in got].index(mine.name)]["writer"]["pid"] == os.getpid()
     jaxckpt.CheckpointManager(tmp_path).close()
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith(".jaxckpt-upload-")) == [mine.name]
+
+
+def test_a_writers_sweep_of_dead_step_data_removes_only_what_no_manifest_names():
+    # _manager.deaddata on an object store (memory://): an attempt's data prefix that the
+    # step's manifest does not name goes, the named data stays; dry_run lists, removes nothing
+    from jaxckpt._manager import deaddata
+    from jaxckpt._storage import kvstore, location
+
+    jaxckpt.save("memory://deaddata/1", {"w": np.arange(4)})
+    directory = location.resolve("memory://deaddata")
+    kvstore.write_blob(directory.child("1/d/1700000000-deadbeef0000/data"), "p0.0", b"x" * 10)
+    assert deaddata.remove_dead_step_data(directory, dry_run=True) == ["1/d/1700000000-deadbeef0000"]
+    assert deaddata.remove_dead_step_data(directory) == ["1/d/1700000000-deadbeef0000"]
+    assert deaddata.remove_dead_step_data(directory) == []
+    np.testing.assert_array_equal(jaxckpt.restore("memory://deaddata/1")["w"], np.arange(4))

@@ -71,15 +71,13 @@ def http_timeouts(bound: float) -> dict[str, str]:
             "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": str(max(2, round(bound / 8)))}
 
 
-def set_http_timeouts() -> None:
-    """For a process that is the ``jaxckpt`` command (it owns its environment, which a
-    library call may not set): curl's timeouts for the I/O bound (``http_timeouts``),
-    each only where the user left it unset, before tensorstore reads them. A bad
-    ``JAXCKPT_IO_TIMEOUT_S`` is left for the command to report when it first waits."""
+def command_http_timeouts() -> dict[str, str]:
+    """curl's timeouts (``http_timeouts``) for the I/O bound the environment sets, for the
+    ``jaxckpt`` command to put in its own process's environment (a library call never
+    changes the process); none for no bound, or for a bad ``JAXCKPT_IO_TIMEOUT_S``, which
+    the command reports when it first waits."""
     try:
         bound = io_timeout_s()
     except CheckpointError:
-        return
-    if bound is not None:
-        for name, value in http_timeouts(bound).items():
-            os.environ.setdefault(name, value)
+        return {}
+    return http_timeouts(bound) if bound is not None else {}
